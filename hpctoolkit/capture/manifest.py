@@ -1,0 +1,259 @@
+"""The sample manifest: the contract between the engine that publishes fragments and the reader.
+
+One sample is published as separate store objects, whatever the pipeline size:
+
+* `<key>_layer<id>` for every capture id, shape `[num_tokens, hidden_size]`, written by the stage
+  that owns that id (`layout.stage_of`);
+* `<key>_input_ids`, shape `[num_tokens]`, int64, written once, by stage 0.
+
+The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
+shape or a dtype. It carries metadata only (JSON-native values, never a tensor) and travels from
+the engine to the trainer in the request's `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpctoolkit.capture.layout import check_layer_layout, pp_partition, stage_of
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+
+MANIFEST_SCHEMA_VERSION = 1
+ROLE_AUX = "aux"
+ROLE_LAST = "last_hidden_states"
+ROLE_INPUT_IDS = "input_ids"
+# Element sizes of the dtypes a fragment may carry; the names are torch's.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+MAX_KEY_LEN = 200
+
+
+def sanitize_key(raw: str) -> str:
+    """Map a request id to a store-safe sample key: `[A-Za-z0-9._-]`, bounded length.
+
+    Characters outside the set become `_`; a digest suffix keeps distinct ids distinct after
+    the mapping.
+    """
+    safe = _SAFE.sub("_", raw)
+    if safe == raw and len(raw) <= MAX_KEY_LEN:
+        return raw
+    import hashlib
+
+    digest = hashlib.sha1(raw.encode()).hexdigest()[:12]
+    return f"{safe[: MAX_KEY_LEN - 13]}-{digest}"
+
+
+def fragment_key(sample_key: str, layer_id: int) -> str:
+    return f"{sample_key}_layer{layer_id}"
+
+
+def input_ids_key(sample_key: str) -> str:
+    return f"{sample_key}_input_ids"
+
+
+@dataclass(frozen=True)
+class FragmentSpec:
+    """One store object of a sample."""
+
+    key: str
+    role: str  # "aux" | "last_hidden_states" | "input_ids"
+    stage: int
+    shape: tuple[int, ...]
+    dtype: str
+    layer_id: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to fetch and reassemble one sample."""
+
+    sample_key: str
+    num_tokens: int
+    hidden_size: int
+    num_layers: int
+    pp_size: int
+    partition: tuple[int, ...]
+    input_ids: FragmentSpec
+    fragments: tuple[FragmentSpec, ...]
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [f.layer_id for f in self.fragments]  # type: ignore[misc]
+
+    @property
+    def aux(self) -> tuple[FragmentSpec, ...]:
+        return tuple(f for f in self.fragments if f.role == ROLE_AUX)
+
+    @property
+    def last(self) -> FragmentSpec:
+        return self.fragments[-1]
+
+    @property
+    def all_objects(self) -> tuple[FragmentSpec, ...]:
+        return (self.input_ids, *self.fragments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.all_objects)
+
+    def fragments_of_stage(self, stage: int) -> tuple[FragmentSpec, ...]:
+        return tuple(f for f in self.all_objects if f.stage == stage)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["partition"] = list(self.partition)
+        d["extra"] = dict(self.extra)
+        for f in [d["input_ids"], *d["fragments"]]:
+            f["shape"] = list(f["shape"])
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
+        """Parse and validate; a malformed manifest raises `DataIntegrityError` naming key and field."""
+        key = d.get("sample_key", "<no sample_key>") if isinstance(d, Mapping) else "<not a mapping>"
+
+        def bad(field_name: str, why: str) -> DataIntegrityError:
+            return DataIntegrityError(f"manifest of sample {key!r}: field {field_name!r} {why}")
+
+        if not isinstance(d, Mapping):
+            raise bad("<root>", f"must be a mapping, got {type(d).__name__}")
+        if d.get("schema_version") != MANIFEST_SCHEMA_VERSION:
+            raise bad("schema_version", f"is {d.get('schema_version')!r}, expected {MANIFEST_SCHEMA_VERSION}")
+        required = ("sample_key", "num_tokens", "hidden_size", "num_layers", "pp_size", "partition")
+        for name in (*required, "input_ids", "fragments"):
+            if name not in d:
+                raise bad(name, "is missing")
+        for name in required[1:5]:
+            if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 1:
+                raise bad(name, f"must be a positive integer, got {d[name]!r}")
+
+        def frag(raw: Any, where: str) -> FragmentSpec:
+            if not isinstance(raw, Mapping):
+                raise bad(where, "must be a mapping")
+            try:
+                return FragmentSpec(
+                    key=str(raw["key"]),
+                    role=str(raw["role"]),
+                    stage=int(raw["stage"]),
+                    shape=tuple(int(x) for x in raw["shape"]),
+                    dtype=str(raw["dtype"]),
+                    layer_id=None if raw.get("layer_id") is None else int(raw["layer_id"]),
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise bad(where, f"is malformed ({err!r})") from err
+
+        if not isinstance(d["fragments"], Sequence) or isinstance(d["fragments"], str):
+            raise bad("fragments", "must be a list")
+        m = cls(
+            sample_key=str(d["sample_key"]),
+            num_tokens=d["num_tokens"],
+            hidden_size=d["hidden_size"],
+            num_layers=d["num_layers"],
+            pp_size=d["pp_size"],
+            partition=tuple(int(x) for x in d["partition"]),
+            input_ids=frag(d["input_ids"], "input_ids"),
+            fragments=tuple(frag(f, f"fragments[{i}]") for i, f in enumerate(d["fragments"])),
+            extra=dict(d.get("extra") or {}),
+        )
+        m.validate()
+        return m
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataIntegrityError(f"manifest is not valid JSON: {err}") from err
+        return cls.from_dict(d)
+
+    def validate(self) -> None:
+        """Check internal consistency; raise `DataIntegrityError` naming the sample and field."""
+        key = self.sample_key
+
+        def bad(field_name: str, why: str) -> DataIntegrityError:
+            return DataIntegrityError(f"manifest of sample {key!r}: field {field_name!r} {why}")
+
+        if sanitize_key(key) != key:
+            raise bad("sample_key", "contains characters outside [A-Za-z0-9._-]")
+        try:
+            parts = pp_partition(self.num_layers, self.pp_size, list(self.partition))
+            check_layer_layout(self.layer_ids, self.num_layers)
+        except ConfigError as err:
+            raise bad("fragments" if "capture" in str(err) else "partition", str(err)) from err
+        ii = self.input_ids
+        if ii.role != ROLE_INPUT_IDS or ii.key != input_ids_key(key):
+            raise bad("input_ids", f"must be role 'input_ids' with key {input_ids_key(key)!r}")
+        if ii.shape != (self.num_tokens,) or ii.dtype != "int64" or ii.stage != 0:
+            raise bad("input_ids", f"must be int64 of shape [{self.num_tokens}] written by stage 0")
+        for i, f in enumerate(self.fragments):
+            where = f"fragments[{i}]"
+            want_role = ROLE_LAST if i == len(self.fragments) - 1 else ROLE_AUX
+            if f.role != want_role:
+                raise bad(where, f"has role {f.role!r}, expected {want_role!r}")
+            if f.key != fragment_key(key, f.layer_id):  # type: ignore[arg-type]
+                raise bad(where, f"has key {f.key!r}, expected {fragment_key(key, f.layer_id)!r}")  # type: ignore[arg-type]
+            if f.shape != (self.num_tokens, self.hidden_size):
+                raise bad(where, f"has shape {list(f.shape)}, expected [{self.num_tokens}, {self.hidden_size}]")
+            if f.dtype not in DTYPE_BYTES or f.dtype.startswith("int"):
+                raise bad(where, f"has dtype {f.dtype!r}, expected a floating dtype")
+            want_stage = stage_of(f.layer_id, self.num_layers, self.pp_size, parts)  # type: ignore[arg-type]
+            if f.stage != want_stage:
+                raise bad(where, f"says stage {f.stage} but capture id {f.layer_id} is owned by stage {want_stage}")
+
+
+def build_manifest(
+    sample_key: str,
+    capture_ids: Sequence[int],
+    num_tokens: int,
+    hidden_size: int,
+    num_layers: int,
+    pp_size: int,
+    dtype: str,
+    partition: Sequence[int] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """The manifest for one sample. The single place that lays out fragment keys and owners."""
+    parts = tuple(pp_partition(num_layers, pp_size, partition))
+    frags = tuple(
+        FragmentSpec(
+            key=fragment_key(sample_key, k),
+            role=ROLE_LAST if k == num_layers else ROLE_AUX,
+            stage=stage_of(k, num_layers, pp_size, list(parts)),
+            shape=(num_tokens, hidden_size),
+            dtype=dtype,
+            layer_id=k,
+        )
+        for k in capture_ids
+    )
+    ids = FragmentSpec(
+        key=input_ids_key(sample_key), role=ROLE_INPUT_IDS, stage=0, shape=(num_tokens,), dtype="int64"
+    )
+    m = Manifest(
+        sample_key=sample_key,
+        num_tokens=num_tokens,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        pp_size=pp_size,
+        partition=parts,
+        input_ids=ids,
+        fragments=frags,
+        extra=dict(extra or {}),
+    )
+    m.validate()
+    return m
