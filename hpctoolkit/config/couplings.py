@@ -1,0 +1,118 @@
+"""Rules that tie recipe sections together, checked in one place at load.
+
+They read the target's `config.json` and the draft config JSON (small files); nothing heavier.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpctoolkit.capture.layout import capture_ids_for
+from hpctoolkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpctoolkit.config.schema import RecipeConfig
+
+
+def read_json(path: str | Path, key: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}: {p} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{key}: {p} is not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: {p} must hold a JSON object")
+    return data
+
+
+def target_hf_config(target_model: str) -> dict[str, Any]:
+    """The target's HF config dict (the text config for multimodal targets)."""
+    if target_model.startswith("builtin:"):
+        from hpctoolkit.testing.tiny_target import builtin_config
+
+        cfg = builtin_config(target_model.removeprefix("builtin:"))
+    else:
+        cfg = read_json(Path(target_model) / "config.json", "paths.target_model")
+    return cfg.get("text_config") or cfg
+
+
+def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
+    """The 0-based target layers a draft config reads, whatever its family spells them."""
+    for holder in (draft.get("dflash_config") or {}, draft):
+        for name in ("target_layer_ids", "dspark_target_layer_ids"):
+            if holder.get(name) is not None:
+                return [int(i) for i in holder[name]]
+    eagle = draft.get("eagle_aux_hidden_state_layer_ids") or (draft.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if eagle is not None:
+        # Eagle3 names capture ids (state after layer k-1), one above the layer index.
+        return [int(i) - 1 for i in eagle]
+    return None
+
+
+def is_dspark(draft: dict[str, Any]) -> bool:
+    names = [*(draft.get("architectures") or []), str(draft.get("model_type", ""))]
+    return any("dspark" in n.lower() for n in names)
+
+
+def check_couplings(cfg: RecipeConfig) -> None:
+    target = target_hf_config(cfg.paths.target_model)
+    num_layers = target.get("num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"paths.target_model: config has no usable num_hidden_layers ({num_layers!r})")
+    e = cfg.engine
+    if e.pp_size > num_layers:
+        raise ConfigError(f"engine.pp_size={e.pp_size} exceeds the target's {num_layers} layers")
+
+    draft = read_json(cfg.draft.config, "draft.config")
+    draft_ids = draft_target_layer_ids(draft)
+    if draft_ids is None:
+        raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")
+    if not e.target_layer_ids:
+        e.target_layer_ids = list(draft_ids)
+    elif list(e.target_layer_ids) != draft_ids:
+        raise ConfigError(
+            f"engine.target_layer_ids={list(e.target_layer_ids)} differ from the draft's target_layer_ids "
+            f"{draft_ids} in {cfg.draft.config}; the engine must capture exactly the layers the draft reads"
+        )
+    try:
+        capture_ids_for(e.target_layer_ids, num_layers)
+    except ConfigError as err:
+        raise ConfigError(f"engine.target_layer_ids: {err}") from err
+
+    want_hidden = draft.get("target_hidden_size")
+    if want_hidden is not None and want_hidden != target.get("hidden_size"):
+        raise ConfigError(
+            f"draft.config: target_hidden_size={want_hidden} but the target's hidden_size is {target.get('hidden_size')}"
+        )
+
+    if is_dspark(draft):
+        block = int(draft.get("block_size") or (draft.get("dflash_config") or {}).get("block_size") or 7)
+        if cfg.training.min_loss_tokens < 2 * block:
+            raise ConfigError(
+                f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= 2 x block_size "
+                f"({2 * block}): a DSpark sample shorter than two whole blocks carries no usable signal"
+            )
+
+    c = cfg.cluster
+    if c.backend == "slurm":
+        engine_nodes = e.num_engines * e.nnodes
+        if engine_nodes + c.trainer_nodes > c.nodes:
+            raise ConfigError(
+                f"cluster.nodes={c.nodes} is too few: {e.num_engines} engine(s) x {e.nnodes} node(s) "
+                f"+ {c.trainer_nodes} trainer node(s) = {engine_nodes + c.trainer_nodes}"
+            )
+        if e.gpus_per_node > c.gpus_per_node:
+            raise ConfigError(
+                f"engine.gpus_per_node={e.gpus_per_node} exceeds cluster.gpus_per_node={c.gpus_per_node}"
+            )
+        if cfg.training.world_size > c.trainer_nodes * c.gpus_per_node:
+            raise ConfigError(
+                f"training.world_size={cfg.training.world_size} exceeds the trainer GPUs "
+                f"(cluster.trainer_nodes x cluster.gpus_per_node = {c.trainer_nodes * c.gpus_per_node})"
+            )

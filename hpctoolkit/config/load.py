@@ -1,0 +1,112 @@
+"""Load a recipe YAML plus `key=value` overrides into a validated `RecipeConfig`.
+
+Every user mistake becomes one `ConfigError` whose message names the key; nothing here exits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    GrammarParseError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from hpctoolkit.config.couplings import check_couplings
+from hpctoolkit.config.schema import SECTIONS, RecipeConfig
+from hpctoolkit.errors import ConfigError
+
+
+def _valid_keys(full_key: str) -> str:
+    """The valid keys of the section that `full_key` lives in."""
+    node = OmegaConf.structured(RecipeConfig)
+    parts = [p for p in full_key.split(".") if p][:-1]
+    for p in parts:
+        if p not in node:
+            break
+        node = node[p]
+    return ", ".join(sorted(node.keys())) if OmegaConf.is_dict(node) else ""
+
+
+def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "<root>"
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"{key} is required (marked ??? in {origin}); give it in the recipe or as {key}=...")
+    if isinstance(err, ConfigKeyError):
+        section = key.rsplit(".", 1)[0] if "." in key else "recipe"
+        return ConfigError(f"unknown key {key} in {origin}; valid keys of {section}: {_valid_keys(key)}")
+    if isinstance(err, ValidationError):
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"{key} has the wrong type in {origin}: {msg}")
+    return ConfigError(f"{key}: {str(err).splitlines()[0]} ({origin})")
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"recipe {path} is not valid YAML{where}: {problem}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_overrides(overrides: Sequence[str]) -> list[str]:
+    for o in overrides:
+        key, eq, _ = o.partition("=")
+        if not eq or not key or key.startswith("-"):
+            raise ConfigError(f"override {o!r} must look like section.key=value")
+    return list(overrides)
+
+
+def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Merge recipe and overrides onto the schema and check every section's own fields."""
+    path = Path(path)
+    data = _read_yaml(path)
+    base = OmegaConf.structured(RecipeConfig)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.create(data))
+    except OmegaConfBaseException as err:
+        raise _explain(err, str(path)) from err
+    try:
+        dotlist = OmegaConf.from_dotlist(_parse_overrides(overrides))
+        merged = OmegaConf.merge(merged, dotlist)
+    except GrammarParseError as err:
+        raise ConfigError(f"override could not be parsed: {str(err).splitlines()[0]}") from err
+    except OmegaConfBaseException as err:
+        raise _explain(err, "the command-line overrides") from err
+    try:
+        cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise _explain(err, str(path)) from err
+    for name in SECTIONS:
+        try:
+            getattr(cfg, name).validate()
+        except ConfigError as err:
+            raise ConfigError(f"{name}.{err}") from err
+    return cfg
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Compose, then check the couplings across sections (which read the target and draft configs)."""
+    cfg = compose(path, overrides)
+    check_couplings(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

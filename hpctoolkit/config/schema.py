@@ -1,0 +1,79 @@
+"""The recipe: typed sections composed into one `RecipeConfig`.
+
+Each component owns its section's dataclass (`store/config.py`, `engine/config.py`, ...); this module
+only composes them. `???` in a recipe marks a value the user must give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from hpctoolkit.config.fields import positive
+from hpctoolkit.engine.config import EngineConfig
+from hpctoolkit.plan.config import ClusterConfig
+from hpctoolkit.store.config import StoreConfig
+from hpctoolkit.train.config import TrainingConfig
+
+
+@dataclass
+class PathsConfig:
+    # Where the run writes its resolved config, logs, checkpoints, export and summary.json.
+    output_dir: str = MISSING
+    # Target model directory (HF layout: config.json, safetensors, tokenizer).
+    target_model: str = MISSING
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class DraftSection:
+    # Draft config JSON (see recipes/draft_models/).
+    config: str = MISSING
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class DataConfig:
+    # "builtin:tiny" (a prompt set built locally), or a JSONL file with {"text": ...} or
+    # {"messages": [...]} per line.
+    prompts: str = "builtin:tiny"
+    num_samples: int = 32
+    max_prompt_tokens: int = 512
+    # Keep published shards on disk as well (offline replay); "" disables.
+    offline_dir: str = ""
+
+    def validate(self) -> None:
+        positive(self, "num_samples", "max_prompt_tokens")
+
+
+@dataclass
+class EvaluateConfig:
+    # Serve the exported draft with the target in vLLM after training and measure acceptance.
+    enabled: bool = True
+    num_speculative_tokens: int = 3
+    num_prompts: int = 8
+    max_tokens: int = 48
+
+    def validate(self) -> None:
+        positive(self, "num_speculative_tokens", "num_prompts", "max_tokens")
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "hpctoolkit"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: DraftSection = field(default_factory=DraftSection)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+
+SECTIONS = ("paths", "data", "draft", "engine", "store", "training", "cluster", "evaluate")

@@ -1,0 +1,88 @@
+"""Typed config of the vLLM engine section (`engine.*`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpctoolkit.config.fields import one_of, positive, require
+
+# Engine arguments that hpctoolkit derives itself; `extra_args` may not set them, because a
+# contradicting value would silently change the parallel layout or the capture path.
+PROTECTED_ENGINE_KEYS = frozenset(
+    {
+        "model",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "speculative_config",
+        "kv_transfer_config",
+        "enable_prefix_caching",
+        "distributed_executor_backend",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "VLLM_USE_V2_MODEL_RUNNER",
+    }
+)
+
+
+@dataclass
+class EngineConfig:
+    # 0-based target layer indices whose outputs the draft reads (DFlash's `target_layer_ids`).
+    # Capture ids are these +1, plus the final layer for last_hidden_states.
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_engines: int = 1
+    # One engine spans `nnodes` nodes of `gpus_per_node` GPUs: world = nnodes * gpus_per_node.
+    nnodes: int = 1
+    gpus_per_node: int = 1
+    pp_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    # Prefill chunk: prompts longer than this are prefilled over several steps.
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 8
+    # None: decided per backend (eager for a single CPU process; compiled for CPU PP, which
+    # needs the compile warm-up to allocate its intermediate-tensor buffers).
+    enforce_eager: bool | None = None
+    # Run vLLM's EngineCore in-process (one process; faster to start on a laptop-sized machine).
+    in_process: bool = True
+    # CPU backend only: KV cache space per worker, GiB.
+    cpu_kvcache_space_gb: int = 1
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    def validate(self) -> None:
+        positive(
+            self,
+            "num_engines",
+            "nnodes",
+            "gpus_per_node",
+            "pp_size",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "cpu_kvcache_space_gb",
+        )
+        one_of(self, "dtype", ("bfloat16", "float16", "float32"))
+        require(
+            self.world_size % self.pp_size == 0,
+            "pp_size",
+            f"must divide the engine world size nnodes*gpus_per_node={self.world_size}",
+            self.pp_size,
+        )
+        require(all(i >= 0 for i in self.target_layer_ids), "target_layer_ids", "must be >= 0", self.target_layer_ids)
+        clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
+        require(
+            not clash,
+            "extra_args",
+            f"may not set {clash}: hpctoolkit derives them (set engine.pp_size / engine.nnodes instead)",
+            dict(self.extra_args),
+        )

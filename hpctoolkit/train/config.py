@@ -1,0 +1,60 @@
+"""Typed config of the training section (`training.*`).
+
+Imports nothing heavy: the recipe loader reads it on machines without torch.distributed set up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctoolkit.config.fields import non_negative, one_of, positive, require
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    # Samples per data-parallel rank per optimizer step.
+    batch_size: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    # DSpark supervises whole blocks; shorter samples are zero-weighted (not dropped).
+    min_loss_tokens: int = 14
+    # Trainer processes (GPUs on a cluster, gloo processes on CPU).
+    world_size: int = 1
+    fsdp_mode: str = "full_shard"  # "full_shard" | "replicate"
+    device: str = "cpu"  # "cpu" | "cuda"
+    mixed_precision: str = "fp32"  # "bf16" | "fp32" (parameters; master weights stay fp32)
+    # Eagle3 test-time-training unroll.
+    ttt_length: int = 7
+    # DFlash/DSpark anchors per sample (fixed, so attention shapes stay static).
+    num_anchors: int = 8
+    max_seq_len: int = 2048
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    seed: int = 0
+    # "live": read from the Mooncake store as the engine publishes; "offline": replay shards.
+    data_source: str = "live"
+
+    def validate(self) -> None:
+        positive(
+            self,
+            "steps",
+            "batch_size",
+            "lr",
+            "world_size",
+            "ttt_length",
+            "num_anchors",
+            "max_seq_len",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "log_every",
+        )
+        non_negative(self, "weight_decay", "warmup_steps", "grad_clip", "min_loss_tokens", "seed")
+        one_of(self, "fsdp_mode", ("full_shard", "replicate"))
+        one_of(self, "device", ("cpu", "cuda"))
+        one_of(self, "mixed_precision", ("bf16", "fp32"))
+        one_of(self, "data_source", ("live", "offline"))
+        require(self.warmup_steps <= self.steps, "warmup_steps", f"must be <= steps={self.steps}", self.warmup_steps)
