@@ -7,6 +7,7 @@ vLLM is not installed. `VLLM_PP_LAYER_PARTITION` is honoured exactly as vLLM hon
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 
@@ -104,7 +105,7 @@ def check_layer_layout(layer_ids: Sequence[int], num_layers: int) -> None:
     dupes = sorted({k for k in ids if ids.count(k) > 1})
     if dupes:
         raise ConfigError(f"capture layer ids {ids} contain duplicates {dupes}")
-    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(ids)):
         raise ConfigError(f"capture layer ids {ids} are not strictly ascending")
     if ids[0] < 0:
         raise ConfigError(f"capture layer ids {ids} contain a negative id")

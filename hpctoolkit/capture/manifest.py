@@ -116,6 +116,7 @@ class Manifest:
         d = asdict(self)
         d["partition"] = list(self.partition)
         d["extra"] = dict(self.extra)
+        d["fragments"] = list(d["fragments"])
         for f in [d["input_ids"], *d["fragments"]]:
             f["shape"] = list(f["shape"])
         return d
@@ -209,12 +210,16 @@ class Manifest:
             if f.key != fragment_key(key, f.layer_id):  # type: ignore[arg-type]
                 raise bad(where, f"has key {f.key!r}, expected {fragment_key(key, f.layer_id)!r}")  # type: ignore[arg-type]
             if f.shape != (self.num_tokens, self.hidden_size):
-                raise bad(where, f"has shape {list(f.shape)}, expected [{self.num_tokens}, {self.hidden_size}]")
+                raise bad(
+                    where, f"has shape {list(f.shape)}, expected [{self.num_tokens}, {self.hidden_size}]"
+                )
             if f.dtype not in DTYPE_BYTES or f.dtype.startswith("int"):
                 raise bad(where, f"has dtype {f.dtype!r}, expected a floating dtype")
             want_stage = stage_of(f.layer_id, self.num_layers, self.pp_size, parts)  # type: ignore[arg-type]
             if f.stage != want_stage:
-                raise bad(where, f"says stage {f.stage} but capture id {f.layer_id} is owned by stage {want_stage}")
+                raise bad(
+                    where, f"says stage {f.stage} but capture id {f.layer_id} is owned by stage {want_stage}"
+                )
 
 
 def build_manifest(

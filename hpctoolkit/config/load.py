@@ -38,7 +38,9 @@ def _valid_keys(full_key: str) -> str:
 def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
     key = getattr(err, "full_key", None) or "<root>"
     if isinstance(err, MissingMandatoryValue):
-        return ConfigError(f"{key} is required (marked ??? in {origin}); give it in the recipe or as {key}=...")
+        return ConfigError(
+            f"{key} is required (marked ??? in {origin}); give it in the recipe or as {key}=..."
+        )
     if isinstance(err, ConfigKeyError):
         section = key.rsplit(".", 1)[0] if "." in key else "recipe"
         return ConfigError(f"unknown key {key} in {origin}; valid keys of {section}: {_valid_keys(key)}")

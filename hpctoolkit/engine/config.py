@@ -78,7 +78,12 @@ class EngineConfig:
             f"must divide the engine world size nnodes*gpus_per_node={self.world_size}",
             self.pp_size,
         )
-        require(all(i >= 0 for i in self.target_layer_ids), "target_layer_ids", "must be >= 0", self.target_layer_ids)
+        require(
+            all(i >= 0 for i in self.target_layer_ids),
+            "target_layer_ids",
+            "must be >= 0",
+            self.target_layer_ids,
+        )
         clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
         require(
             not clash,

@@ -28,6 +28,11 @@ class ClusterConfig:
     def validate(self) -> None:
         one_of(self, "backend", ("local", "slurm"))
         positive(self, "nodes", "gpus_per_node", "trainer_nodes")
-        require(self.trainer_nodes <= self.nodes, "trainer_nodes", f"must be <= nodes={self.nodes}", self.trainer_nodes)
+        require(
+            self.trainer_nodes <= self.nodes,
+            "trainer_nodes",
+            f"must be <= nodes={self.nodes}",
+            self.trainer_nodes,
+        )
         if self.backend == "slurm":
             require(self.container is not None, "container", "must name the Apptainer image on slurm", None)

@@ -57,4 +57,9 @@ class TrainingConfig:
         one_of(self, "device", ("cpu", "cuda"))
         one_of(self, "mixed_precision", ("bf16", "fp32"))
         one_of(self, "data_source", ("live", "offline"))
-        require(self.warmup_steps <= self.steps, "warmup_steps", f"must be <= steps={self.steps}", self.warmup_steps)
+        require(
+            self.warmup_steps <= self.steps,
+            "warmup_steps",
+            f"must be <= steps={self.steps}",
+            self.warmup_steps,
+        )

@@ -1,0 +1,107 @@
+"""The manifest contract: self-describing, JSON-only, and strict about what it accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpctoolkit.capture import Manifest, build_manifest, fragment_key, input_ids_key, sanitize_key
+from hpctoolkit.errors import DataIntegrityError
+
+
+def _m(pp=3, **kw):
+    return build_manifest("run0-req7", [1, 3, 5, 6], 10, 128, 6, pp, "bfloat16", **kw)
+
+
+def test_roundtrip_and_json_only():
+    m = _m()
+    text = m.to_json()
+    assert Manifest.from_json(text) == m
+
+    # JSON-native all the way down: nothing that could be a tensor.
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        else:
+            assert x is None or isinstance(x, (str, int, float, bool)), type(x)
+
+    walk(json.loads(text))
+
+
+def test_fragments_name_stage_shape_dtype_and_one_input_ids():
+    m = _m()
+    assert [f.key for f in m.fragments] == [fragment_key("run0-req7", k) for k in (1, 3, 5, 6)]
+    assert [f.stage for f in m.fragments] == [0, 1, 2, 2]
+    assert [f.role for f in m.fragments] == ["aux", "aux", "aux", "last_hidden_states"]
+    assert all(f.shape == (10, 128) and f.dtype == "bfloat16" for f in m.fragments)
+    assert m.input_ids.key == input_ids_key("run0-req7")
+    assert m.input_ids.shape == (10,) and m.input_ids.dtype == "int64" and m.input_ids.stage == 0
+    assert sum(1 for f in m.all_objects if f.role == "input_ids") == 1
+    assert m.nbytes == 10 * 8 + 4 * 10 * 128 * 2
+    assert {f.key for f in m.fragments_of_stage(2)} == {"run0-req7_layer5", "run0-req7_layer6"}
+
+
+def test_pp1_is_the_same_layout():
+    m = _m(pp=1)
+    assert [f.stage for f in m.fragments] == [0, 0, 0, 0]
+    assert [f.key for f in m.fragments] == [f.key for f in _m().fragments]
+
+
+def _corrupt(path, value):
+    d = _m().to_dict()
+    node = d
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return d
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("schema_version",), 99, "schema_version"),
+        (("num_tokens",), 0, "num_tokens"),
+        (("fragments", 1, "stage"), 0, "fragments[1]"),
+        (("fragments", 0, "shape"), [9, 128], "fragments[0]"),
+        (("fragments", 0, "dtype"), "int64", "fragments[0]"),
+        (("fragments", 3, "role"), "aux", "fragments[3]"),
+        (("fragments", 2, "key"), "other_layer5", "fragments[2]"),
+        (("input_ids", "shape"), [11], "input_ids"),
+        (("input_ids", "stage"), 1, "input_ids"),
+        (("partition",), [1, 1, 1], "partition"),
+    ],
+)
+def test_inconsistent_manifest_names_sample_and_field(path, value, field):
+    with pytest.raises(DataIntegrityError) as info:
+        Manifest.from_dict(_corrupt(path, value))
+    assert "run0-req7" in str(info.value)
+    assert repr(field) in str(info.value)
+
+
+def test_missing_field_and_bad_json():
+    d = _m().to_dict()
+    del d["fragments"]
+    with pytest.raises(DataIntegrityError, match="'fragments' is missing"):
+        Manifest.from_dict(d)
+    with pytest.raises(DataIntegrityError, match="not valid JSON"):
+        Manifest.from_json("{nope")
+
+
+def test_reordered_fragments_rejected():
+    d = _m().to_dict()
+    d["fragments"][0], d["fragments"][1] = d["fragments"][1], d["fragments"][0]
+    with pytest.raises(DataIntegrityError, match="not strictly ascending"):
+        Manifest.from_dict(d)
+
+
+def test_sanitize_key():
+    assert sanitize_key("cmpl-abc_1.2") == "cmpl-abc_1.2"
+    a, b = sanitize_key("req/1 a"), sanitize_key("req/1:a")
+    assert a != b
+    assert all(c.isalnum() or c in "._-" for c in a + b)
+    assert len(sanitize_key("x" * 1000)) <= 200
