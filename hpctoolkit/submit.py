@@ -1,0 +1,91 @@
+"""`python -m hpctoolkit.submit RECIPE [section.key=value ...] [--dry-run] [--render-sbatch]`
+
+Validates the recipe and its overrides, plans where every part runs, then either prints that plan
+(`--dry-run`), prints the batch script (`--render-sbatch`), runs the whole job on this machine
+(`cluster.backend: local`) or submits it to Slurm (`cluster.backend: slurm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpctoolkit.cli import run_cli
+from hpctoolkit.config import RecipeConfig, load_recipe, to_yaml
+from hpctoolkit.errors import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own exit path would print usage and exit 2 itself
+        raise ConfigError(message)
+
+
+def describe(cfg: RecipeConfig, plan) -> str:
+    from hpctoolkit.capture import capture_ids_for
+    from hpctoolkit.config.couplings import target_hf_config
+
+    num_layers = target_hf_config(cfg.paths.target_model)["num_hidden_layers"]
+    capture = capture_ids_for(cfg.engine.target_layer_ids, num_layers)
+    e, s, t = cfg.engine, cfg.store, cfg.training
+    master = f"connect to {s.master_address}" if s.master_address else f"launch our own on {s.bind_host}"
+    lines = [
+        f"recipe      {cfg.name}  (backend: {cfg.cluster.backend})",
+        f"output      {cfg.paths.output_dir}",
+        f"target      {cfg.paths.target_model}  ({num_layers} layers)",
+        f"draft       {cfg.draft.config}",
+        f"capture     target layers {list(e.target_layer_ids)} -> capture ids {capture} (last = last_hidden_states)",
+        f"engine      {e.num_engines} x (TP={e.tp_size} x PP={e.pp_size}) over {e.nnodes} node(s) each",
+        f"store       Mooncake master: {master}; lease {s.kv_lease_ttl_s}s; reader retry {s.get_retry_max_wait_seconds}s",
+        f"training    {t.steps} steps, {t.world_size} rank(s), FSDP {t.fsdp_mode}, device {t.device}",
+    ]
+    if plan is not None:
+        lines += ["", plan.describe()]
+    return "\n".join(lines)
+
+
+def _plan(cfg: RecipeConfig):
+    try:
+        from hpctoolkit.plan.placement import make_plan
+    except ImportError:  # the placement planner is optional for the local backend
+        return None
+    return make_plan(cfg)
+
+
+def main(argv: list[str]) -> int:
+    ap = _Parser(prog="python -m hpctoolkit.submit", description=__doc__.splitlines()[0])
+    ap.add_argument("recipe", help="recipe YAML, e.g. recipes/local.yaml")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    ap.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    ap.add_argument("--render-sbatch", action="store_true", help="print the Slurm batch script and exit")
+    args = ap.parse_args(argv)
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    plan = _plan(cfg)
+    if args.render_sbatch:
+        from hpctoolkit.slurm.render import render_sbatch
+
+        sys.stdout.write(render_sbatch(cfg, plan, recipe_path=args.recipe, overrides=args.overrides))
+        return 0
+    print(describe(cfg, plan))
+    if args.dry_run:
+        print("\ndry run: recipe is valid; nothing was started.")
+        return 0
+
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    if cfg.cluster.backend == "slurm":
+        from hpctoolkit.slurm.submit import submit_job
+
+        job = submit_job(cfg, plan, recipe_path=args.recipe, overrides=args.overrides)
+        print(f"submitted Slurm job {job}; logs under {out}")
+        return 0
+    from hpctoolkit.pipeline.local import run_local
+
+    summary = run_local(cfg, out)
+    return 0 if summary.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    run_cli(main)

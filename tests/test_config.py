@@ -1,0 +1,194 @@
+"""Bad input gets one line naming the key and exit code 2; good input validates and plans."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpctoolkit.cli import run_cli
+from hpctoolkit.config import load_recipe
+from hpctoolkit.submit import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def draft_json(tmp_path):
+    def make(**over):
+        d = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": 7,
+            "target_hidden_size": 128,
+            "dflash_config": {"mask_token_id": 4, "target_layer_ids": [0, 2, 4]},
+        }
+        d.update(over)
+        p = tmp_path / f"draft{len(list(tmp_path.glob('draft*')))}.json"
+        p.write_text(json.dumps(d))
+        return str(p)
+
+    return make
+
+
+@pytest.fixture
+def recipe(tmp_path, draft_json):
+    def make(body: dict | str | None = None, **sections):
+        base = {
+            "paths": {"output_dir": str(tmp_path / "out"), "target_model": "builtin:tiny-qwen3"},
+            "draft": {"config": draft_json()},
+            "engine": {"target_layer_ids": [0, 2, 4]},
+        }
+        for k, v in sections.items():
+            base.setdefault(k, {}).update(v)
+        p = tmp_path / "recipe.yaml"
+        p.write_text(body if isinstance(body, str) else yaml.safe_dump(base))
+        return str(p)
+
+    return make
+
+
+def _fail(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, [*argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_valid_recipe_dry_run(capsys, recipe):
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, [recipe(), "--dry-run"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert "capture ids [1, 3, 5, 6]" in out
+    assert "nothing was started" in out
+
+
+def test_missing_required_value(capsys, recipe, tmp_path):
+    p = recipe()
+    d = yaml.safe_load(Path(p).read_text())
+    d["paths"]["output_dir"] = "???"
+    Path(p).write_text(yaml.safe_dump(d))
+    assert "paths.output_dir is required" in _fail(capsys, [p])
+
+
+def test_unknown_key_lists_valid_keys(capsys, recipe):
+    line = _fail(capsys, [recipe(store={"lease_ttl": 3})])
+    assert "unknown key store.lease_ttl" in line
+    assert "kv_lease_ttl_s" in line
+    assert "master_address" in line
+
+
+def test_unknown_section(capsys, recipe):
+    assert "unknown key stor" in _fail(capsys, [recipe(stor={"x": 1})])
+
+
+def test_unknown_override_key(capsys, recipe):
+    line = _fail(capsys, [recipe(), "training.stepz=3"])
+    assert "unknown key training.stepz" in line
+    assert "steps" in line
+
+
+def test_wrong_type(capsys, recipe):
+    assert "store.kv_lease_ttl_s has the wrong type" in _fail(capsys, [recipe(), "store.kv_lease_ttl_s=soon"])
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("store.kv_lease_ttl_s=-1", "store.kv_lease_ttl_s must be > 0"),
+        ("training.steps=0", "training.steps must be > 0"),
+        ("store.master_port=70000", "store.master_port must be <= 65535"),
+        ("training.fsdp_mode=zero3", "training.fsdp_mode must be one of"),
+        ("store.global_segment_size=lots", "store.global_segment_size must be a size"),
+        ("store.master_address=nohost", "store.master_address must be host:port"),
+    ],
+)
+def test_out_of_range(capsys, recipe, override, needle):
+    assert needle in _fail(capsys, [recipe(), override])
+
+
+def test_malformed_yaml(capsys, recipe):
+    line = _fail(capsys, [recipe("paths: [unclosed\n")])
+    assert "is not valid YAML" in line
+    assert "line" in line
+
+
+def test_recipe_does_not_exist(capsys, tmp_path):
+    assert f"recipe {tmp_path}/nope.yaml does not exist" in _fail(capsys, [str(tmp_path / "nope.yaml")])
+
+
+def test_bad_override_syntax(capsys, recipe):
+    assert "must look like section.key=value" in _fail(capsys, [recipe(), "training.steps"])
+
+
+def test_captured_layers_must_match_draft(capsys, recipe):
+    line = _fail(capsys, [recipe(engine={"target_layer_ids": [0, 1, 4]})])
+    assert "engine.target_layer_ids=[0, 1, 4] differ from the draft's target_layer_ids [0, 2, 4]" in line
+
+
+def test_engine_inherits_draft_layers_when_unset(recipe):
+    cfg = load_recipe(recipe(engine={"target_layer_ids": []}))
+    assert cfg.engine.target_layer_ids == [0, 2, 4]
+
+
+def test_dspark_min_loss_tokens(capsys, recipe, draft_json):
+    d = draft_json(architectures=["DSparkDraftModel"], model_type="dspark")
+    line = _fail(capsys, [recipe(draft={"config": d}), "training.min_loss_tokens=13"])
+    assert "training.min_loss_tokens=13 must be >= 2 x block_size (14)" in line
+
+
+def test_world_divisible_by_pp(capsys, recipe):
+    line = _fail(capsys, [recipe(engine={"nnodes": 1, "gpus_per_node": 3, "pp_size": 2})])
+    assert "engine.pp_size must divide the engine world size" in line
+
+
+def test_tp_is_world_over_pp(recipe):
+    cfg = load_recipe(recipe(engine={"nnodes": 2, "gpus_per_node": 8, "pp_size": 2}))
+    assert cfg.engine.tp_size == 8
+
+
+def test_pp_not_above_layer_count(capsys, recipe):
+    line = _fail(capsys, [recipe(engine={"nnodes": 1, "gpus_per_node": 8, "pp_size": 8})])
+    assert "engine.pp_size=8 exceeds the target's 6 layers" in line
+
+
+def test_extra_args_cannot_contradict_pp(capsys, recipe):
+    line = _fail(capsys, [recipe(engine={"extra_args": {"pipeline_parallel_size": 2}})])
+    assert "engine.extra_args may not set ['pipeline_parallel_size']" in line
+
+
+def test_capture_ids_must_fit_the_target(capsys, recipe, draft_json):
+    d = draft_json(dflash_config={"mask_token_id": 4, "target_layer_ids": [0, 5]})
+    line = _fail(capsys, [recipe(draft={"config": d}, engine={"target_layer_ids": [0, 5]})])
+    assert "engine.target_layer_ids" in line
+
+
+def test_subprocess_exit_code_and_single_line(recipe):
+    r = subprocess.run(
+        [sys.executable, "-m", "hpctoolkit.submit", recipe(), "store.nope=1", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: unknown key store.nope")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_config_imports_nothing_heavy():
+    code = (
+        "import sys, hpctoolkit.config, hpctoolkit.capture, hpctoolkit.submit\n"
+        "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'torch.distributed') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
