@@ -1,0 +1,47 @@
+"""Plain draft checkpoints: `config.json` + `model.safetensors` holding our module names."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.common.config import DraftConfig
+from hpctoolkit.models.registry import architecture_for, build_draft_model, load_draft_config
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def config_to_dict(config: DraftConfig) -> dict:
+    """The config as JSON-ready dict, with `architectures` naming our model class."""
+    data = config.to_dict()
+    data["architectures"] = [architecture_for(config)]
+    return data
+
+
+def save_draft(model: nn.Module, out_dir: str | Path) -> Path:
+    """Write `config.json` and `model.safetensors` (full state dict, buffers included)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config: DraftConfig = model.config  # type: ignore[assignment]
+    (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_NAME))
+    return out
+
+
+def load_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(ckpt_dir) / WEIGHTS_NAME
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; expected a directory written by save_draft")
+    return load_file(str(path))
+
+
+def load_draft(ckpt_dir: str | Path, *, strict: bool = True) -> nn.Module:
+    """Inverse of `save_draft`."""
+    config = load_draft_config(ckpt_dir)
+    model = build_draft_model(config)
+    model.load_state_dict(load_state_dict(ckpt_dir), strict=strict)
+    return model

@@ -1,0 +1,174 @@
+# ruff: noqa: N802, N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""Attention backends (sdpa, FlexAttention) and the Qwen3-style GQA block.
+
+A mask is described once, as a FlexAttention `mask_mod(b, h, q_idx, kv_idx) -> bool` over
+integer tensors, and each backend derives what it needs from it: sdpa a dense boolean
+`[B, 1, Q, K]` tensor, flex a sparse `BlockMask`. Both are built lazily and cached on the
+`AttentionMask`, so every layer of one forward shares them.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.common.norm import RMSNorm
+from hpctoolkit.models.common.rope import apply_rotary
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class AttentionMask:
+    """Visibility for one forward: `mask_mod` is True where query `q_idx` may read key `kv_idx`."""
+
+    mask_mod: MaskMod
+    batch: int
+    q_len: int
+    kv_len: int
+    device: torch.device
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+    _block: object | None = field(default=None, repr=False)
+
+    def dense_B1QK(self) -> torch.Tensor:
+        if self._dense is None:
+            b = torch.arange(self.batch, device=self.device).view(-1, 1, 1)
+            q = torch.arange(self.q_len, device=self.device).view(1, -1, 1)
+            kv = torch.arange(self.kv_len, device=self.device).view(1, 1, -1)
+            h = torch.zeros((), dtype=torch.long, device=self.device)
+            self._dense = self.mask_mod(b, h, q, kv).unsqueeze(1)
+        return self._dense
+
+    def block_mask(self) -> object:
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            self._block = create_block_mask(
+                self.mask_mod, self.batch, None, self.q_len, self.kv_len, device=str(self.device)
+            )
+        return self._block
+
+
+def causal_mask(batch: int, seq_len: int, device: torch.device) -> AttentionMask:
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return q >= kv
+
+    return AttentionMask(mask_mod, batch, seq_len, seq_len, device)
+
+
+_compiled_flex: Callable | None = None
+
+
+def _flex_fn(device: torch.device) -> Callable:
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager reference path; fine for CPU tests
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attend(
+    q_BHQD: torch.Tensor,
+    k_BGKD: torch.Tensor,
+    v_BGKE: torch.Tensor,
+    mask: AttentionMask,
+    *,
+    scale: float,
+    backend: str = "sdpa",
+) -> torch.Tensor:
+    """Masked attention; `G` (kv heads) may divide `H`. Returns `[B, H, Q, E]`."""
+    gqa = k_BGKD.shape[1] != q_BHQD.shape[1]
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            q_BHQD, k_BGKD, v_BGKE, attn_mask=mask.dense_B1QK(), scale=scale, enable_gqa=gqa
+        )
+    if backend == "flex":
+        return _flex_fn(q_BHQD.device)(
+            q_BHQD, k_BGKD, v_BGKE, block_mask=mask.block_mask(), scale=scale, enable_gqa=gqa
+        )
+    raise ConfigError(f"attention_backend={backend!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+
+
+RopePair = tuple[torch.Tensor, torch.Tensor]
+
+
+class GQAAttention(nn.Module):
+    """Qwen3 grouped-query attention with per-head `q_norm`/`k_norm`.
+
+    `forward(x_BQD, kv_BKD, rope_q, rope_k, mask)`: queries come from `x_BQD`, keys and values
+    from `kv_BKD` through the same projections. Self-attention passes the same tensor twice;
+    DFlash passes `cat(context, draft)` as `kv_BKD`. `rope_q`/`rope_k` are `(cos, sin)` for
+    the Q and K positions, which may differ.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rms_norm_eps: float,
+        input_size: int | None = None,
+        attention_backend: str = "sdpa",
+        attention_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads")
+        input_size = input_size or hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = attention_backend
+        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=attention_bias)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=attention_bias)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=attention_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=attention_bias)
+        self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+
+    @classmethod
+    def from_config(cls, config: object, layer_idx: int, input_size: int | None = None) -> "GQAAttention":
+        c = config
+        return cls(
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            input_size=input_size,
+            attention_backend=c.attention_backend,
+            attention_bias=getattr(c, "attention_bias", False),
+        )
+
+    def forward(
+        self,
+        x_BQD: torch.Tensor,
+        kv_BKD: torch.Tensor,
+        rope_q: RopePair,
+        rope_k: RopePair,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        B, Q, _ = x_BQD.shape
+        K = kv_BKD.shape[1]
+        q_BQHD = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.num_heads, self.head_dim))
+        k_BKGD = self.k_norm(self.k_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim))
+        v_BKGD = self.v_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim)
+        q_BQHD = apply_rotary(q_BQHD, *rope_q)
+        k_BKGD = apply_rotary(k_BKGD, *rope_k)
+        out_BHQD = attend(
+            q_BQHD.transpose(1, 2),
+            k_BKGD.transpose(1, 2),
+            v_BKGD.transpose(1, 2),
+            mask,
+            scale=self.head_dim**-0.5,
+            backend=self.backend,
+        )
+        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))

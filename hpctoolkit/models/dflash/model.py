@@ -1,0 +1,150 @@
+# ruff: noqa: N803, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""DFlash draft: a context projection over captured target layers plus dual-source decoder layers."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.common.attention import AttentionMask, GQAAttention, RopePair
+from hpctoolkit.models.common.mlp import GatedMLP
+from hpctoolkit.models.common.norm import RMSNorm
+from hpctoolkit.models.common.rope import RopeSpec, RotaryEmbedding
+from hpctoolkit.models.dflash.config import DFlashConfig
+from hpctoolkit.models.dflash.layout import BlockLayout
+
+
+@dataclass
+class DFlashOutput:
+    """`hidden_BTH`: final-normed states per draft slot, before `lm_head`; `logits_BTV` only on request."""
+
+    hidden_BTH: torch.Tensor
+    logits_BTV: torch.Tensor | None = None
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm decoder layer whose attention reads `cat(context, draft)` for K and V.
+
+    The context enters K/V as projected by the model (`hidden_norm(fc(...))`), not through this
+    layer's `input_layernorm`: that is how vLLM precomputes context KV at serving time.
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int, attention_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = attention_class.from_config(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(
+        self,
+        x_BTH: torch.Tensor,
+        context_BSH: torch.Tensor,
+        rope_q: RopePair,
+        rope_k: RopePair,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        h_BTH = self.input_layernorm(x_BTH)
+        kv_BLH = torch.cat([context_BSH, h_BTH], dim=1)
+        x_BTH = x_BTH + self.self_attn(h_BTH, kv_BLH, rope_q, rope_k, mask)
+        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash draft.
+
+    forward(context_BSC, input_ids_BS, layout, *, return_logits=False) -> DFlashOutput
+      context_BSC  [B, S, num_target_layers * target_hidden_size], the captured target states
+                   concatenated in `target_layer_ids` order (what the Mooncake sample carries);
+      input_ids_BS [B, S] int64, the target sequence (anchors index into it);
+      layout       `BlockLayout` from `dflash.layout.make_block_layout` (anchors, block size);
+      returns      `hidden_BTH` [B, T = num_blocks * block_size, hidden_size] after the final norm.
+                   Logits are `model.compute_logits(hidden_BTH)` -> [B, T, draft_vocab_size]; the
+                   loss should chunk over T instead (`dflash.loss.block_cross_entropy`).
+
+    Subclass hooks: `attention_class` (built with `.from_config(config, layer_idx)`),
+    `decoder_layer_class`, and `context_proj_name` / `context_norm_name` / `final_norm_name`,
+    which name the projection modules so a variant's state dict matches its serving checkpoint.
+    """
+
+    config_class = DFlashConfig
+    attention_class: type[nn.Module] = GQAAttention
+    decoder_layer_class: type[nn.Module] = DFlashDecoderLayer
+    context_proj_name = "fc"
+    context_norm_name = "hidden_norm"
+    final_norm_name = "norm"
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        if not isinstance(config, self.config_class):
+            raise ConfigError(
+                f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(c.target_hidden_size, eps=c.rms_norm_eps) for _ in range(c.num_target_layers)
+            )
+        self.add_module(
+            self.context_proj_name,
+            nn.Linear(c.num_target_layers * c.target_hidden_size, c.hidden_size, bias=False),
+        )
+        self.add_module(self.context_norm_name, RMSNorm(c.hidden_size, eps=c.rms_norm_eps))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(c, i, self.attention_class) for i in range(c.num_hidden_layers)
+        )
+        self.add_module(self.final_norm_name, RMSNorm(c.hidden_size, eps=c.rms_norm_eps))
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        if c.freeze_lm_head:
+            self.lm_head.weight.requires_grad_(False)
+        self.rotary_emb = self.build_rotary(c)
+
+    def build_rotary(self, config: DFlashConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, RopeSpec.from_config(config))
+
+    def project_context(self, context_BSC: torch.Tensor) -> torch.Tensor:
+        """`[B, S, L * Ht] -> [B, S, H]`: optional per-layer `fc_norm`, projection, norm."""
+        c = self.config
+        if context_BSC.shape[-1] != c.num_target_layers * c.target_hidden_size:
+            raise ConfigError(
+                f"context width {context_BSC.shape[-1]} != num_target_layers * target_hidden_size "
+                f"= {c.num_target_layers} * {c.target_hidden_size}"
+            )
+        if c.fc_norm:
+            chunks = context_BSC.chunk(c.num_target_layers, dim=-1)
+            context_BSC = torch.cat([n(x) for n, x in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        proj = getattr(self, self.context_proj_name)
+        norm = getattr(self, self.context_norm_name)
+        return norm(proj(context_BSC))
+
+    def backbone(
+        self, context_BSC: torch.Tensor, input_ids_BS: torch.Tensor, layout: BlockLayout
+    ) -> torch.Tensor:
+        """Run the decoder stack; returns final-normed `hidden_BTH`."""
+        context_BSH = self.project_context(context_BSC)
+        x_BTH = self.embed_tokens(layout.block_input_ids(input_ids_BS, self.config.mask_token_id))
+        x_BTH = x_BTH.to(context_BSH.dtype)
+        rope_q = self.rotary_emb(layout.q_position_ids())
+        rope_k = self.rotary_emb(layout.k_position_ids())
+        mask = layout.attention_mask()
+        for layer in self.layers:
+            x_BTH = layer(x_BTH, context_BSH, rope_q, rope_k, mask)
+        return getattr(self, self.final_norm_name)(x_BTH)
+
+    def compute_logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_BTH)
+
+    def forward(
+        self,
+        context_BSC: torch.Tensor,
+        input_ids_BS: torch.Tensor,
+        layout: BlockLayout,
+        *,
+        return_logits: bool = False,
+    ) -> DFlashOutput:
+        hidden_BTH = self.backbone(context_BSC, input_ids_BS, layout)
+        return DFlashOutput(hidden_BTH, self.compute_logits(hidden_BTH) if return_logits else None)
