@@ -1,0 +1,77 @@
+"""Run one phase in a fresh spawned process and bring back its result or its error.
+
+vLLM does not release its workers (or its torch.distributed group) within a process, and the
+trainer sets up its own process group, so capture, training and evaluation each get a process.
+The child's result travels back as JSON in a file; an exception comes back with its type name and
+message, and is re-raised in the parent as the same error class when it is one of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpctoolkit import errors
+
+
+def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
+    try:
+        result = fn(*args)
+        payload = {"ok": True, "result": result}
+    except BaseException as err:  # the parent decides what is fatal
+        payload = {
+            "ok": False,
+            "type": type(err).__name__,
+            "message": str(err),
+            "traceback": traceback.format_exc(),
+        }
+    Path(result_path).write_text(json.dumps(payload, default=str))
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class Child:
+    """A phase running in its own process. `result()` waits and returns or re-raises."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], args: tuple, workdir: Path):
+        self.name = name
+        self.result_path = workdir / f".{name}.result.json"
+        self.result_path.unlink(missing_ok=True)
+        self.proc = mp.get_context("spawn").Process(
+            target=_entry, args=(fn, args, str(self.result_path)), name=f"hpctoolkit-{name}"
+        )
+        self.proc.start()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+            raise ChildFailed(f"{self.name} phase did not finish within {timeout:.0f}s and was killed")
+        if not self.result_path.is_file():
+            raise ChildFailed(
+                f"{self.name} phase died with exit code {self.proc.exitcode} and left no result"
+            )
+        payload = json.loads(self.result_path.read_text())
+        if payload["ok"]:
+            return payload["result"]
+        cls = getattr(errors, payload["type"], None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            raise cls(payload["message"])
+        raise ChildFailed(
+            f"{self.name} phase failed: {payload['type']}: {payload['message']}\n{payload['traceback']}"
+        )
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
