@@ -22,7 +22,7 @@ def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
     try:
         result = fn(*args)
         payload = {"ok": True, "result": result}
-    except BaseException as err:  # the parent decides what is fatal
+    except BaseException as err:  # noqa: BLE001 -- every failure must reach the parent
         payload = {
             "ok": False,
             "type": type(err).__name__,
@@ -32,7 +32,7 @@ def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(payload, default=str))
 
 
-class ChildFailed(RuntimeError):
+class ChildFailedError(RuntimeError):
     pass
 
 
@@ -56,9 +56,9 @@ class Child:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-            raise ChildFailed(f"{self.name} phase did not finish within {timeout:.0f}s and was killed")
+            raise ChildFailedError(f"{self.name} phase did not finish within {timeout:.0f}s and was killed")
         if not self.result_path.is_file():
-            raise ChildFailed(
+            raise ChildFailedError(
                 f"{self.name} phase died with exit code {self.proc.exitcode} and left no result"
             )
         payload = json.loads(self.result_path.read_text())
@@ -67,7 +67,7 @@ class Child:
         cls = getattr(errors, payload["type"], None)
         if isinstance(cls, type) and issubclass(cls, Exception):
             raise cls(payload["message"])
-        raise ChildFailed(
+        raise ChildFailedError(
             f"{self.name} phase failed: {payload['type']}: {payload['message']}\n{payload['traceback']}"
         )
 
