@@ -1,0 +1,409 @@
+"""`HpcHiddenStatesConnector`: vLLM KV connector that publishes captured hidden states as fragments.
+
+Loaded out of tree through `kv_transfer_config.kv_connector_module_path` (no vLLM patch), next to
+the `extract_hidden_states` speculative method. That method's `ExtractHiddenStatesModel` writes,
+for every prompt token, one row per capture id into a cache-only KV layer
+(`CacheOnlyAttentionLayer`, one "head" per capture id, head size = hidden size). This connector
+reads those rows back out of the paged cache once a request's prefill is complete and publishes
+them to the object store in the universal fragment layout of `hpctoolkit.capture.manifest`.
+
+Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worker-role instance):
+
+1. Step N (the request's last prefill chunk): target forward; the drafter writes the chunk's rows
+   into the cache-only layer; the single sampled token (`max_tokens=1`) finishes the request.
+2. `S.request_finished_all_groups` (same step): if the whole prompt was computed, build the
+   manifest with `hpctoolkit.capture.build_manifest`, queue a `PendingSample` (block ids of the
+   hidden-state KV group, prompt ids, manifest), return `(True, {"hpctoolkit_manifest": ...})`:
+   blocks stay allocated, and the manifest travels to the client in `kv_transfer_params`.
+   A request finished before its prefill completed (abort, preemption) is never published.
+3. Step N+1: `S.build_connector_meta` hands the pending samples to every worker.
+   `W.get_finished` (each PP stage, each TP rank): TP rank 0 of stage `pp_rank` gathers the rows
+   of the capture ids it owns (`owned_layers`), and publishes them with `publish_stage`
+   (stage 0 also publishes `input_ids`) **synchronously**; only then does it report the request
+   in `finished_sending`.
+4. vLLM's `KVOutputAggregator` reports the request finished only once `get_finished_count()`
+   workers did, i.e. once every PP stage published; then the scheduler frees the blocks.
+
+Fail-closed rules:
+
+* The worker checks in its constructor that the store master is reachable
+  (`check_reachable(address, connect_timeout_s)`): an unreachable master fails engine start with a
+  `StoreError` naming the address, within `connect_timeout_s`.
+* The store client itself is created lazily, at the first publish: creating a Mooncake client
+  registers buffers, which perturbs vLLM's KV-cache memory profiling during engine start.
+* A failing publish raises `StoreError` out of the step (never a warning, never a dropped sample).
+  Before raising, the worker writes a one-line fault record into `fault_dir` (when configured),
+  so a caller whose worker runs in another process can still report the store error itself
+  rather than vLLM's generic engine-death error.
+* Rows are copied out of the cache before the blocks are released; the layer's head count must
+  match the manifest (`rows.head_index_of`), the dtype must match, or `DataIntegrityError`.
+
+Settings arrive through `kv_connector_extra_config` (JSON-able; see `ExtraConfig`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+)
+from vllm.logger import init_logger
+
+from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
+from hpctoolkit.engine.rows import gather_rows, head_index_of, sample_key_for, slot_mapping
+from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# Key of the manifest in a request's `kv_transfer_params`.
+MANIFEST_PARAM = "hpctoolkit_manifest"
+# Key of our settings inside `kv_connector_extra_config`.
+EXTRA_CONFIG_KEY = "hpctoolkit"
+# vLLM captures the final id (L) before the target's final norm (measured against HF).
+LAST_HIDDEN_STATES_PRENORM = True
+DEFAULT_STORE_FACTORY = "hpctoolkit.store.mooncake:MooncakeStore"
+DEFAULT_REACHABILITY_CHECK = "hpctoolkit.store.mooncake:check_reachable"
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """Our part of `kv_connector_extra_config` (under key `EXTRA_CONFIG_KEY`).
+
+    `run_prefix` is unique per engine (run id + engine index), so sample keys never collide across
+    runs or engines sharing a store. `store_address` None means the factory needs no master (unit
+    tests with an in-process fake); then no reachability check runs.
+    """
+
+    run_prefix: str
+    store_address: str | None
+    store_config: dict[str, Any] = field(default_factory=dict)
+    store_factory: str = DEFAULT_STORE_FACTORY
+    reachability_check: str = DEFAULT_REACHABILITY_CHECK
+    connect_timeout_s: float = 10.0
+    fault_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_prefix": self.run_prefix,
+            "store_address": self.store_address,
+            "store_config": dict(self.store_config),
+            "store_factory": self.store_factory,
+            "reachability_check": self.reachability_check,
+            "connect_timeout_s": self.connect_timeout_s,
+            "fault_dir": self.fault_dir,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ExtraConfig:
+        if not isinstance(d, dict) or "run_prefix" not in d:
+            raise ConfigError(
+                f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must be a mapping with run_prefix, got {d!r}"
+            )
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] has unknown keys {sorted(unknown)}"
+            )
+        return cls(**d)
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{spec!r} must be 'module:attribute'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def write_fault(fault_dir: str | None, where: str, err: BaseException) -> None:
+    """Record a fatal data-path error where the engine's caller can find it (best effort)."""
+    if not fault_dir:
+        return
+    try:
+        os.makedirs(fault_dir, exist_ok=True)
+        record = {"where": where, "type": type(err).__name__, "message": str(err), "time": time.time()}
+        path = os.path.join(fault_dir, f"fault-{os.getpid()}-{time.monotonic_ns()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        # The original error is raised right after; a failed side-channel write must not mask it.
+        logger.exception("hpctoolkit: could not write the fault record into %s", fault_dir)
+
+
+def read_faults(fault_dir: str | None) -> list[dict[str, Any]]:
+    """Fault records written by `write_fault`, oldest first."""
+    if not fault_dir or not os.path.isdir(fault_dir):
+        return []
+    out = []
+    for name in sorted(os.listdir(fault_dir)):
+        if name.startswith("fault-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(fault_dir, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return sorted(out, key=lambda r: r.get("time", 0))
+
+
+@dataclass
+class PendingSample:
+    """Scheduler → worker: one finished request to publish. Plain data (it is pickled to workers)."""
+
+    req_id: str
+    block_ids: list[int]
+    token_ids: list[int]
+    manifest: dict[str, Any]
+
+
+@dataclass
+class HpcConnectorMetadata(KVConnectorMetadata):
+    pending: list[PendingSample] = field(default_factory=list)
+
+
+class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """Publishes each finished request's captured hidden states as per-stage fragments.
+
+    See the module docstring for the lifecycle and the fail-closed rules.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        raw = self._kv_transfer_config.get_from_extra_config(EXTRA_CONFIG_KEY, None)
+        self._extra = ExtraConfig.from_dict(raw)
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "extract_hidden_states":
+            raise ConfigError(
+                "HpcHiddenStatesConnector needs speculative_config.method='extract_hidden_states'"
+            )
+        draft_hf = spec.draft_model_config.hf_config
+        self._capture_ids = [int(i) for i in getattr(draft_hf, "eagle_aux_hidden_state_layer_ids", [])]
+        model_config = vllm_config.model_config
+        self._num_layers = int(model_config.hf_text_config.num_hidden_layers)
+        # The layout the engine was asked for must be the one the manifest describes.
+        check_layer_layout(self._capture_ids, self._num_layers)
+        self._hidden_size = int(model_config.get_hidden_size())
+        self._dtype = str(model_config.dtype).removeprefix("torch.")
+        parallel = vllm_config.parallel_config
+        self._pp_size = int(parallel.pipeline_parallel_size)
+        # ExampleHiddenStatesConnector's helpers find the hidden-state KV group by its spec type
+        # (group 0 for a dense target; its own group for hybrid targets) and its block size.
+        self._cache_gid = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
+        self._block_size = ExampleHiddenStatesConnector._get_cache_block_size(
+            vllm_config, kv_cache_config, self._cache_gid
+        )
+
+        # Scheduler side.
+        self._pending: dict[str, PendingSample] = {}
+
+        # Worker side (rank facts are known only after distributed init: register_kv_caches).
+        self._kv_cache: torch.Tensor | None = None
+        self._pp_rank = 0
+        self._tp_rank = 0
+        self._owned: list[int] = []
+        self._heads: dict[int, int] = {}
+        self._store: Any = None
+        self._published: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self.num_published = 0
+        if role == KVConnectorRole.WORKER and self._extra.store_address is not None:
+            check = _load(self._extra.reachability_check)
+            # Raises StoreError naming the address; engine start fails with it.
+            check(self._extra.store_address, self._extra.connect_timeout_s)
+
+    # ------------------------------------------------------------------ PP/TP and completion
+
+    def get_finished_count(self) -> int:
+        """One `finished_sending` report per pipeline stage (its TP rank 0) completes a request.
+
+        This is the completion barrier: at PP>1 the blocks are freed, and the sample counts as
+        published, only once every stage published its fragments.
+        """
+        return self._pp_size
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # One token's rows for all capture ids stay together, as `gather_rows` indexes them.
+        return "LBNHC"
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        self._tp_rank = get_tensor_model_parallel_rank()
+        self._pp_rank = get_pp_group().rank_in_group
+        self._owned = owned_layers(self._capture_ids, self._num_layers, self._pp_rank, self._pp_size)
+        layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+        if len(layers) != 1:
+            raise DataIntegrityError(
+                f"stage {self._pp_rank} holds {len(layers)} cache-only layers ({sorted(layers)}); expected 1"
+            )
+        (name,) = layers
+        kv = kv_caches[name]
+        if kv.dim() != 4 or kv.shape[2] != self._block_size or kv.shape[3] != self._hidden_size:
+            raise DataIntegrityError(
+                f"cache-only layer {name} has shape {tuple(kv.shape)}; expected "
+                f"[blocks, heads, {self._block_size}, {self._hidden_size}]"
+            )
+        self._kv_cache = kv
+        self._heads = head_index_of(self._capture_ids, self._owned, kv.shape[1])
+        logger.info(
+            "hpctoolkit connector: stage %d/%d tp %d owns capture ids %s (cache layer %s, shape %s)",
+            self._pp_rank,
+            self._pp_size,
+            self._tp_rank,
+            self._owned,
+            name,
+            tuple(kv.shape),
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # store-only connector
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        # The rows are already in the cache-only layer; they are read once the prefill is complete.
+        return
+
+    def wait_for_save(self) -> None:
+        return  # publishing is synchronous, in get_finished
+
+    def _get_store(self) -> Any:
+        if self._store is None:
+            factory = _load(self._extra.store_factory)
+            try:
+                self._store = factory(self._extra.store_address, self._extra.store_config, "writer")
+            except StoreError:
+                raise
+            except Exception as err:
+                raise StoreError(
+                    f"could not create the store client for master {self._extra.store_address}: {err}"
+                ) from err
+        return self._store
+
+    def _publish(self, pending: PendingSample) -> None:
+        from hpctoolkit.store.fragments import publish_stage
+
+        manifest = Manifest.from_dict(pending.manifest)
+        if self._kv_cache is None:
+            raise DataIntegrityError(f"sample {manifest.sample_key}: connector has no registered KV cache")
+        if str(self._kv_cache.dtype).removeprefix("torch.") != manifest.last.dtype:
+            raise DataIntegrityError(
+                f"sample {manifest.sample_key}: cache dtype {self._kv_cache.dtype} differs from the "
+                f"manifest's {manifest.last.dtype}"
+            )
+        slots = slot_mapping(pending.block_ids, self._block_size, manifest.num_tokens)
+        rows_tnh = gather_rows(self._kv_cache, slots)
+        layers = {k: rows_tnh[:, self._heads[k]].contiguous() for k in self._owned}
+        input_ids = torch.tensor(pending.token_ids, dtype=torch.long) if self._pp_rank == 0 else None
+        publish_stage(self._get_store(), manifest, self._pp_rank, layers, input_ids)
+        self.num_published += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, HpcConnectorMetadata) and self._tp_rank == 0:
+            for pending in meta.pending:
+                try:
+                    self._publish(pending)
+                except BaseException as err:
+                    write_fault(
+                        self._extra.fault_dir, f"stage {self._pp_rank} publish of {pending.req_id}", err
+                    )
+                    raise
+                self._published.add(pending.req_id)
+        # vLLM requires a reported id to have been among finished_req_ids, in this or an
+        # earlier call; both normally arrive in the same step.
+        self._finished_seen |= finished_req_ids
+        done = self._published & self._finished_seen
+        self._published -= done
+        self._finished_seen -= done
+        # Ids this rank will never publish (other TP ranks, unpublished aborts) are not kept.
+        if self._tp_rank != 0:
+            self._finished_seen.clear()
+        return (done or None), None
+
+    def shutdown(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False  # nothing is ever loaded
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens:
+            raise AssertionError("HpcHiddenStatesConnector never loads KV")
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HpcConnectorMetadata(pending=list(self._pending.values()))
+        self._pending.clear()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            raise DataIntegrityError(f"request {request.request_id} has no prompt token ids (embeds only)")
+        num_tokens = len(prompt)
+        # Never publish a partial sample: a request aborted (or finished) before its last
+        # prefill chunk ran has no complete set of rows.
+        if request.status == RequestStatus.FINISHED_ABORTED or request.num_computed_tokens < num_tokens:
+            return False, None
+        manifest = build_manifest(
+            sample_key=sample_key_for(self._extra.run_prefix, request.request_id),
+            capture_ids=self._capture_ids,
+            num_tokens=num_tokens,
+            hidden_size=self._hidden_size,
+            num_layers=self._num_layers,
+            pp_size=self._pp_size,
+            dtype=self._dtype,
+            extra={
+                "last_hidden_states_prenorm": LAST_HIDDEN_STATES_PRENORM,
+                "request_id": request.request_id,
+            },
+        )
+        manifest_d = manifest.to_dict()
+        self._pending[request.request_id] = PendingSample(
+            req_id=request.request_id, block_ids=list(block_ids), token_ids=list(prompt), manifest=manifest_d
+        )
+        return True, {MANIFEST_PARAM: manifest_d}
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not 0 <= self._cache_gid < len(block_ids):
+            return False, None  # never scheduled: nothing was captured
+        return self.request_finished(request, block_ids[self._cache_gid])

@@ -1,0 +1,359 @@
+"""The capture engine: vLLM's `LLM` with `extract_hidden_states` and `HpcHiddenStatesConnector`.
+
+`build_llm_kwargs` is pure (no vLLM import) and decides every engine argument and environment
+variable. `CaptureEngine` applies them, checks the store master is reachable *before* vLLM is
+built (an unreachable master fails within `store.connect_timeout_s`, naming the address), and
+runs prefill-only requests, one per `generate()` call, so batch composition never varies with
+the data. Each request's manifest comes back through `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpctoolkit import envs
+from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout, sanitize_key
+from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
+from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+
+CONNECTOR_CLASS = "HpcHiddenStatesConnector"
+CONNECTOR_MODULE = "hpctoolkit.engine.connector"
+# Mirrors connector.MANIFEST_PARAM / EXTRA_CONFIG_KEY without importing vLLM here.
+MANIFEST_PARAM = "hpctoolkit_manifest"
+EXTRA_CONFIG_KEY = "hpctoolkit"
+# How long `capture` waits for the connector to publish a finished request.
+PUBLISH_WAIT_S = 120.0
+
+
+def target_num_layers(model_dir: str | os.PathLike) -> int:
+    """The target's decoder layer count, from its HF `config.json` (text config if nested)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read the target config {path}: {err}") from err
+    text = cfg.get("text_config") or cfg
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{path} has no positive num_hidden_layers (got {n!r})")
+    return n
+
+
+def run_prefix(run_id: str, engine_index: int) -> str:
+    """Sample-key prefix unique to one engine of one run."""
+    prefix = f"{run_id}-e{engine_index}"
+    if sanitize_key(prefix) != prefix:
+        raise ConfigError(f"run_id {run_id!r} must use only [A-Za-z0-9._-] (it prefixes every store key)")
+    return prefix
+
+
+def _store_cfg_dict(store_cfg: Any) -> dict[str, Any]:
+    if store_cfg is None:
+        return {}
+    if dataclasses.is_dataclass(store_cfg) and not isinstance(store_cfg, type):
+        return dataclasses.asdict(store_cfg)
+    if isinstance(store_cfg, Mapping):
+        return dict(store_cfg)
+    raise ConfigError(f"store config must be a StoreConfig or a mapping, got {type(store_cfg).__name__}")
+
+
+def build_llm_kwargs(
+    cfg: EngineConfig,
+    model_dir: str | os.PathLike,
+    capture_ids: Sequence[int],
+    store_address: str | None,
+    store_cfg: Any,
+    run_id: str,
+    *,
+    engine_index: int = 0,
+    backend: str = "cpu",
+    fault_dir: str | None = None,
+    store_factory: str | None = None,
+    reachability_check: str | None = None,
+    num_cores: int | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Keyword arguments for `vllm.LLM` and the environment to set before importing vLLM.
+
+    Pure. `capture_ids` are capture ids (already shifted, final layer appended). Protected keys
+    (`PROTECTED_ENGINE_KEYS`) are derived here and may not come from `cfg.extra_args`.
+    """
+    cfg.validate()
+    ids = [int(i) for i in capture_ids]
+    if not ids:
+        raise ConfigError("capture ids are empty")
+    clash = sorted(PROTECTED_ENGINE_KEYS & set(cfg.extra_args))
+    if clash:
+        raise ConfigError(f"engine.extra_args may not set {clash}: hpctoolkit derives them")
+    if cfg.nnodes != 1:
+        raise ConfigError(
+            f"engine.nnodes={cfg.nnodes}: multi-node engines are not wired into CaptureEngine yet"
+        )
+    world = cfg.world_size
+    tp, pp = cfg.tp_size, cfg.pp_size
+    if tp * pp != world:
+        raise ConfigError(f"engine.pp_size={pp} must divide the world size {world}")
+    in_process = cfg.in_process and world == 1
+    store_d = _store_cfg_dict(store_cfg)
+    extra: dict[str, Any] = {
+        "run_prefix": run_prefix(run_id, engine_index),
+        "store_address": store_address,
+        "store_config": store_d,
+        "connect_timeout_s": float(store_d.get("connect_timeout_s", 10.0)),
+        "fault_dir": fault_dir,
+    }
+    if store_factory is not None:
+        extra["store_factory"] = store_factory
+    if reachability_check is not None:
+        extra["reachability_check"] = reachability_check
+    # Unset: eager for one CPU worker; CPU PP needs the compile warm-up, which is what allocates
+    # the intermediate-tensor buffers.
+    eager = cfg.enforce_eager if cfg.enforce_eager is not None else (backend == "cpu" and pp == 1)
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_seqs": cfg.max_num_seqs,
+        "enable_chunked_prefill": True,
+        # A prefix-cache hit would skip the forward of the shared prefix, so its rows would never
+        # be written into the cache-only layer for this request.
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "distributed_executor_backend": "uni" if world == 1 else "mp",
+        "enforce_eager": eager,
+        "disable_log_stats": True,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: extra},
+        },
+    }
+    kwargs.update(cfg.extra_args)
+    env = envs.engine_env(
+        backend,
+        in_process=in_process,
+        world_size=world,
+        cpu_kvcache_space_gb=cfg.cpu_kvcache_space_gb,
+        num_cores=num_cores,
+    )
+    return kwargs, env
+
+
+def _published_count(worker: Any) -> int:
+    """Run on each worker through `collective_rpc`: samples its connector published."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return int(getattr(get_kv_transfer_group(), "num_published", 0)) if has_kv_transfer_group() else 0
+
+
+class CaptureEngine:
+    """One vLLM engine capturing hidden states into the store. Use as a context manager.
+
+    `capture` returns each sample's manifest (the sample metadata the trainer reads by). A
+    store failure surfaces from `capture` as `StoreError` carrying the writer's message.
+    """
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_dir: str | os.PathLike,
+        store_address: str | None,
+        store_cfg: Any,
+        run_id: str,
+        *,
+        engine_index: int = 0,
+        store_factory: str | None = None,
+        reachability_check: str | None = None,
+    ):
+        self._llm: Any = None
+        self._fault_dir: str | None = None
+        self._broken: BaseException | None = None
+        self._captured = 0
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.num_layers = target_num_layers(model_dir)
+        self.capture_ids = capture_ids_for(cfg.target_layer_ids, self.num_layers)
+        check_layer_layout(self.capture_ids, self.num_layers)
+        store_d = _store_cfg_dict(store_cfg)
+        timeout = float(store_d.get("connect_timeout_s", 10.0))
+        if store_address is not None:
+            # Fail fast, before vLLM spends its start-up time; the worker checks again.
+            check = reachability_check or "hpctoolkit.store.mooncake:check_reachable"
+            module, _, attr = check.partition(":")
+            import importlib
+
+            getattr(importlib.import_module(module), attr)(store_address, timeout)
+        import psutil
+
+        self._baseline_children = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._fault_dir = tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
+        self.backend = envs.detect_backend()
+        kwargs, env = build_llm_kwargs(
+            cfg,
+            model_dir,
+            self.capture_ids,
+            store_address,
+            store_d,
+            run_id,
+            engine_index=engine_index,
+            backend=self.backend,
+            fault_dir=self._fault_dir,
+            store_factory=store_factory,
+            reachability_check=reachability_check,
+        )
+        self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self.pp_size = cfg.pp_size
+        os.environ.update(env)
+        try:
+            with self._translate_faults():
+                from vllm import LLM
+
+                self._llm = LLM(**kwargs)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ faults
+
+    @contextlib.contextmanager
+    def _translate_faults(self) -> Iterator[None]:
+        """Re-raise an engine failure as the writer's `StoreError` when a worker recorded one.
+
+        In-process the writer's exception arrives as itself; across processes vLLM reports only
+        that the engine died, and the fault record carries the real message.
+        """
+        try:
+            yield
+        except StoreError:
+            raise
+        except BaseException as err:
+            from hpctoolkit.engine.connector import read_faults
+
+            faults = read_faults(self._fault_dir)
+            if faults:
+                last = faults[-1]
+                raise StoreError(
+                    f"engine writer failed ({last['where']}): {last['type']}: {last['message']}"
+                ) from err
+            raise
+
+    # ------------------------------------------------------------------ capture
+
+    def _drain(self, deadline: float) -> None:
+        """Step the engine until the connector published every finished request."""
+        llm = self._llm
+        if self.in_process:
+            # No busy loop in-process: the publish happens in the step after the request
+            # finished, and blocks are freed one step later.
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            while scheduler.has_requests():
+                if time.monotonic() > deadline:
+                    raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
+                llm.llm_engine.step()
+            return
+        # Multiprocess: EngineCore keeps stepping on its own; wait for every stage's report.
+        want = self._captured * self.pp_size
+        while sum(llm.collective_rpc(_published_count)) < want:
+            if time.monotonic() > deadline:
+                raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
+            time.sleep(0.05)
+
+    def capture(self, prompts_token_ids: Sequence[Sequence[int]]) -> list[Manifest]:
+        """Prefill each prompt (one request per `generate()` call) and return its manifest.
+
+        Returns only after the fragments are published. Raises `StoreError` if the writer
+        failed, `DataIntegrityError` if a request comes back without a manifest.
+        """
+        if self._broken is not None:
+            raise StoreError(f"engine is unusable after an earlier failure: {self._broken}") from self._broken
+        if self._llm is None:
+            raise RuntimeError("CaptureEngine is shut down")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        manifests = []
+        for prompt in prompts_token_ids:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ConfigError("cannot capture an empty prompt")
+            if len(ids) >= self.cfg.max_model_len:
+                raise ConfigError(
+                    f"prompt of {len(ids)} tokens does not fit engine.max_model_len={self.cfg.max_model_len}"
+                )
+            try:
+                with self._translate_faults():
+                    (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+                    self._captured += 1
+                    self._drain(time.monotonic() + PUBLISH_WAIT_S)
+            except BaseException as err:
+                self._broken = err
+                raise
+            raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
+            if raw is None:
+                raise DataIntegrityError(
+                    f"request {out.request_id} ({len(ids)} tokens) returned no manifest in kv_transfer_params"
+                )
+            manifest = Manifest.from_dict(raw)
+            if manifest.num_tokens != len(ids):
+                raise DataIntegrityError(
+                    f"sample {manifest.sample_key}: manifest says {manifest.num_tokens} tokens, prompt has {len(ids)}"
+                )
+            manifests.append(manifest)
+        return manifests
+
+    # ------------------------------------------------------------------ lifetime
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine and every process it started. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        self._reap_children(timeout_s)
+        if self._fault_dir is not None:
+            shutil.rmtree(self._fault_dir, ignore_errors=True)
+            self._fault_dir = None
+
+    def _reap_children(self, timeout_s: float) -> None:
+        import psutil
+
+        baseline = getattr(self, "_baseline_children", None)
+        if baseline is None:
+            return
+        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in baseline]
+        _, alive = psutil.wait_procs(ours, timeout=timeout_s)
+        # vLLM's own shutdown should have ended them; whatever it left is ours to end, by pid.
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=5)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+    def __enter__(self) -> CaptureEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,64 @@
+"""Pure helpers of the connector: sample keys, slot arithmetic and the head-to-capture-id map.
+
+Kept apart from `connector.py` so they are unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hpctoolkit.capture import sanitize_key
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+
+
+def sample_key_for(run_prefix: str, request_id: str) -> str:
+    """Store-safe sample key: the run-unique prefix, then the sanitised vLLM request id.
+
+    vLLM's request ids restart with every engine, so the prefix is what keeps keys from different
+    runs and engines apart in one store.
+    """
+    if not run_prefix or sanitize_key(run_prefix) != run_prefix:
+        raise ConfigError(f"run prefix {run_prefix!r} must be non-empty and use only [A-Za-z0-9._-]")
+    return sanitize_key(f"{run_prefix}-{sanitize_key(request_id)}")
+
+
+def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """Cache slots of a request's first `num_tokens` tokens, from its block table."""
+    if num_tokens > len(block_ids) * block_size:
+        raise DataIntegrityError(
+            f"request holds {len(block_ids)} blocks of {block_size} slots, fewer than its {num_tokens} tokens"
+        )
+    blocks_b1 = torch.as_tensor(list(block_ids), dtype=torch.long).reshape(-1, 1)
+    offsets_1s = torch.arange(block_size, dtype=torch.long).reshape(1, -1)
+    return (blocks_b1 * block_size + offsets_1s).flatten()[:num_tokens]
+
+
+def head_index_of(capture_ids: Sequence[int], owned: Sequence[int], num_heads: int) -> dict[int, int]:
+    """Which head of this stage's cache-only layer holds each owned capture id.
+
+    Stock vLLM sizes the cache-only layer with the **global** capture-id list (heads follow
+    `capture_ids`). A PP patch may size it with the stage's **local** ids instead (heads follow
+    `owned`). Both are accepted; any other head count means the engine and the manifest disagree.
+    """
+    ids = list(capture_ids)
+    if num_heads == len(ids):
+        return {k: ids.index(k) for k in owned}
+    if num_heads == len(owned):
+        return {k: j for j, k in enumerate(owned)}
+    raise DataIntegrityError(
+        f"cache-only layer has {num_heads} heads, but the engine captures {len(ids)} ids {ids} "
+        f"of which this stage owns {len(owned)} {list(owned)}"
+    )
+
+
+def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[num_tokens, num_heads, hidden]` rows of the cache-only layer at `slots`, copied out.
+
+    The cache is laid out `[num_blocks, num_heads, block_size, hidden]` (what vLLM's
+    `HiddenStateCacheSpec` allocates for the "LBNHC" layout the connector asks for). The copy
+    matters: the blocks are freed and reused as soon as the request is reported sent.
+    """
+    block_size = kv_cache.shape[2]
+    return kv_cache[slots // block_size, :, slots % block_size].clone()

