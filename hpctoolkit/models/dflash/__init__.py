@@ -10,7 +10,7 @@ from hpctoolkit.models.dflash.layout import (
     q_position_ids,
     sample_anchors,
 )
-from hpctoolkit.models.dflash.loss import block_cross_entropy, chunked_cross_entropy
+from hpctoolkit.models.dflash.loss import block_cross_entropy
 from hpctoolkit.models.dflash.model import DFlashDecoderLayer, DFlashDraftModel, DFlashOutput
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "DFlashOutput",
     "block_attention_mask",
     "block_cross_entropy",
-    "chunked_cross_entropy",
     "k_position_ids",
     "make_block_layout",
     "q_position_ids",

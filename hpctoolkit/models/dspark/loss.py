@@ -1,12 +1,12 @@
-# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
-"""DSpark loss: chunked CE on `lm_head + markov` logits, plus BCE for the confidence head."""
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BTH), per STYLE.md
+"""DSpark loss: fused CE on `lm_head + markov` logits, plus BCE for the confidence head."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dspark.model import DSparkDraftModel, DSparkOutput
 
@@ -19,14 +19,6 @@ class DSparkLoss:
     accuracy: torch.Tensor
 
 
-def _chunk(
-    feat_NF: torch.Tensor, weight_VF: torch.Tensor, labels_N: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(feat_NF, weight_VF).float()
-    ce = F.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
-    return ce, (logits.argmax(-1) == labels_N)
-
-
 def dspark_loss(
     model: DSparkDraftModel,
     out: DSparkOutput,
@@ -36,25 +28,19 @@ def dspark_loss(
     chunk_size: int = 4096,
 ) -> DSparkLoss:
     """Mean CE over labelled slots; the confidence target is "the greedy draft token is right"."""
-    feat_NF = torch.cat([out.hidden_BTH, out.markov_BTR], dim=-1).flatten(0, 1)
-    weight = model.output_weight()
     labels_N = labels_BT.flatten()
-    ce_sum = feat_NF.new_zeros((), dtype=torch.float32)
-    hits = []
-    for start in range(0, feat_NF.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
-        if torch.is_grad_enabled():
-            ce, hit = checkpoint(_chunk, feat_NF[sl], weight, labels_N[sl], use_reentrant=False)
-        else:
-            ce, hit = _chunk(feat_NF[sl], weight, labels_N[sl])
-        ce_sum = ce_sum + ce
-        hits.append(hit)
+    ce, hit_N = fused_linear_cross_entropy(
+        out.hidden_BTH.flatten(0, 1),
+        model.lm_head.weight,
+        labels_N,
+        extra_NR=out.markov_BTR.flatten(0, 1),
+        extra_weight_VR=model.markov_head.markov_w2.weight,
+        chunk_size=chunk_size,
+    )
     valid_N = labels_N != IGNORE_INDEX
-    count = valid_N.sum().clamp(min=1)
-    hit_N = torch.cat(hits) & valid_N
-    ce = ce_sum / count
+    hit_N = hit_N & valid_N
     conf = ce.new_zeros(())
     if out.confidence_BT is not None:
         conf_N = out.confidence_BT.flatten()
         conf = F.binary_cross_entropy_with_logits(conf_N[valid_N], hit_N[valid_N].float())
-    return DSparkLoss(ce + confidence_weight * conf, ce, conf, hit_N.sum() / count)
+    return DSparkLoss(ce + confidence_weight * conf, ce, conf, hit_N.sum() / valid_N.sum().clamp(min=1))

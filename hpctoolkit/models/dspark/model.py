@@ -29,9 +29,9 @@ class DSparkDraftModel(DFlashDraftModel):
 
     forward(context_BSC, input_ids_BS, layout, *, return_logits=False) -> DSparkOutput
       inputs as `DFlashDraftModel.forward`; the markov head reads `input_ids[a + k - 1]`
-      (teacher forcing), so no extra input is needed. The full logits are the concatenated-feature
-      product `cat(hidden, markov) @ cat(lm_head.weight, markov_w2.weight).T`, which is how
-      `dspark.loss.dspark_loss` computes them chunk by chunk.
+      (teacher forcing), so no extra input is needed. The full logits are
+      `lm_head(hidden) + markov_w2(markov)`; `dspark.loss.dspark_loss` computes them chunk by
+      chunk, fused with the cross-entropy, instead of materialising `[B, T, V]`.
     """
 
     config_class = DSparkConfig
@@ -43,10 +43,6 @@ class DSparkDraftModel(DFlashDraftModel):
         if config.enable_confidence_head:
             dim = config.hidden_size + (config.markov_rank if config.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(dim, config.confidence_head_with_markov)
-
-    def output_weight(self) -> torch.Tensor:
-        """`[draft_vocab, H + r]`: the one matrix producing logits from `cat(hidden, markov)`."""
-        return torch.cat([self.lm_head.weight, self.markov_head.markov_w2.weight], dim=1)
 
     def forward(
         self,

@@ -1,0 +1,105 @@
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_NH), per STYLE.md
+"""Cross-entropy fused with the output projection, never holding `[N, V]` logits for all rows.
+
+Logits are `hidden_NH @ w_VH.T (+ extra_NR @ w_extra_VR.T)`; DSpark passes its markov features
+as the extra term. The forward walks row chunks, and for each one computes the loss and, at
+once, the gradients (softmax minus one-hot), so backward only rescales stored gradients: no
+`[N, V]` tensor is ever alive, and no chunk's logits are recomputed. Weight gradients are formed
+only for weights that require them (the frozen `lm_head` costs nothing there).
+"""
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, w_VH, extra_NR, w_extra_VR, labels_N, chunk_size):
+        n = hidden_NH.shape[0]
+        valid_N = labels_N != IGNORE_INDEX
+        count = valid_N.sum().clamp(min=1)
+        g_hidden = torch.zeros_like(hidden_NH) if hidden_NH.requires_grad else None
+        g_w = torch.zeros_like(w_VH, dtype=torch.float32) if w_VH.requires_grad else None
+        has_extra = extra_NR is not None
+        g_extra = torch.zeros_like(extra_NR) if has_extra and extra_NR.requires_grad else None
+        g_w_extra = (
+            torch.zeros_like(w_extra_VR, dtype=torch.float32)
+            if has_extra and w_extra_VR.requires_grad
+            else None
+        )
+        loss_sum = hidden_NH.new_zeros((), dtype=torch.float32)
+        hit_N = torch.zeros(n, dtype=torch.bool, device=hidden_NH.device)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, min(start + chunk_size, n))
+            logits = hidden_NH[sl] @ w_VH.t()
+            if has_extra:
+                logits = torch.addmm(logits, extra_NR[sl], w_extra_VR.t())
+            logits = logits.float()
+            lab = labels_N[sl]
+            lse = torch.logsumexp(logits, dim=-1)
+            safe = lab.clamp(min=0)
+            picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+            keep = valid_N[sl]
+            loss_sum += ((lse - picked) * keep).sum()
+            hit_N[sl] = logits.argmax(-1) == lab
+            # d(loss_sum)/d(logits) = softmax - onehot, on kept rows only.
+            grad = torch.exp(logits.sub_(lse.unsqueeze(1)))
+            grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
+            grad.mul_(keep.unsqueeze(1))
+            grad = grad.to(hidden_NH.dtype)
+            if g_hidden is not None:
+                g_hidden[sl] = grad @ w_VH
+            if g_w is not None:
+                g_w += (grad.t() @ hidden_NH[sl]).float()
+            if g_extra is not None:
+                g_extra[sl] = grad @ w_extra_VR
+            if g_w_extra is not None:
+                g_w_extra += (grad.t() @ extra_NR[sl]).float()
+        ctx.save_for_backward(count)
+        ctx.grads = (g_hidden, g_w, g_extra, g_w_extra)
+        ctx.dtypes = (w_VH.dtype, w_extra_VR.dtype if has_extra else None)
+        ctx.mark_non_differentiable(hit_N)
+        return loss_sum / count, hit_N
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hit):
+        (count,) = ctx.saved_tensors
+        scale = grad_loss / count
+        g_hidden, g_w, g_extra, g_w_extra = ctx.grads
+        ctx.grads = None
+
+        def scaled(g, dtype=None):
+            if g is None:
+                return None
+            out = g * scale.to(g.dtype)
+            return out if dtype is None else out.to(dtype)
+
+        w_dtype, extra_dtype = ctx.dtypes
+        return (
+            scaled(g_hidden),
+            scaled(g_w, w_dtype),
+            scaled(g_extra),
+            scaled(g_w_extra, extra_dtype),
+            None,
+            None,
+        )
+
+
+def fused_linear_cross_entropy(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    extra_NR: torch.Tensor | None = None,
+    extra_weight_VR: torch.Tensor | None = None,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(mean CE over non-ignored rows, hit_N)` where `hit_N` says the argmax equals the label."""
+    return _FusedLinearCE.apply(hidden_NH, weight_VH, extra_NR, extra_weight_VR, labels_N, chunk_size)
+
+
+def reference_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    """Plain CE on materialised logits; the test and benchmark baseline."""
+    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX)
