@@ -32,9 +32,19 @@ class StoreConfig:
     metadata_server: str = "P2PHANDSHAKE"
     # Reachability check at engine start; an unreachable master fails within this many seconds.
     connect_timeout_s: float = 10.0
+    # host:port of the master's HTTP metrics server, for counting keys through the master when the
+    # run connects to an external master. A launched master knows its own.
+    master_metrics_address: str | None = None
+    # A launched master must answer its health check within this many seconds.
+    master_startup_timeout_s: float = 30.0
+    # A put refused with NO_AVAILABLE_HANDLE (writer segment full) is retried with backoff for at
+    # most this long before the writer raises.
+    put_retry_max_wait_seconds: float = 30.0
 
     def validate(self) -> None:
         positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
+        positive(self, "master_startup_timeout_s")
+        non_negative(self, "put_retry_max_wait_seconds")
         non_negative(self, "master_port", "metrics_port")
         require(self.master_port <= 65535, "master_port", "must be <= 65535", self.master_port)
         require(self.metrics_port <= 65535, "metrics_port", "must be <= 65535", self.metrics_port)
@@ -48,6 +58,14 @@ class StoreConfig:
                 "master_address",
                 "must be host:port",
                 self.master_address,
+            )
+        if self.master_metrics_address is not None:
+            host, _, port = self.master_metrics_address.rpartition(":")
+            require(
+                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+                "master_metrics_address",
+                "must be host:port",
+                self.master_metrics_address,
             )
         require(self.bind_host != "", "bind_host", "must name an interface address", self.bind_host)
 

@@ -1,0 +1,243 @@
+"""Offline shards: samples saved to safetensors, and replayed through the same dataset path.
+
+Layout of `out_dir`
+    `shard-00000.safetensors`, ...: each holds whole samples, one tensor per store object under the
+    object's own key (`<key>_input_ids`, `<key>_layer<id>`), and the samples' manifests as JSON in
+    the safetensors metadata (`hpctoolkit.manifests`, a list in write order).
+    `index.json`: `{"format", "shards": [{"file", "samples", "nbytes"}], "num_samples"}`. Shards
+    and the index are written to a temporary name and `os.replace`d, and the index is rewritten
+    after every shard, so a crash leaves an index that names only complete shards.
+
+`ShardReader` is an `ObjectStore` (read-only; `remove` is a no-op) plus a manifest source, so
+`HiddenStateDataset(reader.manifests(), reader, ...)` replays shards with the same checks as
+training online. Reads go from the file straight into the sample's buffer (`readinto`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctoolkit.data.dataset import HiddenStateDataset
+from hpctoolkit.data.sample import Sample
+from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.store.api import MissingKeysError
+
+INDEX_NAME = "index.json"
+FORMAT = "hpctoolkit-hidden-states-v1"
+MANIFESTS_META = "hpctoolkit.manifests"
+_ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
+
+
+def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
+    # Written by hand rather than with safetensors.save_file: a sample's tensors are views into one
+    # buffer, which save_file refuses (shared memory), and cloning them would copy every sample.
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in tensors:
+            f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Append samples; a shard is closed when the next sample would take it past `max_shard_bytes`.
+
+    A single sample larger than `max_shard_bytes` gets a shard of its own. Call `close()` (or use
+    it as a context manager) to write the last shard.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], max_shard_bytes: int = 1 << 30):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: list[Sample] = []
+        self._pending_bytes = 0
+        self._shards: list[dict[str, Any]] = []
+        self._keys: set[str] = set()
+        index = self.out_dir / INDEX_NAME
+        if index.exists():
+            # Appending to an existing directory keeps what is there.
+            data = json.loads(index.read_text())
+            self._shards = list(data["shards"])
+            self._keys = {k for s in self._shards for k in s["samples"]}
+
+    def add(self, sample: Sample) -> None:
+        if sample.key in self._keys:
+            raise DataIntegrityError(f"sample {sample.key!r} is already in {self.out_dir}")
+        nbytes = sample.manifest.nbytes
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self._pending.append(sample)
+        self._pending_bytes += nbytes
+        self._keys.add(sample.key)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        name = f"shard-{len(self._shards):05d}.safetensors"
+        tensors = [kt for s in self._pending for kt in s.destinations()]
+        meta = {MANIFESTS_META: json.dumps([s.manifest.to_dict() for s in self._pending]), "format": FORMAT}
+        tmp = self.out_dir / f".{name}.tmp-{os.getpid()}"
+        _write_safetensors(tmp, tensors, meta)
+        os.replace(tmp, self.out_dir / name)
+        self._shards.append(
+            {"file": name, "samples": [s.key for s in self._pending], "nbytes": self._pending_bytes}
+        )
+        self._write_index()
+        self._pending, self._pending_bytes = [], 0
+
+    def _write_index(self) -> None:
+        index = {
+            "format": FORMAT,
+            "shards": self._shards,
+            "num_samples": sum(len(s["samples"]) for s in self._shards),
+        }
+        _atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=1))
+
+    def close(self) -> None:
+        self.flush()
+        if not self._shards:
+            self._write_index()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # On an exception the pending samples are dropped rather than half-written; the index
+        # still names only complete shards.
+        if exc_type is None:
+            self.close()
+
+
+def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise DataIntegrityError(f"shard {path} is truncated (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    return 8 + n, header
+
+
+class ShardReader:
+    """Offline shards as an `ObjectStore` and a manifest source; see the module docstring."""
+
+    def __init__(self, shard_dir: str | os.PathLike[str]):
+        self.dir = Path(shard_dir)
+        index_path = self.dir / INDEX_NAME
+        if not index_path.exists():
+            raise DataIntegrityError(f"{self.dir} has no {INDEX_NAME}")
+        index = json.loads(index_path.read_text())
+        if index.get("format") != FORMAT:
+            raise DataIntegrityError(f"{index_path}: format {index.get('format')!r}, expected {FORMAT!r}")
+        self._objects: dict[str, tuple[Path, int, int]] = {}
+        self._manifests: list[dict[str, Any]] = []
+        for shard in index["shards"]:
+            path = self.dir / shard["file"]
+            base, header = _read_header(path)
+            meta = header.pop("__metadata__", {}) or {}
+            manifests = json.loads(meta.get(MANIFESTS_META, "[]"))
+            if [m.get("sample_key") for m in manifests] != shard["samples"]:
+                raise DataIntegrityError(f"shard {path}: its manifests disagree with {INDEX_NAME}")
+            self._manifests.extend(manifests)
+            for key, info in header.items():
+                begin, end = info["data_offsets"]
+                self._objects[key] = (path, base + begin, end - begin)
+        self._lock = threading.Lock()
+
+    def manifests(self) -> list[dict[str, Any]]:
+        """Manifest dicts in write order (parsed and validated by the dataset)."""
+        return list(self._manifests)
+
+    def __len__(self) -> int:
+        return len(self._manifests)
+
+    def dataset(self, **kwargs: Any) -> HiddenStateDataset:
+        """A `HiddenStateDataset` replaying these shards (sharding/resume kwargs as online)."""
+        kwargs.setdefault("retry_max_wait_s", 0.0)
+        return HiddenStateDataset(self.manifests(), self, **kwargs)
+
+    # -- ObjectStore -----------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        raise StoreError(f"offline shards in {self.dir} are read-only")
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[torch.Tensor]) -> None:
+        missing = [k for k in keys if k not in self._objects]
+        if missing:
+            raise MissingKeysError(missing)
+        with self._lock:
+            for key, dst in zip(keys, dests, strict=True):
+                path, offset, size = self._objects[key]
+                want = dst.numel() * dst.element_size()
+                if size != want:
+                    raise StoreError(f"object {key!r} holds {size} bytes, destination expects {want}")
+                if not dst.is_contiguous() or dst.device.type != "cpu":
+                    raise StoreError(f"object {key!r}: destination must be contiguous CPU memory")
+                view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    got = f.readinto(view)
+                if got != size:
+                    raise StoreError(f"object {key!r}: shard {path} is truncated ({got} of {size} bytes)")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self._objects for k in keys]
+
+    def remove(self, keys: Sequence[str]) -> None:
+        # Replay never deletes training data.
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def save_manifest_samples(
+    samples: Sequence[Sample] | Any, out_dir: str | os.PathLike[str], max_shard_bytes: int = 1 << 30
+) -> int:
+    """Write every sample of an iterable (e.g. a `HiddenStateDataset`) to shards; return the count."""
+    n = 0
+    with ShardWriter(out_dir, max_shard_bytes) as w:
+        for s in samples:
+            w.add(s)
+            n += 1
+    return n

@@ -1,0 +1,98 @@
+"""One reassembled training sample, and the single buffer its fragments are read into.
+
+A sample's fragments are fetched straight into one contiguous byte buffer laid out as
+
+    [ input_ids : T x int64 | layer 0 : T x H | layer 1 : T x H | ... | last : T x H ]
+
+in manifest order, so one batched `get_into` fills the whole sample and no tensor is assembled by
+concatenating copies. `input_ids`, `aux_hidden_states` and `last_hidden_states` are views into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpctoolkit.capture.manifest import Manifest
+from hpctoolkit.errors import DataIntegrityError
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise DataIntegrityError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Sample:
+    """A sample as the trainer sees it.
+
+    `input_ids` is `[T]` int64; `aux_hidden_states` is `[n_aux, T, H]`, layer-major in manifest
+    order (ascending capture id); `last_hidden_states` is `[T, H]`, taken before the target's final
+    norm. All three are views into one buffer; keep or clone them as a whole.
+    """
+
+    key: str
+    input_ids: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    last_hidden_states: torch.Tensor
+    manifest: Manifest
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def hidden_states_cat(self) -> torch.Tensor:
+        """`[T, n_aux*H]`, the aux layers side by side (Eagle3/DFlash `fc` input). A new tensor: a copy."""
+        n_aux, t, _ = self.aux_hidden_states.shape
+        if n_aux == 0:
+            return self.aux_hidden_states.new_empty((t, 0))
+        return torch.cat(self.aux_hidden_states.unbind(0), dim=-1)
+
+    @classmethod
+    def empty_for(cls, manifest: Manifest) -> Sample:
+        """Allocate the sample's single buffer, uninitialised, with its views laid out per manifest."""
+        hidden_dtypes = {f.dtype for f in manifest.fragments}
+        if len(hidden_dtypes) != 1:
+            raise DataIntegrityError(
+                f"manifest of sample {manifest.sample_key!r}: field 'fragments' mixes dtypes "
+                f"{sorted(hidden_dtypes)}; one sample buffer needs one hidden-state dtype"
+            )
+        dtype = torch_dtype(hidden_dtypes.pop())
+        t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
+        ids_bytes = t * 8
+        elem = torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(ids_bytes + n * t * h * elem, dtype=torch.uint8)
+        ids = buf[:ids_bytes].view(torch.int64)
+        hidden = buf[ids_bytes:].view(dtype).view(n, t, h)
+        return cls(
+            key=manifest.sample_key,
+            input_ids=ids,
+            aux_hidden_states=hidden[: n - 1],
+            last_hidden_states=hidden[n - 1],
+            manifest=manifest,
+        )
+
+    def destinations(self) -> list[tuple[str, torch.Tensor]]:
+        """(store key, destination view) for every object of the sample, in manifest order."""
+        m = self.manifest
+        out = [(m.input_ids.key, self.input_ids)]
+        n_aux = self.aux_hidden_states.shape[0]
+        for i, f in enumerate(m.fragments):
+            out.append((f.key, self.aux_hidden_states[i] if i < n_aux else self.last_hidden_states))
+        return out

@@ -1,0 +1,203 @@
+"""Publishing a stage's fragments, and fetching a whole sample back: the manifest's two ends.
+
+Publish (engine side, one call per pipeline stage per sample)
+    `publish_stage` is given exactly the objects the manifest assigns to that stage: the capture ids
+    the stage owns, plus `input_ids` on stage 0 only, each with the manifest's shape and dtype.
+    Anything else raises `DataIntegrityError` before a byte is written; a store failure raises
+    `StoreError`. Nothing is ever skipped with a warning.
+
+Fetch (trainer side)
+    `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`) and fills it with one
+    batched zero-copy `get_into`. Keys that are not there yet are polled until
+    `retry_max_wait_s`; then it raises `DataIntegrityError` naming them. A master that stopped
+    answering (`StoreUnavailableError`) is retried within the same window. An object of the wrong
+    size raises at once, naming its key. After a successful read (and its checks) the sample's
+    objects are force-removed; "not found" counts as removed. A sample that fails a check is left
+    in the store for inspection and never yielded.
+
+Manifest `extra` keys this module reads
+    `input_ids_sha256` (`INPUT_IDS_SHA256`): hex SHA-256 of the sample's `input_ids` as
+    little-endian int64 bytes (`input_ids_digest`). The engine sets it when it builds the manifest;
+    stage 0 checks it before publishing and the reader checks it after fetching, so an `input_ids`
+    object that belongs to another prompt is caught even when its length matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from hpctoolkit.capture.manifest import ROLE_INPUT_IDS, FragmentSpec, Manifest
+from hpctoolkit.data.sample import Sample, dtype_name
+from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.store.api import MissingKeysError, ObjectStore
+from hpctoolkit.store.mooncake import StoreUnavailableError
+
+INPUT_IDS_SHA256 = "input_ids_sha256"
+
+
+def input_ids_digest(input_ids: torch.Tensor) -> str:
+    """Hex SHA-256 of token ids as little-endian int64 bytes; the manifest's `input_ids_sha256`."""
+    ids = input_ids.detach().to(device="cpu", dtype=torch.int64).contiguous().reshape(-1)
+    return hashlib.sha256(ids.numpy().astype("<i8", copy=False).tobytes()).hexdigest()
+
+
+def _check_tensor(manifest: Manifest, spec: FragmentSpec, t: torch.Tensor) -> None:
+    where = f"sample {manifest.sample_key!r}, object {spec.key!r}"
+    if not isinstance(t, torch.Tensor):
+        raise DataIntegrityError(f"{where}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != spec.shape:
+        raise DataIntegrityError(
+            f"{where}: shape {list(t.shape)} differs from the manifest's {list(spec.shape)}"
+        )
+    if dtype_name(t.dtype) != spec.dtype:
+        raise DataIntegrityError(
+            f"{where}: dtype {dtype_name(t.dtype)} differs from the manifest's {spec.dtype}"
+        )
+
+
+def publish_stage(
+    store: ObjectStore,
+    manifest: Manifest,
+    stage: int,
+    layers: Mapping[int, torch.Tensor],
+    input_ids: torch.Tensor | None,
+) -> int:
+    """Put the objects that `stage` owns for one sample; return the bytes published.
+
+    `layers` maps capture id to a `[num_tokens, hidden_size]` tensor and must hold exactly the
+    capture ids the manifest assigns to `stage`. `input_ids` (`[num_tokens]` int64) is required on
+    stage 0 and must be None elsewhere. Tensors on another device, or not contiguous, are copied
+    to contiguous CPU memory first.
+    """
+    key = manifest.sample_key
+    if not 0 <= stage < manifest.pp_size:
+        raise DataIntegrityError(f"sample {key!r}: stage {stage} is outside [0, {manifest.pp_size})")
+    owned = manifest.fragments_of_stage(stage)
+    want_layers = {f.layer_id: f for f in owned if f.role != ROLE_INPUT_IDS}
+    given = set(layers)
+    if given != set(want_layers):
+        missing = sorted(set(want_layers) - given)
+        extra = sorted(given - set(want_layers))
+        raise DataIntegrityError(
+            f"sample {key!r}: stage {stage} must publish capture ids {sorted(want_layers)}, "
+            f"got {sorted(given)} (missing {missing}, not owned {extra})"
+        )
+    items: list[tuple[str, torch.Tensor]] = []
+    if stage == 0:
+        if input_ids is None:
+            raise DataIntegrityError(f"sample {key!r}: stage 0 must publish input_ids, got None")
+        _check_tensor(manifest, manifest.input_ids, input_ids)
+        want_sha = manifest.extra.get(INPUT_IDS_SHA256)
+        if want_sha is not None and input_ids_digest(input_ids) != want_sha:
+            raise DataIntegrityError(
+                f"sample {key!r}, object {manifest.input_ids.key!r}: input_ids do not match the "
+                f"manifest's {INPUT_IDS_SHA256}"
+            )
+        items.append((manifest.input_ids.key, input_ids))
+    elif input_ids is not None:
+        raise DataIntegrityError(
+            f"sample {key!r}: only stage 0 publishes input_ids; stage {stage} was given them"
+        )
+    for layer_id, spec in want_layers.items():
+        _check_tensor(manifest, spec, layers[layer_id])
+        items.append((spec.key, layers[layer_id]))
+    items = [(k, t.detach().to("cpu").contiguous()) for k, t in items]
+    store.put_many(items)
+    return sum(t.numel() * t.element_size() for _, t in items)
+
+
+def _check_sample(sample: Sample, expected_input_ids: torch.Tensor | None) -> None:
+    m = sample.manifest
+    ids_key = m.input_ids.key
+    want_sha = m.extra.get(INPUT_IDS_SHA256)
+    if want_sha is not None and input_ids_digest(sample.input_ids) != want_sha:
+        raise DataIntegrityError(
+            f"sample {m.sample_key!r}, object {ids_key!r}: input_ids do not match the manifest's "
+            f"{INPUT_IDS_SHA256} (the object belongs to another prompt or was corrupted)"
+        )
+    if expected_input_ids is not None:
+        exp = expected_input_ids.reshape(-1).to(torch.int64)
+        if exp.shape != sample.input_ids.shape or not torch.equal(exp, sample.input_ids):
+            raise DataIntegrityError(
+                f"sample {m.sample_key!r}, object {ids_key!r}: input_ids differ from the expected ids"
+            )
+    if m.num_tokens and int(sample.input_ids.min()) < 0:
+        raise DataIntegrityError(f"sample {m.sample_key!r}, object {ids_key!r}: negative token ids")
+
+
+def fetch_sample(
+    store: ObjectStore,
+    manifest: Manifest,
+    *,
+    retry_max_wait_s: float,
+    remove: bool = True,
+    expected_input_ids: torch.Tensor | None = None,
+    out: Sample | None = None,
+    poll_interval_s: float = 0.05,
+) -> Sample:
+    """Fetch and check every object of `manifest`'s sample; return it whole or raise.
+
+    `out` reuses a previously returned sample's buffer when its layout matches (the caller must be
+    done with that sample). `expected_input_ids`, when given, must equal the fetched ids.
+    """
+    manifest.validate()
+    sample = out if out is not None and _same_layout(out, manifest) else Sample.empty_for(manifest)
+    if sample is out:
+        sample.key, sample.manifest = manifest.sample_key, manifest
+    dests = sample.destinations()
+    keys = [k for k, _ in dests]
+    tensors = [t for _, t in dests]
+    deadline = time.monotonic() + retry_max_wait_s
+    delay = poll_interval_s
+    while True:
+        try:
+            store.get_into(keys, tensors)
+            break
+        except MissingKeysError as err:
+            pending: Sequence[str] = err.keys
+            last_err: Exception = err
+        except StoreUnavailableError as err:
+            pending, last_err = keys, err
+        except StoreError as err:
+            raise DataIntegrityError(f"sample {manifest.sample_key!r}: {err}") from err
+        # Poll cheaply for what is missing instead of moving the whole sample again each time.
+        while True:
+            if time.monotonic() + delay > deadline:
+                if isinstance(last_err, MissingKeysError):
+                    raise DataIntegrityError(
+                        f"sample {manifest.sample_key!r}: objects {list(pending)} still missing after "
+                        f"{retry_max_wait_s:g}s (store.get_retry_max_wait_seconds)"
+                    ) from last_err
+                raise StoreUnavailableError(
+                    f"sample {manifest.sample_key!r}: store unavailable for {retry_max_wait_s:g}s "
+                    f"(store.get_retry_max_wait_seconds): {last_err}"
+                ) from last_err
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+            try:
+                present = store.exists(list(pending))
+            except StoreUnavailableError as err:
+                pending, last_err = keys, err
+                continue
+            pending = [k for k, ok in zip(pending, present, strict=True) if not ok]
+            if not pending:
+                break
+    _check_sample(sample, expected_input_ids)
+    if remove:
+        store.remove(keys)
+    return sample
+
+
+def _same_layout(sample: Sample, manifest: Manifest) -> bool:
+    frag_dtype = manifest.fragments[0].dtype
+    n = len(manifest.fragments)
+    return (
+        tuple(sample.input_ids.shape) == (manifest.num_tokens,)
+        and tuple(sample.aux_hidden_states.shape) == (n - 1, manifest.num_tokens, manifest.hidden_size)
+        and dtype_name(sample.last_hidden_states.dtype) == frag_dtype
+        and all(f.dtype == frag_dtype for f in manifest.fragments)
+    )

@@ -1,0 +1,418 @@
+"""`ObjectStore` over a Mooncake master: the production transport for captured hidden states.
+
+Lifetime
+    `MooncakeStore` builds its native client lazily, on the first call that needs it, never in its
+    constructor: the client registers memory, which perturbs vLLM's KV-cache memory profiling if it
+    happens inside the engine constructor. What the engine constructor does instead is
+    `check_reachable`, which opens one TCP connection and asks the master's RPC service whether it
+    is ready. It needs no client, and an unreachable or wrong address fails within
+    `connect_timeout_s` (10 s by default) with a message naming the address; the native client
+    would retry for about 90 s first. `close()` releases the client; it is bounded even when the
+    master is already dead (the native close then blocks for about 20 s, so it is left to a daemon
+    thread).
+
+Concurrency
+    One `MooncakeStore` per process and role. Calls from several threads are serialised by a lock;
+    the native client is not documented as thread-safe. A writer contributes
+    `global_segment_size` bytes to the store, and the objects it publishes live in that segment:
+    the writer process must outlive the reads of what it wrote. A reader contributes no segment.
+
+Data path
+    Puts and gets are zero-copy: every source and destination tensor is registered with the client
+    for the duration of the call (cheap over TCP, about 40 us) and moved by `batch_put_from` /
+    `batch_get_into`. With `enable_hard_pin` objects are put with `ReplicateConfig.with_hard_pin`
+    so eviction cannot take them before the trainer reads them; a Mooncake without that field gets
+    one warning and the run goes on.
+
+Failure
+    Every non-zero return code raises `StoreError` naming the key, the code and its Mooncake name.
+    NO_AVAILABLE_HANDLE (-200: the writer's segment is full) is retried with backoff for
+    `put_retry_max_wait_seconds`, then raises. OBJECT_NOT_FOUND on a get raises `MissingKeysError`
+    and on a remove counts as success. RPC failures (the master went away) raise
+    `StoreUnavailableError`, which readers treat as retryable within their retry window.
+
+`mooncake` is imported inside functions, so `hpctoolkit.store` imports where it is not installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hpctoolkit.errors import StoreError
+from hpctoolkit.store.api import MissingKeysError
+from hpctoolkit.store.config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) that this module names in messages.
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE",
+    -300: "INVALID_VERSION",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
+NO_AVAILABLE_HANDLE = -200
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900
+_UNAVAILABLE_CODES = frozenset({RPC_FAIL, -1010})  # -1010: UNAVAILABLE_IN_CURRENT_STATUS
+
+# coro_rpc, the master's RPC framing: a 20-byte request header, a 16-byte response header.
+_CORO_RPC_MAGIC = 0x15
+_REQ_HEADER = struct.Struct("<BBBBIIII")
+_RESP_HEADER = struct.Struct("<BBBBIII")
+# coro_rpc names a handler by the first 4 bytes of the MD5 of its qualified C++ name.
+_SERVICE_READY_ID = int.from_bytes(
+    hashlib.md5(b"mooncake::WrappedMasterService::ServiceReady").digest()[:4], "big"
+)
+_hard_pin_warned = False
+
+
+class StoreUnavailableError(StoreError):
+    """The master stopped answering (RPC failure). Readers retry it within their window."""
+
+
+def code_name(code: int) -> str:
+    return f"{code} ({ERROR_NAMES.get(code, 'unknown')})"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise StoreError(f"Mooncake master address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> str:
+    """Fail within `timeout_s` unless a Mooncake master answers at `address` ("host:port").
+
+    Opens one TCP connection and calls the master's `ServiceReady` RPC (coro_rpc framing), so a
+    port that accepts connections but is not a Mooncake master also fails. Builds no Mooncake
+    client. Returns the version string the master reports. Raises `StoreError` naming the address.
+    """
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout_s
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer within {timeout_s:g}s")
+        return left
+
+    seq = int(time.monotonic_ns() & 0xFFFFFFFF)
+    try:
+        with socket.create_connection((host, port), timeout=remaining()) as sock:
+            sock.settimeout(remaining())
+            sock.sendall(_REQ_HEADER.pack(_CORO_RPC_MAGIC, 0, 0, 0, seq, _SERVICE_READY_ID, 0, 0))
+            head = _recv_exact(sock, _RESP_HEADER.size, remaining)
+            magic, _ver, err, _msg, rseq, length, _attach = _RESP_HEADER.unpack(head)
+            if magic != _CORO_RPC_MAGIC or rseq != seq:
+                raise ConnectionError("the port answered, but not with Mooncake's coro_rpc framing")
+            if err != 0:
+                raise ConnectionError(f"ServiceReady returned coro_rpc error {err}")
+            body = _recv_exact(sock, min(length, 4096), remaining)
+    except (OSError, TimeoutError, ConnectionError) as err:
+        raise StoreError(f"Mooncake master at {address} is unreachable: {err}") from err
+    # The body is struct_pack'ed; the version string is its printable tail.
+    m = re.search(rb"(\d+\.\d+[\w.\-+]*)$", body)
+    return m.group(1).decode() if m else ""
+
+
+def _recv_exact(sock: socket.socket, n: int, remaining: Any) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        sock.settimeout(remaining())
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the connection was closed before a reply arrived")
+        buf += chunk
+    return bytes(buf)
+
+
+def _http_get(address: str, path: str, timeout_s: float) -> str:
+    url = f"http://{address}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.read().decode()
+    except (OSError, urllib.error.URLError) as err:
+        raise StoreError(f"Mooncake master metrics server at {address} is unreachable: {err}") from err
+
+
+def master_healthy(metrics_address: str, timeout_s: float = 2.0) -> bool:
+    """True when the master's HTTP `/health` says it serves."""
+    try:
+        return '"service_ready":true' in _http_get(metrics_address, "/health", timeout_s).replace(" ", "")
+    except StoreError:
+        return False
+
+
+def count_keys_via_master(metrics_address: str, timeout_s: float = 5.0) -> int:
+    """The number of keys the master holds, read from its `/metrics` (`master_key_count`).
+
+    This asks the master itself, not our bookkeeping, so it also counts objects published by
+    processes that have since exited. `metrics_address` is the master's HTTP server
+    (`MasterProcess.metrics_address`, or `store.master_metrics_address` for an external master).
+    """
+    text = _http_get(metrics_address, "/metrics", timeout_s)
+    m = re.search(r"^master_key_count\s+(\d+(?:\.\d+)?)\s*$", text, re.MULTILINE)
+    if m is None:
+        raise StoreError(f"Mooncake master at {metrics_address}: /metrics has no master_key_count")
+    return int(float(m.group(1)))
+
+
+def list_keys_via_master(metrics_address: str, timeout_s: float = 5.0) -> list[str]:
+    """The keys the master holds (its `/get_all_keys` endpoint), for error messages and debugging."""
+    text = _http_get(metrics_address, "/get_all_keys", timeout_s)
+    return [k for k in text.split() if k]
+
+
+def _merge_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    # A sample's destinations are views into one buffer; registering it once (not once per view)
+    # avoids overlapping registrations.
+    merged: list[list[int]] = []
+    for ptr, size in sorted(s for s in spans if s[1] > 0):
+        if merged and ptr <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], ptr + size - merged[-1][0])
+        else:
+            merged.append([ptr, size])
+    return [(p, n) for p, n in merged]
+
+
+def _tensor_span(t: torch.Tensor, key: str) -> tuple[int, int]:
+    if t.device.type != "cpu":
+        raise StoreError(f"object {key!r}: tensor is on {t.device}, the store moves CPU memory only")
+    if not t.is_contiguous():
+        raise StoreError(f"object {key!r}: tensor is not contiguous")
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+class MooncakeStore:
+    """`ObjectStore` over a Mooncake master at `address`; see the module docstring for the rules."""
+
+    def __init__(
+        self, address: str, cfg: StoreConfig, role: str = "writer", *, local_hostname: str | None = None
+    ):
+        if role not in ("writer", "reader"):
+            raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
+        split_address(address)
+        self.address = address
+        self.cfg = cfg
+        self.role = role
+        self.local_hostname = local_hostname or cfg.bind_host
+        self._store: Any = None
+        self._replicate: Any = None
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- client lifetime -------------------------------------------------------------------------
+
+    def _client(self) -> Any:
+        if self._closed:
+            raise StoreError(f"Mooncake store client for {self.address} is closed")
+        if self._store is None:
+            # Without this the native setup retries an unreachable master for about 90 s.
+            check_reachable(self.address, self.cfg.connect_timeout_s)
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            segment = self.cfg.segment_bytes if self.role == "writer" else 0
+            rc = store.setup(
+                self.local_hostname,
+                self.cfg.metadata_server,
+                segment,
+                self.cfg.buffer_bytes,
+                self.cfg.protocol,
+                self.cfg.device_name,
+                self.address,
+            )
+            if rc != 0:
+                raise StoreError(
+                    f"Mooncake client setup against master {self.address} failed: {code_name(rc)}"
+                )
+            self._store = store
+            self._replicate = self._make_replicate_config()
+        return self._store
+
+    def _make_replicate_config(self) -> Any:
+        global _hard_pin_warned
+        from mooncake.store import ReplicateConfig
+
+        rc = ReplicateConfig()
+        rc.replica_num = 1
+        if self.cfg.enable_hard_pin:
+            if hasattr(rc, "with_hard_pin"):
+                rc.with_hard_pin = True
+            elif not _hard_pin_warned:
+                _hard_pin_warned = True
+                warnings.warn(
+                    "store.enable_hard_pin is set but the installed Mooncake's ReplicateConfig has no "
+                    "with_hard_pin; fragments are published unpinned and may be evicted under pressure",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return rc
+
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Release the client. Bounded: a native close that blocks (dead master) is abandoned."""
+        with self._lock:
+            store, self._store, self._closed = self._store, None, True
+        if store is None:
+            return
+        t = threading.Thread(target=store.close, name="mooncake-close", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("Mooncake client close against %s did not finish in %.1fs", self.address, timeout_s)
+
+    def __enter__(self) -> MooncakeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _registered(self, store: Any, spans: Sequence[tuple[int, int]]) -> Iterator[None]:
+        done: list[int] = []
+        try:
+            for ptr, size in _merge_spans(spans):
+                rc = store.register_buffer(ptr, size)
+                if rc != 0:
+                    raise StoreError(f"Mooncake register_buffer of {size} bytes failed: {code_name(rc)}")
+                done.append(ptr)
+            yield
+        finally:
+            for ptr in done:
+                store.unregister_buffer(ptr)
+
+    # -- ObjectStore -----------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if not items:
+            return
+        keys = [k for k, _ in items]
+        spans = [_tensor_span(t, k) for k, t in items]
+        with self._lock:
+            store = self._client()
+            with self._registered(store, spans):
+                pending = list(range(len(items)))
+                deadline = time.monotonic() + self.cfg.put_retry_max_wait_seconds
+                delay = 0.05
+                while True:
+                    rcs = store.batch_put_from(
+                        [keys[i] for i in pending],
+                        [spans[i][0] for i in pending],
+                        [spans[i][1] for i in pending],
+                        self._replicate,
+                    )
+                    full = []
+                    for i, rc in zip(pending, rcs, strict=True):
+                        if rc == 0:
+                            continue
+                        if rc == NO_AVAILABLE_HANDLE:
+                            full.append(i)
+                            continue
+                        cls = StoreUnavailableError if rc in _UNAVAILABLE_CODES else StoreError
+                        raise cls(
+                            f"put of {keys[i]!r} to Mooncake master {self.address} failed: {code_name(rc)}"
+                        )
+                    if not full:
+                        return
+                    if time.monotonic() + delay > deadline:
+                        raise StoreError(
+                            f"put of {[keys[i] for i in full]} to Mooncake master {self.address} still "
+                            f"refused with {code_name(NO_AVAILABLE_HANDLE)} after "
+                            f"{self.cfg.put_retry_max_wait_seconds:g}s: the writer's segment is full "
+                            "(raise store.global_segment_size or read faster)"
+                        )
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    pending = full
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[torch.Tensor]) -> None:
+        if len(keys) != len(dests):
+            raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        if not keys:
+            return
+        spans = [_tensor_span(t, k) for k, t in zip(keys, dests, strict=True)]
+        with self._lock:
+            store = self._client()
+            with self._registered(store, spans):
+                got = store.batch_get_into(list(keys), [p for p, _ in spans], [n for _, n in spans])
+        missing = []
+        for key, (_, want), n in zip(keys, spans, got, strict=True):
+            if n == want:
+                continue
+            if n == OBJECT_NOT_FOUND:
+                missing.append(key)
+            elif n >= 0:
+                raise StoreError(f"object {key!r} holds {n} bytes, destination expects {want}")
+            elif n == -600:
+                # The client refuses a destination smaller than the object.
+                raise StoreError(f"object {key!r} is larger than its destination of {want} bytes")
+            elif n in _UNAVAILABLE_CODES:
+                raise StoreUnavailableError(
+                    f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}"
+                )
+            else:
+                raise StoreError(f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}")
+        if missing:
+            raise MissingKeysError(missing)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self._lock:
+            res = self._client().batch_is_exist(list(keys))
+        out = []
+        for key, r in zip(keys, res, strict=True):
+            if r < 0:
+                cls = StoreUnavailableError if r in _UNAVAILABLE_CODES else StoreError
+                raise cls(f"exists check of {key!r} on Mooncake master {self.address} failed: {code_name(r)}")
+            out.append(r == 1)
+        return out
+
+    def remove(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        with self._lock:
+            # force: a read leaves a lease (default_kv_lease_ttl) that would refuse removal (-706).
+            rcs = self._client().batch_remove(list(keys), True)
+        bad = [(k, rc) for k, rc in zip(keys, rcs, strict=True) if rc not in (0, OBJECT_NOT_FOUND)]
+        if bad:
+            key, rc = bad[0]
+            cls = StoreUnavailableError if rc in _UNAVAILABLE_CODES else StoreError
+            raise cls(
+                f"remove of {key!r} (and {len(bad) - 1} more) on Mooncake master {self.address} "
+                f"failed: {code_name(rc)}"
+            )
+
+    def health_check(self) -> int:
+        """The native client's view: 0 healthy, 1 not initialised or closed, 2 master unreachable."""
+        with self._lock:
+            return int(self._client().health_check())
