@@ -298,7 +298,10 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store is None:
             factory = _load(self._extra.store_factory)
             try:
-                self._store = factory(self._extra.store_address, self._extra.store_config, "writer")
+                from hpctoolkit.store.config import StoreConfig
+
+                cfg = StoreConfig(**self._extra.store_config)
+                self._store = factory(self._extra.store_address, cfg, "writer")
             except StoreError:
                 raise
             except Exception as err:

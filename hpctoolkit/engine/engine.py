@@ -50,11 +50,10 @@ def target_num_layers(model_dir: str | os.PathLike) -> int:
 
 
 def run_prefix(run_id: str, engine_index: int) -> str:
-    """Sample-key prefix unique to one engine of one run."""
-    prefix = f"{run_id}-e{engine_index}"
-    if sanitize_key(prefix) != prefix:
-        raise ConfigError(f"run_id {run_id!r} must use only [A-Za-z0-9._-] (it prefixes every store key)")
-    return prefix
+    """Sample-key prefix unique to one engine of one run, in the store-safe character set."""
+    if not run_id:
+        raise ConfigError("run_id must be non-empty: it keeps this run's store keys apart from others'")
+    return sanitize_key(f"{run_id}-e{engine_index}")
 
 
 def _store_cfg_dict(store_cfg: Any) -> dict[str, Any]:

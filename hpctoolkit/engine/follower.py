@@ -1,0 +1,221 @@
+"""Follower nodes of a multi-node engine, and the `VllmConfig` both node roles must agree on.
+
+vLLM's multiprocessing backend runs exactly one scheduler and one EngineCore per engine, on
+`node_rank=0`. Every other node only hosts workers: it runs vLLM's headless path
+(`vllm/entrypoints/cli/serve.py` `run_headless`), which builds a `MultiprocExecutor` whose workers
+join the leader's `torch.distributed` rendezvous at `master_addr:master_port` and its broadcast
+message queue. A follower therefore never constructs an `LLM`: a second EngineCore on a follower
+would issue control-plane RPCs that no leader queue answers.
+
+Contract of `HeadlessFollower`:
+
+* `start()` returns once this node's workers have loaded the model and joined the leader (vLLM's
+  `WorkerProc.wait_for_ready`), so it blocks until the leader is starting too. The liveness monitor
+  runs on a daemon thread (`start_worker_monitor(inline=False)`) instead of blocking the caller as
+  `run_headless` does, so a Ray actor's or a Slurm step's `init()` returns.
+* `health_check()` is True while the executor has not failed or been shut down and every local
+  worker process is alive. vLLM's own `check_health` is an RPC over the broadcast queue, which
+  only the leader owns, so it cannot be used here.
+* `shutdown()` tears down the executor and waits for its worker processes; it is idempotent, and
+  afterwards no worker process of this follower remains.
+
+Leader and followers must build field-identical `VllmConfig`s, or they disagree about the model,
+the KV layout and the capture path. The leader builds its config inside `LLM.__init__`, which
+turns dict-valued arguments into config objects before `EngineArgs` sees them; the headless path
+bypasses `LLM.__init__`, so `build_vllm_config` redoes that conversion and also takes `LLM`'s own
+signature defaults (which differ from `EngineArgs`' for e.g. `gpu_memory_utilization` and `seed`)
+and `LLM`'s usage context (which picks the default `max_num_batched_tokens`).
+`tests/test_follower.py` checks the result against the config a real `LLM.__init__` builds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from hpctoolkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# The per-node keys: the only `VllmConfig` inputs on which leader and follower may differ.
+NODE_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+# Dict-valued `LLM` arguments that `LLM.__init__` turns into config objects (vllm 0.32
+# `entrypoints/llm.py`): argument name -> (module, class).
+_DICT_CONFIGS = {
+    "kv_transfer_config": ("vllm.config.kv_transfer", "KVTransferConfig"),
+    "compilation_config": ("vllm.config", "CompilationConfig"),
+    "structured_outputs_config": ("vllm.config", "StructuredOutputsConfig"),
+    "profiler_config": ("vllm.config", "ProfilerConfig"),
+    "attention_config": ("vllm.config", "AttentionConfig"),
+}
+
+
+def _config_class(name: str) -> type:
+    import importlib
+
+    module, cls = _DICT_CONFIGS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def _to_config(name: str, value: Any) -> Any:
+    """`LLM.__init__`'s conversion of one dict/None/int argument into its config object."""
+    from vllm.config.utils import is_init_field
+
+    cls = _config_class(name)
+    if name == "kv_transfer_config":
+        # LLM converts only a dict here and passes None through (no connector).
+        return cls(**value) if isinstance(value, Mapping) else value
+    if name == "compilation_config" and isinstance(value, int) and not isinstance(value, bool):
+        from vllm.config.compilation import CompilationMode
+
+        return cls(mode=CompilationMode(value))
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        return cls(**{k: v for k, v in value.items() if is_init_field(cls, k)})
+    return value
+
+
+def llm_engine_args(engine_kwargs: Mapping[str, Any]) -> EngineArgs:
+    """The `EngineArgs` that `vllm.LLM(**engine_kwargs)` would build, without building an engine."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "model" not in engine_kwargs:
+        raise ConfigError("engine kwargs lack 'model'")
+    kwargs = dict(engine_kwargs)
+    # LLM's signature defaults win over EngineArgs' for every argument the caller left out.
+    for name, param in inspect.signature(LLM.__init__).parameters.items():
+        if name in ("self", "kwargs") or param.default is inspect.Parameter.empty:
+            continue
+        kwargs.setdefault(name, param.default)
+    kwargs.setdefault("disable_log_stats", True)
+    if kwargs.get("hf_overrides") is None:
+        kwargs["hf_overrides"] = {}
+    if kwargs.get("offload_params") is None:
+        kwargs["offload_params"] = set()
+    if isinstance(kwargs.get("worker_cls"), type):
+        import cloudpickle
+
+        kwargs["worker_cls"] = cloudpickle.dumps(kwargs["worker_cls"])
+    for name in _DICT_CONFIGS:
+        kwargs[name] = _to_config(name, kwargs.get(name))
+    return EngineArgs(**kwargs)
+
+
+def build_vllm_config(engine_kwargs: Mapping[str, Any], *, headless: bool = False) -> VllmConfig:
+    """The `VllmConfig` of `LLM(**engine_kwargs)`; with `headless`, as vLLM's headless path builds it.
+
+    `UsageContext.LLM_CLASS` on both roles: the usage context selects the default batch limits, and
+    `run_headless`'s `OPENAI_API_SERVER` would give the follower different ones from an `LLM` leader.
+    """
+    from vllm.usage.usage_lib import UsageContext
+
+    return llm_engine_args(engine_kwargs).create_engine_config(
+        usage_context=UsageContext.LLM_CLASS, headless=headless
+    )
+
+
+class HeadlessFollower:
+    """The workers of one follower node (`node_rank > 0`) of a multi-node engine.
+
+    `engine_kwargs` are the leader's `LLM` keyword arguments without the per-node keys
+    (`NODE_KEYS`), which are passed separately so that both roles share one dict.
+    """
+
+    def __init__(
+        self,
+        engine_kwargs: Mapping[str, Any],
+        node_rank: int,
+        nnodes: int,
+        master_addr: str,
+        master_port: int,
+    ) -> None:
+        clash = sorted(set(NODE_KEYS) & set(engine_kwargs))
+        if clash:
+            raise ConfigError(f"engine kwargs may not set {clash}: HeadlessFollower sets the per-node keys")
+        if nnodes < 2:
+            raise ConfigError(f"nnodes={nnodes}: a follower only exists in a multi-node engine")
+        if not 0 < node_rank < nnodes:
+            raise ConfigError(
+                f"node_rank={node_rank} is not a follower rank of a {nnodes}-node engine; "
+                "node 0 is the leader and constructs the LLM"
+            )
+        backend = engine_kwargs.get("distributed_executor_backend", "mp")
+        if backend != "mp":
+            raise ConfigError(
+                f"distributed_executor_backend={backend!r}: headless followers need vLLM's 'mp' backend"
+            )
+        self.engine_kwargs = {
+            **engine_kwargs,
+            "distributed_executor_backend": "mp",
+            "nnodes": nnodes,
+            "node_rank": node_rank,
+            "master_addr": master_addr,
+            "master_port": master_port,
+        }
+        self.node_rank = node_rank
+        self.vllm_config: VllmConfig | None = None
+        self._executor: Any = None
+
+    def start(self) -> None:
+        """Spawn this node's workers and return once they are up; the monitor runs on a daemon thread."""
+        if self._executor is not None:
+            raise RuntimeError("HeadlessFollower.start() called twice")
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        self.vllm_config = build_vllm_config(self.engine_kwargs, headless=True)
+        parallel = self.vllm_config.parallel_config
+        if parallel.node_rank_within_dp < 1:
+            raise ConfigError(
+                f"node_rank={self.node_rank} maps to node_rank_within_dp={parallel.node_rank_within_dp}; "
+                "a headless follower must not be a data-parallel leader"
+            )
+        logger.info(
+            "follower node_rank=%d: starting %d worker(s), head at %s:%d",
+            self.node_rank,
+            parallel.local_world_size,
+            parallel.master_addr,
+            parallel.master_port,
+        )
+        # monitor_workers=False as in run_headless; the monitor is started below, off this thread.
+        executor = MultiprocExecutor(self.vllm_config, monitor_workers=False)
+        executor.start_worker_monitor(inline=False)
+        self._executor = executor
+
+    def health_check(self) -> bool:
+        ex = self._executor
+        if ex is None or ex.is_failed or getattr(ex, "shutting_down", False):
+            return False
+        workers = getattr(ex, "workers", None) or []
+        return bool(workers) and all(w.proc.is_alive() for w in workers)
+
+    def worker_pids(self) -> list[int]:
+        ex = self._executor
+        return [w.proc.pid for w in (getattr(ex, "workers", None) or [])] if ex is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the workers and wait for them; safe to call twice or before `start()`."""
+        ex, self._executor = self._executor, None
+        if ex is None:
+            return
+        procs = [w.proc for w in (getattr(ex, "workers", None) or [])]
+        ex.shutdown()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                raise RuntimeError(f"follower worker pid {proc.pid} survived shutdown")
+
+    def __enter__(self) -> HeadlessFollower:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

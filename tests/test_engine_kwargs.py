@@ -1,0 +1,198 @@
+"""Engine arguments, environment and the connector's pure helpers: no vLLM, milliseconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpctoolkit import envs
+from hpctoolkit.capture import capture_ids_for, sanitize_key
+from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
+from hpctoolkit.engine.engine import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    EXTRA_CONFIG_KEY,
+    build_llm_kwargs,
+    run_prefix,
+    target_num_layers,
+)
+from hpctoolkit.engine.rows import gather_rows, head_index_of, sample_key_for, slot_mapping
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+
+pytestmark = pytest.mark.timeout(60)
+
+IDS = [1, 3, 5, 6]
+
+
+def _build(cfg: EngineConfig | None = None, **kw):
+    cfg = cfg or EngineConfig(target_layer_ids=[0, 2, 4])
+    args = {"store_address": "127.0.0.1:50051", "store_cfg": {"connect_timeout_s": 7.0}, "run_id": "run1"}
+    args.update(kw)
+    return build_llm_kwargs(cfg, "/models/t", IDS, **args)
+
+
+def test_capture_engine_core_arguments():
+    kwargs, _ = _build()
+    assert kwargs["model"] == "/models/t"
+    assert kwargs["enable_prefix_caching"] is False
+    assert kwargs["enable_chunked_prefill"] is True
+    spec = kwargs["speculative_config"]
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == IDS
+    kv = kwargs["kv_transfer_config"]
+    assert kv["kv_connector"] == CONNECTOR_CLASS
+    assert kv["kv_connector_module_path"] == CONNECTOR_MODULE
+    extra = kv["kv_connector_extra_config"][EXTRA_CONFIG_KEY]
+    assert extra["store_address"] == "127.0.0.1:50051"
+    assert extra["connect_timeout_s"] == 7.0
+    assert extra["run_prefix"] == "run1-e0"
+    # Settings cross a process boundary to the workers: JSON only.
+    json.dumps(kwargs)
+
+
+def test_capture_ids_follow_vllm_convention():
+    # 0-based layer i -> capture id i+1; the final layer L is appended for last_hidden_states.
+    assert capture_ids_for([0, 2, 4], 6) == IDS
+    with pytest.raises(ConfigError):
+        capture_ids_for([5], 6)  # the final layer is captured separately
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "pp", "tp"), [(1, 1, 1, 1), (1, 4, 2, 2), (1, 8, 4, 2), (1, 6, 3, 2)]
+)
+def test_tp_is_world_over_pp(nodes, gpus, pp, tp):
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=nodes, gpus_per_node=gpus, pp_size=pp)
+    kwargs, env = _build(cfg, backend="cuda")
+    assert kwargs["tensor_parallel_size"] == tp
+    assert kwargs["pipeline_parallel_size"] == pp
+    assert kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] == nodes * gpus
+    assert kwargs["distributed_executor_backend"] == ("uni" if nodes * gpus == 1 else "mp")
+    # Several workers cannot share the caller's process.
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == ("0" if nodes * gpus == 1 else "1")
+
+
+def test_pp_must_divide_world():
+    with pytest.raises(ConfigError, match="pp_size"):
+        _build(EngineConfig(target_layer_ids=[0], gpus_per_node=4, pp_size=3))
+
+
+@pytest.mark.parametrize("key", sorted(PROTECTED_ENGINE_KEYS))
+def test_protected_keys_rejected(key):
+    cfg = EngineConfig(target_layer_ids=[0], extra_args={key: 1})
+    with pytest.raises(ConfigError, match=key):
+        _build(cfg)
+
+
+def test_extra_args_pass_through():
+    kwargs, _ = _build(EngineConfig(target_layer_ids=[0], extra_args={"seed": 3, "block_size": 32}))
+    assert kwargs["seed"] == 3
+    assert kwargs["block_size"] == 32
+
+
+def test_eager_default_per_backend():
+    assert _build()[0]["enforce_eager"] is True  # one CPU worker
+    pp2 = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
+    assert _build(pp2)[0]["enforce_eager"] is False  # CPU PP needs the compile warm-up
+    assert _build(backend="cuda")[0]["enforce_eager"] is False
+    forced = EngineConfig(target_layer_ids=[0], enforce_eager=True)
+    assert _build(forced, backend="cuda")[0]["enforce_eager"] is True
+
+
+def test_cpu_environment():
+    _, env = _build(EngineConfig(target_layer_ids=[0], cpu_kvcache_space_gb=3))
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert set(env) <= set(envs.ENGINE_ENV_KEYS)
+    _, cuda_env = _build(backend="cuda")
+    assert "VLLM_TARGET_DEVICE" not in cuda_env
+
+
+def test_cpu_pp_binds_cores_per_rank():
+    cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
+    _, env = _build(cfg, num_cores=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert envs.cpu_bind_spec(2, 4) == "0-1|2-3"
+    with pytest.raises(ValueError, match="cores"):
+        envs.cpu_bind_spec(4, 2)
+
+
+def test_env_registry():
+    assert "HPCTOOLKIT_CACHE" in envs.registered()
+    with pytest.raises(KeyError, match="not a registered"):
+        envs.get("HPCTOOLKIT_NOPE")
+
+
+def test_multinode_not_silently_accepted():
+    with pytest.raises(ConfigError, match="nnodes"):
+        _build(EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2))
+
+
+def test_run_prefix_is_store_safe_and_engine_unique():
+    assert run_prefix("r1", 0) != run_prefix("r1", 1)
+    p = run_prefix("my run/with:odd", 0)
+    assert sanitize_key(p) == p
+    with pytest.raises(ConfigError):
+        run_prefix("", 0)
+
+
+def test_sample_key_sanitised_and_prefixed():
+    key = sample_key_for("run1-e0", "cmpl-7/a b")
+    assert key.startswith("run1-e0-")
+    assert sanitize_key(key) == key
+    # Distinct request ids stay distinct after sanitising.
+    assert sample_key_for("p", "a/b") != sample_key_for("p", "a_b")
+    with pytest.raises(ConfigError):
+        sample_key_for("bad prefix", "0")
+
+
+def test_store_config_object_accepted():
+    from hpctoolkit.store.config import StoreConfig
+
+    kwargs, _ = _build(store_cfg=StoreConfig(connect_timeout_s=4.0))
+    extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"][EXTRA_CONFIG_KEY]
+    assert extra["connect_timeout_s"] == 4.0
+    assert extra["store_config"]["connect_timeout_s"] == 4.0
+
+
+def test_target_num_layers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    assert target_num_layers(tmp_path) == 6
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    assert target_num_layers(tmp_path) == 4
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        target_num_layers(tmp_path)
+
+
+def test_slot_mapping_follows_block_table():
+    assert slot_mapping([3, 1], 4, 6).tolist() == [12, 13, 14, 15, 4, 5]
+    with pytest.raises(DataIntegrityError):
+        slot_mapping([3], 4, 5)
+
+
+def test_head_index_global_and_local_layouts():
+    # Stock vLLM: heads follow the global capture-id list, whatever the stage owns.
+    assert head_index_of([1, 3, 5, 6], [5, 6], 4) == {5: 2, 6: 3}
+    # A per-stage cache layer (PP patch): heads follow the stage's own ids.
+    assert head_index_of([1, 3, 5, 6], [5, 6], 2) == {5: 0, 6: 1}
+    with pytest.raises(DataIntegrityError, match="heads"):
+        head_index_of([1, 3, 5, 6], [5, 6], 3)
+
+
+def test_gather_rows_reads_the_right_slots_and_copies():
+    blocks, heads, bs, hidden = 5, 3, 4, 2
+    kv = torch.arange(blocks * heads * bs * hidden, dtype=torch.float32).reshape(blocks, heads, bs, hidden)
+    slots = slot_mapping([2, 0], bs, 6)
+    rows = gather_rows(kv, slots)
+    assert rows.shape == (6, heads, hidden)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(rows[t], kv[s // bs, :, s % bs])
+    kv.zero_()
+    assert rows.abs().sum() > 0  # a copy: freed blocks may be reused
