@@ -146,16 +146,23 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.spec = spec
         self.interleaved = interleaved
-        self.register_buffer("inv_freq", compute_inv_freq(spec, dim), persistent=False)
+        # Not a buffer: `model.to(torch.bfloat16)` would round the frequencies. Kept per device.
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     @property
     def base(self) -> float:
         return self.spec.base
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """`[dim // 2]` fp32 inverse frequencies, on the CPU."""
+        return compute_inv_freq(self.spec, self.dim)
+
     def forward(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq
-        if inv_freq.device.type == "meta" or inv_freq.device != positions_BS.device:
-            inv_freq = compute_inv_freq(self.spec, self.dim).to(positions_BS.device)
+        inv_freq = self._inv_freq_by_device.get(positions_BS.device)
+        if inv_freq is None:
+            inv_freq = self.inv_freq.to(positions_BS.device)
+            self._inv_freq_by_device[positions_BS.device] = inv_freq
         freqs_BSF = positions_BS.float().unsqueeze(-1) * inv_freq
         if self.interleaved:
             emb = freqs_BSF.repeat_interleave(2, dim=-1)
