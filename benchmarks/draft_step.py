@@ -1,3 +1,4 @@
+# ruff: noqa: N803, N806  -- shape names (B, S, anchors_BN), per STYLE.md
 """Time one forward+backward step of the Kimi-K3 DSpark MLA draft, against a naive reference.
 
     PYTHONPATH=. python benchmarks/draft_step.py            # H200, K3 shapes, bf16
@@ -169,7 +170,7 @@ def main() -> None:
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "step_model_tflop": flops / 1e12,
         "peak_flops_assumed": H200_BF16_PEAK_FLOPS,
-        "matmul_8k_measured_tflops": (lambda v: v and v / 1e12)(matmul_peak(device, dtype)),
+        "matmul_8k_measured_tflops": (peak / 1e12) if (peak := matmul_peak(device, dtype)) else None,
         "variants": {},
     }
     fns = {"ours": run_ours, "naive": run_naive}
