@@ -166,7 +166,8 @@ def fetch_sample(
             raise DataIntegrityError(f"sample {manifest.sample_key!r}: {err}") from err
         # Poll cheaply for what is missing instead of moving the whole sample again each time.
         while True:
-            if time.monotonic() + delay > deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 if isinstance(last_err, MissingKeysError):
                     raise DataIntegrityError(
                         f"sample {manifest.sample_key!r}: objects {list(pending)} still missing after "
@@ -176,7 +177,7 @@ def fetch_sample(
                     f"sample {manifest.sample_key!r}: store unavailable for {retry_max_wait_s:g}s "
                     f"(store.get_retry_max_wait_seconds): {last_err}"
                 ) from last_err
-            time.sleep(delay)
+            time.sleep(min(delay, deadline - now))
             delay = min(delay * 1.5, 1.0)
             try:
                 present = store.exists(list(pending))

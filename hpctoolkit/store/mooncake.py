@@ -18,7 +18,8 @@ Concurrency
     the writer process must outlive the reads of what it wrote. A reader contributes no segment.
 
 Data path
-    Puts and gets are zero-copy: every source and destination tensor is registered with the client
+    A put of a key that already exists raises: Mooncake would answer success and keep the old
+    bytes. Puts and gets are zero-copy: every source and destination tensor is registered with the client
     for the duration of the call (cheap over TCP, about 40 us) and moved by `batch_put_from` /
     `batch_get_into`. With `enable_hard_pin` objects are put with `ReplicateConfig.with_hard_pin`
     so eviction cannot take them before the trainer reads them; a Mooncake without that field gets
@@ -319,6 +320,14 @@ class MooncakeStore:
         spans = [_tensor_span(t, k) for k, t in items]
         with self._lock:
             store = self._client()
+            # Mooncake answers 0 to a put on an existing key but keeps the old bytes; a reader
+            # would then get stale data under a valid manifest. Refuse instead.
+            present = [k for k, r in zip(keys, store.batch_is_exist(keys), strict=True) if r == 1]
+            if present:
+                raise StoreError(
+                    f"put of {present} to Mooncake master {self.address}: already in the store, and a "
+                    "put does not overwrite (sample keys must be unique among unread samples)"
+                )
             with self._registered(store, spans):
                 pending = list(range(len(items)))
                 deadline = time.monotonic() + self.cfg.put_retry_max_wait_seconds
