@@ -30,6 +30,7 @@ class TrainingConfig:
     ttt_length: int = 7
     # DFlash/DSpark anchors per sample (fixed, so attention shapes stay static).
     num_anchors: int = 8
+    # Samples longer than this are cut to it; the cut count is logged, never silent.
     max_seq_len: int = 2048
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -37,6 +38,16 @@ class TrainingConfig:
     seed: int = 0
     # "live": read from the Mooncake store as the engine publishes; "offline": replay shards.
     data_source: str = "live"
+    # What the hard-label losses (DFlash CE, DSpark's CE term) predict. "target": the target's
+    # greedy token from its frozen lm_head (what speculative decoding is scored against; equal
+    # to the data when the data was generated greedily by the target). "data": the captured
+    # input_ids, as the DFlash paper trains on target-generated responses.
+    label_source: str = "target"
+    # DFlash per-slot decay exp(-(k-1)/gamma); 0 picks the DFlash paper's gamma for the block
+    # size (7 for 16, 5 for 10, 4 for 8, else block_size/2).
+    dflash_decay_gamma: float = 0.0
+    # Export the final draft to <out_dir>/export when training ends.
+    export: bool = True
 
     def validate(self) -> None:
         positive(
@@ -57,6 +68,8 @@ class TrainingConfig:
         one_of(self, "device", ("cpu", "cuda"))
         one_of(self, "mixed_precision", ("bf16", "fp32"))
         one_of(self, "data_source", ("live", "offline"))
+        one_of(self, "label_source", ("target", "data"))
+        non_negative(self, "dflash_decay_gamma")
         require(
             self.warmup_steps <= self.steps,
             "warmup_steps",

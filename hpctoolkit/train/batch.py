@@ -1,0 +1,139 @@
+# ruff: noqa: N802, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""Samples -> one padded training batch.
+
+A `Batch` carries everything every draft family reads, right-padded to the longest sample:
+
+- `input_ids_BS` int64, padding 0;
+- `context_BSC` the captured aux states concatenated per position in `target_layer_ids`
+  order, `[B, S, n_aux * H]` (what DFlash's `fc` and Eagle3's `fc` read);
+- `last_BSH` the target's last hidden state (pre-norm when `last_prenorm`);
+- `valid_BS` True on real (non-pad) positions;
+- `weight_B` 1.0, or 0.0 for a sample shorter than `min_loss_tokens`. Such a sample still runs
+  through forward and backward, so every rank issues the same collectives; it just contributes
+  nothing to the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpctoolkit.errors import DataIntegrityError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    input_ids_BS: torch.Tensor
+    context_BSC: torch.Tensor
+    last_BSH: torch.Tensor
+    valid_BS: torch.Tensor
+    lengths_B: torch.Tensor
+    weight_B: torch.Tensor
+    last_prenorm: bool
+    truncated: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids_BS.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids_BS.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths_B.sum())
+
+    def loss_mask_BS(self) -> torch.Tensor:
+        """Positions that may be supervised: real tokens of samples with nonzero weight."""
+        return self.valid_BS & (self.weight_B > 0).unsqueeze(1)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
+        def mv(t: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
+            return t.to(device=device, dtype=float_dtype or t.dtype, non_blocking=True)
+
+        return Batch(
+            self.keys,
+            mv(self.input_ids_BS),
+            mv(self.context_BSC, dtype),
+            mv(self.last_BSH, dtype),
+            mv(self.valid_BS),
+            mv(self.lengths_B),
+            mv(self.weight_B),
+            self.last_prenorm,
+            self.truncated,
+        )
+
+
+def last_hidden_is_prenorm(sample: Any) -> bool:
+    """Whether a sample's `last_hidden_states` precede the target's final norm.
+
+    The manifest says so in `extra["last_hidden_states_prenorm"]`; vLLM captures pre-norm, so a
+    manifest that does not say is taken as pre-norm.
+    """
+    manifest = getattr(sample, "manifest", None)
+    extra = getattr(manifest, "extra", None)
+    if extra is None and isinstance(manifest, dict):
+        extra = manifest.get("extra")
+    return bool((extra or {}).get("last_hidden_states_prenorm", True))
+
+
+def collate(samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int) -> Batch:
+    """Pad `samples` (objects with `key`, `input_ids`, `aux_hidden_states`, `last_hidden_states`)."""
+    if not samples:
+        raise DataIntegrityError("collate got an empty list of samples")
+    prenorm = {last_hidden_is_prenorm(s) for s in samples}
+    if len(prenorm) != 1:
+        raise DataIntegrityError(
+            f"samples {[s.key for s in samples]} disagree on last_hidden_states_prenorm; "
+            "one batch must come from one capture convention"
+        )
+    lengths = [min(int(s.input_ids.shape[0]), max_seq_len) for s in samples]
+    truncated = sum(int(s.input_ids.shape[0]) > max_seq_len for s in samples)
+    S = max(lengths)
+    first = samples[0]
+    n_aux, _, H = first.aux_hidden_states.shape
+    B = len(samples)
+    input_ids = torch.zeros(B, S, dtype=torch.long)
+    context = torch.zeros(B, S, n_aux * H, dtype=first.aux_hidden_states.dtype)
+    last = torch.zeros(B, S, first.last_hidden_states.shape[-1], dtype=first.last_hidden_states.dtype)
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    for b, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        aux = s.aux_hidden_states
+        if aux.shape[0] != n_aux or aux.shape[-1] != H or aux.shape[1] != s.input_ids.shape[0]:
+            raise DataIntegrityError(
+                f"sample {s.key}: aux_hidden_states {tuple(aux.shape)} does not match "
+                f"[{n_aux}, {s.input_ids.shape[0]}, {H}]"
+            )
+        if s.last_hidden_states.shape[0] != s.input_ids.shape[0]:
+            raise DataIntegrityError(
+                f"sample {s.key}: last_hidden_states has {s.last_hidden_states.shape[0]} rows, "
+                f"input_ids {s.input_ids.shape[0]}"
+            )
+        input_ids[b, :n] = s.input_ids[:n]
+        # [n_aux, T, H] layer-major -> [T, n_aux * H] position-major, layer order kept.
+        context[b, :n] = aux[:, :n].permute(1, 0, 2).reshape(n, n_aux * H)
+        last[b, :n] = s.last_hidden_states[:n]
+        valid[b, :n] = True
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    weight = (lengths_t >= max(min_loss_tokens, 2)).float()
+    if truncated:
+        log.info("cut %d sample(s) to max_seq_len=%d", truncated, max_seq_len)
+    return Batch(
+        keys=[str(s.key) for s in samples],
+        input_ids_BS=input_ids,
+        context_BSC=context,
+        last_BSH=last,
+        valid_BS=valid,
+        lengths_B=lengths_t,
+        weight_B=weight,
+        last_prenorm=prenorm.pop(),
+        truncated=truncated,
+    )

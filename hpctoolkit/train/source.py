@@ -1,0 +1,120 @@
+"""Where a rank's samples come from, and the resumable stream the training loop pulls batches from.
+
+`samples_source` (the second argument of `run.train`) is one of:
+
+- **a path** (`str` / `os.PathLike`) to offline shards written by `hpctoolkit.data.offline.ShardWriter`.
+  Rank `r` of `w` takes the samples at positions `i % w == r`. Epoch 0 keeps the stored order;
+  later epochs use a permutation seeded by `(training.seed, epoch)`, the same on every rank.
+- **a factory** `factory(rank, world_size, epoch, skip) -> Iterable[Sample]`, called once per
+  epoch on every rank. It must yield this rank's share only, start after its first `skip`
+  samples, and give the same order for the same arguments. The live Mooncake path is such a
+  factory around `HiddenStateDataset(manifests, store, rank=rank, world_size=world_size,
+  skip=skip)`; a live source that is read once returns an empty iterable for `epoch >= 1`,
+  which ends training cleanly on every rank at the same step. With `world_size > 1` the
+  factory is sent to spawned processes, so it must be picklable (a module-level function or a
+  `functools.partial` of one, not a lambda).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctoolkit.errors import ConfigError
+
+SampleFactory = Callable[[int, int, int, int], Iterable[Any]]
+SamplesSource = str | os.PathLike | SampleFactory
+
+
+def _open_shards(path: Path, rank: int, world_size: int, epoch: int, skip: int, seed: int) -> Iterator[Any]:
+    from hpctoolkit.data.offline import ShardReader
+
+    reader = ShardReader(path)
+    n = len(reader)
+    if n < world_size:
+        raise ConfigError(
+            f"offline shards {path} hold {n} samples, fewer than training.world_size={world_size}"
+        )
+    if epoch == 0:
+        order = list(range(n))
+    else:
+        g = torch.Generator().manual_seed(seed * 7919 + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+    mine = order[rank::world_size]
+    for i in mine[skip:]:
+        yield reader[i]
+
+
+def make_opener(source: SamplesSource, seed: int) -> Callable[[int, int, int, int], Iterable[Any]]:
+    """Normalise `samples_source` to `open(rank, world_size, epoch, skip)`."""
+    if isinstance(source, str | os.PathLike):
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"samples source {path} does not exist (expected offline shards)")
+        return lambda r, w, e, s: _open_shards(path, r, w, e, s, seed)
+    if callable(source):
+        return source
+    raise ConfigError(
+        f"samples_source must be a shard directory or a factory(rank, world_size, epoch, skip), "
+        f"got {type(source).__name__}"
+    )
+
+
+class SampleStream:
+    """This rank's samples across epochs; `position` is what a checkpoint stores to resume."""
+
+    def __init__(
+        self,
+        opener: Callable[[int, int, int, int], Iterable[Any]],
+        rank: int,
+        world_size: int,
+        *,
+        epoch: int = 0,
+        offset: int = 0,
+    ) -> None:
+        self.opener = opener
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = epoch
+        self.offset = offset
+        self._it: Iterator[Any] | None = None
+        self.exhausted = False
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def _next(self) -> Any | None:
+        fresh_epochs = 0
+        while True:
+            if self._it is None:
+                self._it = iter(self.opener(self.rank, self.world_size, self.epoch, self.offset))
+            try:
+                item = next(self._it)
+            except StopIteration:
+                if self.offset == 0:
+                    fresh_epochs += 1
+                    if fresh_epochs > 1 or self.epoch > 0:
+                        # An epoch that yields nothing from its start: the source is spent.
+                        self.exhausted = True
+                        return None
+                self.epoch += 1
+                self.offset = 0
+                self._it = None
+                continue
+            self.offset += 1
+            return item
+
+    def next_batch(self, n: int) -> list[Any] | None:
+        """`n` samples, or None when the source ran dry (the partial batch is not trained on)."""
+        out = []
+        for _ in range(n):
+            item = self._next()
+            if item is None:
+                return None
+            out.append(item)
+        return out

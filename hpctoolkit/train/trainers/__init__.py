@@ -1,0 +1,119 @@
+# ruff: noqa: N803  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""One trainer per draft family, chosen from the draft config's type.
+
+DSpark and its Kimi-K3 MLA variant share `DSparkTrainer` (a `K3DSparkConfig` is a
+`DSparkConfig`); DFlash has its own; Eagle3 its own. Order matters: subclasses first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.models import (
+    DFlashConfig,
+    DraftConfig,
+    DSparkConfig,
+    Eagle3Config,
+    build_draft_model,
+    load_draft_config,
+)
+from hpctoolkit.train.config import TrainingConfig
+from hpctoolkit.train.target_head import TargetHead, read_target_tensor
+from hpctoolkit.train.trainers.base import FamilyTrainer, step_generator
+from hpctoolkit.train.trainers.dflash import DFlashTrainer
+from hpctoolkit.train.trainers.dspark import DSparkTrainer
+from hpctoolkit.train.trainers.eagle3 import Eagle3Trainer, draft_vocab_from_counts
+
+_BY_CONFIG: tuple[tuple[type[DraftConfig], type[FamilyTrainer]], ...] = (
+    (DSparkConfig, DSparkTrainer),
+    (DFlashConfig, DFlashTrainer),
+    (Eagle3Config, Eagle3Trainer),
+)
+
+
+def trainer_class_for(config: DraftConfig) -> type[FamilyTrainer]:
+    for cfg_cls, trainer_cls in _BY_CONFIG:
+        if isinstance(config, cfg_cls):
+            return trainer_cls
+    known = ", ".join(c.__name__ for c, _ in _BY_CONFIG)
+    raise ConfigError(f"no trainer for draft config {type(config).__name__}; known: {known}")
+
+
+def check_draft_against_target(config: DraftConfig, head: TargetHead) -> None:
+    if config.vocab_size != head.vocab_size:
+        raise ConfigError(
+            f"draft.config: vocab_size={config.vocab_size} but the target's lm_head has {head.vocab_size} rows"
+        )
+    if isinstance(config, DFlashConfig) and config.draft_vocab_size != config.vocab_size:
+        raise ConfigError(
+            f"draft.config: draft_vocab_size={config.draft_vocab_size} != vocab_size for a DFlash-family "
+            "draft; only Eagle3 prunes its vocabulary"
+        )
+
+
+@torch.no_grad()
+def init_from_target(draft: nn.Module, head: TargetHead, embed_VH: torch.Tensor | None) -> None:
+    """Copy the target's input embedding and output head into the draft (both frozen or seeded).
+
+    `embed_VH` None means the target is tied: its head is its embedding. A pruned Eagle3 head is
+    seeded from the target rows of its draft vocabulary (`d2t` must be installed first).
+    """
+    emb = head.lm_head_VH if embed_VH is None else embed_VH
+    draft.embed_tokens.weight.copy_(emb.to(draft.embed_tokens.weight.dtype))
+    rows = head.lm_head_VH
+    lm = draft.lm_head.weight
+    if lm.shape[0] != rows.shape[0]:
+        ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+        rows = rows.index_select(0, ids.to(rows.device))
+    lm.copy_(rows.to(lm.dtype))
+
+
+def build_trainer(
+    draft_config: str | os.PathLike | DraftConfig,
+    target: str | os.PathLike | TargetHead,
+    cfg: TrainingConfig,
+    *,
+    vocab_counts: torch.Tensor | None = None,
+) -> FamilyTrainer:
+    """Draft (fresh init, embedding and head from the target) + frozen target head, on the CPU.
+
+    `target` is a target model directory (only the head tensors are read) or a ready
+    `TargetHead` (synthetic benchmarks). `vocab_counts` `[V]` token counts choose a pruned
+    Eagle3 vocabulary; without them the first `draft_vocab_size` ids are used.
+    """
+    config = draft_config if isinstance(draft_config, DraftConfig) else load_draft_config(draft_config)
+    torch.manual_seed(cfg.seed)
+    if isinstance(target, TargetHead):
+        head, embed = target, None
+    else:
+        head = TargetHead.from_pretrained(target)
+        embed = read_target_tensor(Path(target), "embed_tokens.weight")
+    check_draft_against_target(config, head)
+    draft = build_draft_model(config)
+    trainer_cls = trainer_class_for(config)
+    if isinstance(config, Eagle3Config) and config.draft_vocab_size < config.vocab_size:
+        counts = (
+            vocab_counts
+            if vocab_counts is not None
+            else -torch.arange(config.vocab_size, dtype=torch.float64)
+        )
+        draft.set_vocab_mapping(draft_vocab_from_counts(counts, config.draft_vocab_size))
+    init_from_target(draft, head, embed)
+    return trainer_cls(draft, head, cfg)
+
+
+__all__ = [
+    "DFlashTrainer",
+    "DSparkTrainer",
+    "Eagle3Trainer",
+    "FamilyTrainer",
+    "build_trainer",
+    "init_from_target",
+    "step_generator",
+    "trainer_class_for",
+]

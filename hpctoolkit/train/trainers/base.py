@@ -1,0 +1,86 @@
+# ruff: noqa: N803  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""`FamilyTrainer`: the unit FSDP wraps, holding one draft and the target's frozen head.
+
+Its `forward` takes plain tensors (so FSDP's mixed-precision policy can cast them) and returns
+`LossParts`. Everything random about a step (DFlash anchors) is drawn by `step_inputs` from a
+generator seeded by `(seed, step, rank)`, so a resumed run draws exactly what the uninterrupted
+run would have, without depending on restored RNG state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpctoolkit.train.batch import Batch
+from hpctoolkit.train.config import TrainingConfig
+from hpctoolkit.train.losses import LossParts
+from hpctoolkit.train.target_head import TargetHead
+
+
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
+    return g
+
+
+def gather_rows(x_BSH: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+    """`x[b, pos[b, t]]` -> `[B, T, H]` (positions clamped into range)."""
+    idx = pos_BT.clamp(0, x_BSH.shape[1] - 1)
+    return x_BSH.gather(1, idx.unsqueeze(-1).expand(-1, -1, x_BSH.shape[-1]))
+
+
+class FamilyTrainer(nn.Module):
+    """Draft + frozen target head. Subclasses set `num_positions` and implement the hooks."""
+
+    family = "base"
+
+    def __init__(self, draft: nn.Module, head: TargetHead, cfg: TrainingConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.head = head
+        self.cfg = cfg
+
+    @property
+    def num_positions(self) -> int:
+        """`P`: draft positions scored per chain (DFlash K-1 slots, Eagle3 ttt_length)."""
+        raise NotImplementedError
+
+    def shard_units(self) -> list[nn.Module]:
+        """Submodules that become their own FSDP groups (the decoder layers)."""
+        return list(getattr(self.draft, "layers", []))
+
+    def step_inputs(self, batch: Batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Per-step tensors beyond the batch (anchors); drawn on the CPU."""
+        return {}
+
+    def target_logits(self, rows_NH: torch.Tensor, prenorm: bool) -> torch.Tensor:
+        return self.head.logits(rows_NH, prenorm=prenorm)
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        context_BSC: torch.Tensor,
+        last_BSH: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        lengths_B: torch.Tensor,
+        *,
+        last_prenorm: bool,
+        **step: Any,
+    ) -> LossParts:
+        raise NotImplementedError
+
+    def run(self, batch: Batch, generator: torch.Generator) -> LossParts:
+        """Forward one batch (already on the device)."""
+        extra = {k: v.to(batch.input_ids_BS.device) for k, v in self.step_inputs(batch, generator).items()}
+        return self(
+            batch.input_ids_BS,
+            batch.context_BSC,
+            batch.last_BSH,
+            batch.loss_mask_BS(),
+            batch.lengths_B,
+            last_prenorm=batch.last_prenorm,
+            **extra,
+        )

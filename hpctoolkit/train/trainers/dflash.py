@@ -1,0 +1,92 @@
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""DFlash trainer: a fixed number of anchors per sample, blocks of anchor + mask tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.train.batch import Batch
+from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
+from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows
+
+
+class DFlashTrainer(FamilyTrainer):
+    """`num_anchors` blocks per sample, whatever its length, so attention shapes stay static.
+
+    An anchor needs its whole block inside the sample; a sample with fewer eligible positions
+    repeats an anchor and the surplus blocks are computed but carry no loss.
+    """
+
+    family = "dflash"
+
+    @property
+    def block_size(self) -> int:
+        return int(self.draft.config.block_size)
+
+    @property
+    def num_positions(self) -> int:
+        return self.block_size - 1
+
+    def step_inputs(self, batch: Batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        K = self.block_size
+        pos_BS = torch.arange(batch.seq_len).unsqueeze(0)
+        fits_BS = pos_BS + K - 1 < batch.lengths_B.cpu().unsqueeze(1)
+        eligible_BS = batch.loss_mask_BS().cpu() & fits_BS
+        if batch.seq_len < self.cfg.num_anchors:
+            # Too short to draw distinct anchors at all: one valid-free layout keeps shapes static.
+            anchors = torch.zeros(batch.batch_size, self.cfg.num_anchors, dtype=torch.long)
+            ok = torch.zeros_like(anchors, dtype=torch.bool)
+            return {"anchors_BN": anchors, "anchor_ok_BN": ok}
+        anchors, ok = sample_anchors(eligible_BS, self.cfg.num_anchors, K, generator=generator)
+        return {"anchors_BN": anchors, "anchor_ok_BN": ok}
+
+    def block_targets(
+        self,
+        input_ids_BS: torch.Tensor,
+        last_BSH: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        anchors_BN: torch.Tensor,
+        anchor_ok_BN: torch.Tensor,
+        last_prenorm: bool,
+    ):
+        """Layout, target rows (last state one before each slot), target greedy ids, CE labels."""
+        K = self.block_size
+        layout = make_block_layout(anchors_BN, K, input_ids_BS.shape[1])
+        pos_BT = layout.q_position_ids()
+        target_rows_BTH = gather_rows(last_BSH, pos_BT - 1)
+        with torch.no_grad():
+            target_ids_BT = self.target_logits(target_rows_BTH.flatten(0, 1), last_prenorm).argmax(-1)
+        target_ids_BT = target_ids_BT.view(pos_BT.shape)
+        data_labels_BT = layout.labels(input_ids_BS, loss_mask_BS)
+        block_ok_BT = anchor_ok_BN.repeat_interleave(K, dim=1)
+        supervised_BT = (data_labels_BT != IGNORE_INDEX) & block_ok_BT
+        labels_src = target_ids_BT if self.cfg.label_source == "target" else data_labels_BT
+        labels_BT = labels_src.masked_fill(~supervised_BT, IGNORE_INDEX)
+        return layout, target_rows_BTH, target_ids_BT, labels_BT
+
+    def forward(
+        self,
+        input_ids_BS,
+        context_BSC,
+        last_BSH,
+        loss_mask_BS,
+        lengths_B,
+        *,
+        last_prenorm: bool,
+        anchors_BN: torch.Tensor,
+        anchor_ok_BN: torch.Tensor,
+    ) -> LossParts:
+        layout, _, target_ids_BT, labels_BT = self.block_targets(
+            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm
+        )
+        out = self.draft(context_BSC, input_ids_BS, layout)
+        return dflash_loss(
+            out.hidden_BTH,
+            self.draft.lm_head.weight,
+            labels_BT,
+            target_ids_BT,
+            anchor_ok_BN,
+            block_size=self.block_size,
+            gamma=dflash_decay_gamma(self.block_size, self.cfg.dflash_decay_gamma),
+        )

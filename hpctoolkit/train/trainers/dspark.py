@@ -1,0 +1,42 @@
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""DSpark trainer (also the Kimi-K3 MLA variant): DFlash blocks, DSpark's three-term loss."""
+
+from __future__ import annotations
+
+import torch
+
+from hpctoolkit.train.losses import LossParts, dspark_loss
+from hpctoolkit.train.trainers.dflash import DFlashTrainer
+
+
+class DSparkTrainer(DFlashTrainer):
+    family = "dspark"
+
+    def forward(
+        self,
+        input_ids_BS,
+        context_BSC,
+        last_BSH,
+        loss_mask_BS,
+        lengths_B,
+        *,
+        last_prenorm: bool,
+        anchors_BN: torch.Tensor,
+        anchor_ok_BN: torch.Tensor,
+    ) -> LossParts:
+        layout, target_rows_BTH, _, labels_BT = self.block_targets(
+            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm
+        )
+        out = self.draft(context_BSC, input_ids_BS, layout)
+        return dspark_loss(
+            out.hidden_BTH,
+            out.markov_BTR.to(out.hidden_BTH.dtype),
+            self.draft.lm_head.weight,
+            self.draft.markov_head.markov_w2.weight,
+            out.confidence_BT,
+            lambda rows_NH: self.target_logits(rows_NH, last_prenorm),
+            target_rows_BTH,
+            labels_BT,
+            anchor_ok_BN,
+            block_size=self.block_size,
+        )

@@ -1,0 +1,118 @@
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""Eagle3 trainer: a test-time-training unroll of `ttt_length` steps.
+
+Step 0 reads the projected target aux states at position `t` and the token at `t + 1`; step `i`
+reads the draft's own pre-norm output of step `i - 1` and the token at `t + 1 + i`, at position
+`t + i`. Every step is scored against the target distribution at `t + 1 + i` (its lm_head over
+`last_hidden_states[t + 1 + i]`), i.e. the token at `t + 2 + i`. Each step attends causally over
+its own step's states (the draft model has no cross-step KV cache), a simplification of the
+serving-time cache that the evaluate module's served-vs-simulated comparison keeps honest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
+from hpctoolkit.train.losses.common import per_position
+from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows
+
+
+def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
+    """`x[:, t + n]`, zero-padded past the end."""
+    out = torch.zeros_like(x_BS)
+    if n < x_BS.shape[1]:
+        out[:, : x_BS.shape[1] - n] = x_BS[:, n:]
+    return out
+
+
+def draft_vocab_from_counts(counts_V: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """The `draft_vocab_size` most frequent target ids, ascending (ties: lower id first)."""
+    if draft_vocab_size > counts_V.numel():
+        raise ConfigError(f"draft_vocab_size={draft_vocab_size} exceeds the vocabulary {counts_V.numel()}")
+    order = torch.argsort(
+        -counts_V.to(torch.float64) * (counts_V.numel() + 1) + torch.arange(counts_V.numel())
+    )
+    return order[:draft_vocab_size].sort().values
+
+
+class Eagle3Trainer(FamilyTrainer):
+    family = "eagle3"
+
+    @property
+    def num_positions(self) -> int:
+        return self.cfg.ttt_length
+
+    @property
+    def pruned(self) -> bool:
+        c = self.draft.config
+        return c.draft_vocab_size < c.vocab_size
+
+    def shard_units(self):
+        return [self.draft.midlayer]
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of every draft token (empty when the vocabulary is not pruned)."""
+        d2t = self.draft.d2t
+        if not self.pruned:
+            return torch.empty(0, dtype=torch.long, device=d2t.device)
+        return d2t + torch.arange(d2t.numel(), device=d2t.device)
+
+    def token_counts(self, samples: Iterable) -> torch.Tensor:
+        counts = torch.zeros(self.draft.config.vocab_size, dtype=torch.float64)
+        for s in samples:
+            counts += torch.bincount(s.input_ids.long(), minlength=counts.numel()).to(torch.float64)
+        return counts
+
+    def forward(
+        self,
+        input_ids_BS,
+        context_BSC,
+        last_BSH,
+        loss_mask_BS,
+        lengths_B,
+        *,
+        last_prenorm: bool,
+    ) -> LossParts:
+        B, S = input_ids_BS.shape
+        P = self.num_positions
+        pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+        ids_V = self.draft_ids()
+        lm_head = self.draft.lm_head.weight
+        hidden_BSH = None
+        numerator = lm_head.new_zeros((), dtype=torch.float32)
+        denominator = torch.zeros((), dtype=torch.float64, device=input_ids_BS.device)
+        kls, matches, sups = [], [], []
+        for i in range(P):
+            in_range_BS = (pos_BS + 1 + i < lengths_B.unsqueeze(1)) & loss_mask_BS
+            out = self.draft(
+                context_BSC if i == 0 else None,
+                shift_left(input_ids_BS, i + 1),
+                pos_BS + i,
+                hidden_BSH=hidden_BSH,
+            )
+            kl_N, match_N, sup_N = eagle3_step_loss(
+                out.hidden_BSH.flatten(0, 1),
+                lm_head,
+                lambda rows, _p=last_prenorm: self.target_logits(rows, _p),
+                gather_rows(last_BSH, pos_BS + 1 + i).flatten(0, 1),
+                in_range_BS.flatten(),
+                ids_V,
+            )
+            w = EAGLE3_STEP_DECAY**i
+            numerator = numerator + w * kl_N.sum()
+            denominator = denominator + w * sup_N.sum()
+            kls.append(kl_N.detach())
+            matches.append(match_N)
+            sups.append(sup_N)
+            hidden_BSH = out.prenorm_BSH
+        kl_NP, match_NP, sup_NP = (torch.stack(x, dim=1) for x in (kls, matches, sups))
+        chain_ok_N = ((pos_BS + P < lengths_B.unsqueeze(1)) & loss_mask_BS).flatten()
+        loss_sum, loss_w = per_position(kl_NP, sup_NP)
+        in_chain_NP = chain_ok_N.unsqueeze(1).expand_as(match_NP)
+        correct, count = per_position(match_NP, in_chain_NP)
+        reach, chains = acceptance_from_matches(match_NP, chain_ok_N)
+        return LossParts(numerator, denominator, loss_sum, loss_w, correct, count, reach, chains)
