@@ -55,6 +55,32 @@ HPCTOOLKIT_ENGINE_BACKEND = _register(
 )
 
 
+# ---- Slurm placement and node roles (owner: hpctoolkit/slurm, hpctoolkit/node.py) ----------------
+HPCTOOLKIT_NODE_DRY = _register(
+    "HPCTOOLKIT_NODE_DRY",
+    "0",
+    "1: `python -m hpctoolkit.node ROLE` prints where it landed (role, node, engine, node_rank, "
+    "CUDA_VISIBLE_DEVICES) and exits 0 instead of starting the role; proves placement without GPUs.",
+)
+HPCTOOLKIT_PLAN_DIGEST = _register(
+    "HPCTOOLKIT_PLAN_DIGEST",
+    None,
+    "Set by rendered batch scripts: the placement digest they were rendered for. A node whose own "
+    "plan (recipe + overrides) differs refuses to start, so a stale script fails closed.",
+)
+HPCTOOLKIT_PYTHON = _register(
+    "HPCTOOLKIT_PYTHON",
+    "python3",
+    "Interpreter rendered batch scripts run when cluster.container is unset.",
+)
+HPCTOOLKIT_SLURM_STATE = _register(
+    "HPCTOOLKIT_SLURM_STATE",
+    "/tmp/hpctoolkit-slurm",
+    "State folder of the emulated cluster of launch/local_slurm.sh (config, spool, logs, pid files).",
+)
+# ---- end Slurm block ------------------------------------------------------------------------------
+
+
 def registered() -> dict[str, EnvVar]:
     return dict(_REGISTRY)
 

@@ -11,28 +11,49 @@ from hpctoolkit.config.fields import one_of, positive, require
 class ClusterConfig:
     # "local": everything on this machine, no Slurm. "slurm": sbatch / submitit.
     backend: str = "local"
+    # Slurm nodes of the job. The placement derives how many it needs (trainer_nodes +
+    # engine.num_engines x engine.nnodes) and refuses any other number, so an idle node is
+    # never billed by accident. Ignored on the local backend.
     nodes: int = 1
     gpus_per_node: int = 8
     # Nodes (of `nodes`) reserved for FSDP trainers; the rest host engines. The Mooncake master
-    # runs on the first trainer node.
+    # runs on the first trainer node (node 0 of the allocation, which also runs the batch script).
     trainer_nodes: int = 1
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
     job_name: str = "hpctoolkit"
-    # Apptainer image (.sif). Unset on the local backend.
+    # Apptainer image (.sif) every step runs in (`apptainer exec --nv`). Unset: steps run the
+    # `python` on PATH (the emulated test cluster, or a site with a shared virtualenv).
     container: str | None = None
-    # Extra `#SBATCH` lines, e.g. ["--exclusive", "--qos=high"].
+    # Request whole nodes (`--exclusive`): engines and trainers assume they own the node.
+    exclusive: bool = True
+    # Seconds of warning before the time limit: the batch shell gets SIGUSR2 and forwards it to
+    # the trainers, which checkpoint (`--signal=B:USR2@N`).
+    signal_before_s: int = 120
+    # Extra `#SBATCH` lines, e.g. ["--qos=high", "--constraint=h100"].
     sbatch_extra: list[str] | None = None
 
     def validate(self) -> None:
         one_of(self, "backend", ("local", "slurm"))
-        positive(self, "nodes", "gpus_per_node", "trainer_nodes")
+        positive(self, "nodes", "gpus_per_node", "trainer_nodes", "signal_before_s")
         require(
             self.trainer_nodes <= self.nodes,
             "trainer_nodes",
             f"must be <= nodes={self.nodes}",
             self.trainer_nodes,
         )
-        if self.backend == "slurm":
-            require(self.container is not None, "container", "must name the Apptainer image on slurm", None)
+        require(
+            bool(self.job_name.strip()) and " " not in self.job_name,
+            "job_name",
+            "must be one word",
+            self.job_name,
+        )
+        require(self.container != "", "container", "must name an image or be unset", self.container)
+        for line in self.sbatch_extra or []:
+            require(
+                line.startswith("--") and "\n" not in line,
+                "sbatch_extra",
+                "entries must be single long options like --qos=high",
+                line,
+            )

@@ -1,0 +1,447 @@
+"""Where every process of a run starts: the placement plan. Pure (no subprocess, torch, vLLM).
+
+`make_plan(cfg)` turns the recipe's `engine`, `training`, `store` and `cluster` sections into a
+`Plan`: the Mooncake master, every engine node (vLLM `node_rank`, GPUs, the PP stage each GPU
+serves) and every trainer rank, each on a node *index* of the allocation. Host names are not known
+until Slurm allocates; the batch script and `hpctoolkit.node` map index i to the i-th host of
+`scontrol show hostnames $SLURM_JOB_NODELIST`. On the local backend every node is `localhost`.
+
+Layout on Slurm (nodes numbered from 0):
+
+* trainer nodes first (`cluster.trainer_nodes` of them); the Mooncake master runs on node 0, so the
+  control plane shares the node that runs the batch script;
+* then engine e's nodes, `engine.nnodes` each: node_rank 0 (the leader, which owns the scheduler
+  and EngineCore) first, then its headless followers.
+
+Every engine node takes a whole node: vLLM's multi-node executor runs one process per node that
+owns `engine.gpus_per_node` GPUs from index 0. vLLM numbers ranks TP-innermost
+(rank = pp_rank * tp + tp_rank, node_rank k holding ranks k*g .. k*g+g-1), which fixes the stage of
+each GPU.
+
+The plan is a control-plane record: metadata only, frozen, and `to_dict()` is JSON-ready. Its
+`digest()` is baked into rendered batch scripts so a node refuses to run a stale script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpctoolkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpctoolkit.config.schema import RecipeConfig
+
+ROLE_MASTER = "master"
+ROLE_ENGINE_LEADER = "engine-leader"
+ROLE_ENGINE_FOLLOWER = "engine-follower"
+ROLE_TRAINER = "trainer"
+ROLES = (ROLE_MASTER, ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER, ROLE_TRAINER)
+
+LOCALHOST = "localhost"
+# Ports are fixed rules rather than picked at start: processes on other nodes must know them
+# before the process that listens on them is up.
+STORE_DEFAULT_PORT = 50051  # mooncake_master's own default
+ENGINE_PORT_BASE = 29600  # engine e's vLLM rendezvous: ENGINE_PORT_BASE + e (unique on one host)
+TRAINER_PORT = 29500  # torch.distributed rendezvous of the FSDP ranks
+
+
+@dataclass(frozen=True)
+class MasterPlacement:
+    """The Mooncake master this run launches (None in `Plan.master` when it connects to one)."""
+
+    node: int
+    # Interface the master binds: a fixed address, or None for "the host name of its node" (Slurm:
+    # a loopback default would be unreachable from the other nodes).
+    bind_host: str | None
+    # 0 only on the local backend: a free port is picked at start.
+    port: int
+    rule: str
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    node: int
+    node_rank: int
+    gpus: tuple[int, ...]
+    # The PP stage each GPU in `gpus` serves (same order).
+    stages: tuple[int, ...]
+
+    @property
+    def role(self) -> str:
+        return ROLE_ENGINE_LEADER if self.node_rank == 0 else ROLE_ENGINE_FOLLOWER
+
+    @property
+    def pp_stages(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.stages)))
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    index: int
+    nnodes: int
+    tp: int
+    pp: int
+    nodes: tuple[EngineNode, ...]
+    # vLLM multi-node rendezvous: master_addr is the leader node's host, master_port this.
+    master_port: int
+
+    @property
+    def leader(self) -> EngineNode:
+        return self.nodes[0]
+
+    @property
+    def followers(self) -> tuple[EngineNode, ...]:
+        return self.nodes[1:]
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainerRank:
+    rank: int
+    node: int
+    local_rank: int
+    # None when training runs on CPU (gloo).
+    gpu: int | None
+
+
+@dataclass(frozen=True)
+class TrainerPlacement:
+    nodes: tuple[int, ...]
+    world_size: int
+    ranks_per_node: int
+    fsdp_mode: str
+    device: str
+    ranks: tuple[TrainerRank, ...]
+    # torch.distributed rendezvous: the first trainer node's host, this port.
+    master_port: int
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process to start; `Plan.processes()` lists them in start order."""
+
+    role: str
+    node: int
+    gpus: tuple[int, ...]
+    engine: int | None = None
+    # vLLM node_rank for engine roles, global FSDP rank for trainers.
+    node_rank: int | None = None
+    local_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    num_nodes: int
+    gpus_per_node: int
+    # One entry per node index: "localhost" on the local backend, None on Slurm (the allocation
+    # names them).
+    hosts: tuple[str | None, ...]
+    master: MasterPlacement | None
+    # host:port of an external master when the recipe names one (store.master_address).
+    external_master: str | None
+    engines: tuple[EnginePlacement, ...]
+    trainer: TrainerPlacement
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def engine_gpus(self) -> int:
+        return sum(len(n.gpus) for e in self.engines for n in e.nodes)
+
+    @property
+    def trainer_gpus(self) -> int:
+        return sum(1 for r in self.trainer.ranks if r.gpu is not None)
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs the plan uses (the allocation may hold idle ones; see `idle_gpus`)."""
+        return self.engine_gpus + self.trainer_gpus
+
+    @property
+    def allocated_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node if self.backend == "slurm" else self.total_gpus
+
+    @property
+    def idle_gpus(self) -> int:
+        return self.allocated_gpus - self.total_gpus
+
+    def processes(self) -> tuple[Process, ...]:
+        procs: list[Process] = []
+        if self.master is not None:
+            procs.append(Process(ROLE_MASTER, self.master.node, ()))
+        for e in self.engines:
+            procs.extend(Process(n.role, n.node, n.gpus, e.index, n.node_rank) for n in e.nodes)
+        procs.extend(
+            Process(ROLE_TRAINER, r.node, () if r.gpu is None else (r.gpu,), None, r.rank, r.local_rank)
+            for r in self.trainer.ranks
+        )
+        return tuple(procs)
+
+    def on_node(self, node: int) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes() if p.node == node)
+
+    def engine_node(self, node: int) -> tuple[EnginePlacement, EngineNode] | None:
+        for e in self.engines:
+            for n in e.nodes:
+                if n.node == node:
+                    return e, n
+        return None
+
+    def max_processes_per_node(self) -> int:
+        return max(len(self.on_node(i)) for i in range(self.num_nodes))
+
+    # ------------------------------------------------------------------ records
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["totals"] = {
+            "nodes": self.num_nodes,
+            "gpus": self.total_gpus,
+            "engine_gpus": self.engine_gpus,
+            "trainer_gpus": self.trainer_gpus,
+            "allocated_gpus": self.allocated_gpus,
+        }
+        return d
+
+    def digest(self) -> str:
+        """A short fingerprint of the placement; a rendered script carries it."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def host_label(self, node: int) -> str:
+        host = self.hosts[node]
+        return f"n{node}" if host is None else f"n{node}={host}"
+
+    def describe(self) -> str:
+        lines = [
+            f"placement   {self.backend}: {self.num_nodes} node(s), {self.total_gpus} GPU(s) used "
+            f"({self.engine_gpus} engine + {self.trainer_gpus} trainer)"
+            + (f", {self.idle_gpus} idle" if self.idle_gpus else ""),
+        ]
+        if self.backend == "slurm":
+            lines.append("            node nK = K-th host of the allocation (scontrol show hostnames)")
+        rows = [("role", "node", "engine", "node_rank", "gpus", "pp stages / ranks")]
+        if self.master is not None:
+            rows.append((ROLE_MASTER, self.host_label(self.master.node), "-", "-", "-", self.master.rule))
+        for e in self.engines:
+            for n in e.nodes:
+                rows.append(
+                    (
+                        n.role,
+                        self.host_label(n.node),
+                        str(e.index),
+                        str(n.node_rank),
+                        _span(n.gpus),
+                        "stage " + ",".join(map(str, n.pp_stages)) + f"  (TP={e.tp} PP={e.pp})",
+                    )
+                )
+        t = self.trainer
+        for node in t.nodes:
+            ranks = [r for r in t.ranks if r.node == node]
+            gpus = tuple(r.gpu for r in ranks if r.gpu is not None)
+            rows.append(
+                (
+                    ROLE_TRAINER,
+                    self.host_label(node),
+                    "-",
+                    "-",
+                    _span(gpus) if gpus else t.device,
+                    f"ranks {_span(tuple(r.rank for r in ranks))} of {t.world_size}  (FSDP {t.fsdp_mode})",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+        if self.external_master:
+            lines.append(f"  mooncake master: external at {self.external_master}")
+        for e in self.engines:
+            lines.append(
+                f"  engine {e.index} rendezvous: master_addr = host of {self.host_label(e.leader.node)}, "
+                f"master_port = {e.master_port}"
+            )
+        lines.append(
+            f"  trainer rendezvous: MASTER_ADDR = host of {self.host_label(t.nodes[0])}, MASTER_PORT = {t.master_port}"
+        )
+        return "\n".join(lines)
+
+
+def _span(values: tuple[int, ...]) -> str:
+    """`0-7` for a contiguous run, else `0,2,5`."""
+    if not values:
+        return "-"
+    if len(values) > 1 and list(values) == list(range(values[0], values[0] + len(values))):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def _engine_nodes(tp: int, nnodes: int, gpn: int, first_node: int) -> tuple[EngineNode, ...]:
+    nodes = []
+    for k in range(nnodes):
+        ranks = range(k * gpn, (k + 1) * gpn)
+        nodes.append(
+            EngineNode(
+                node=first_node + k,
+                node_rank=k,
+                gpus=tuple(range(gpn)),
+                stages=tuple(r // tp for r in ranks),
+            )
+        )
+    return tuple(nodes)
+
+
+def _check_degrees(cfg: RecipeConfig) -> None:
+    e, t = cfg.engine, cfg.training
+    if e.world_size % e.pp_size:
+        raise ConfigError(
+            f"engine.pp_size={e.pp_size} must divide the engine world size "
+            f"engine.nnodes x engine.gpus_per_node = {e.world_size}"
+        )
+    tp, g = e.tp_size, e.gpus_per_node
+    # A TP group either fits inside one node or spans whole nodes; a group straddling a node
+    # boundary part-way puts the per-layer all-reduce on the inter-node link for some ranks only.
+    if tp % g and g % tp:
+        raise ConfigError(
+            f"engine.pp_size={e.pp_size} gives TP={tp}, which neither divides nor is a multiple of "
+            f"engine.gpus_per_node={g}: a tensor-parallel group would straddle a node boundary"
+        )
+    if t.world_size < 1:
+        raise ConfigError(f"training.world_size must be >= 1, got {t.world_size}")
+
+
+def _master(cfg: RecipeConfig, node: int, local: bool) -> tuple[MasterPlacement | None, str | None]:
+    s = cfg.store
+    if s.master_address:
+        return None, s.master_address
+    loopback = s.bind_host in ("127.0.0.1", "localhost", "::1")
+    if local:
+        port = s.master_port
+        rule = f"bind {s.bind_host}, port " + (str(port) if port else "picked free at start")
+        return MasterPlacement(node, s.bind_host, port, rule), None
+    port = s.master_port or STORE_DEFAULT_PORT
+    bind = None if loopback else s.bind_host
+    rule = f"bind {bind or 'host of its node'}:{port}"
+    return MasterPlacement(node, bind, port, rule), None
+
+
+def make_plan(cfg: RecipeConfig) -> Plan:
+    """Place the master, the engines and the trainers; raise `ConfigError` naming the key when the
+    cluster cannot hold the job."""
+    _check_degrees(cfg)
+    c, e, t = cfg.cluster, cfg.engine, cfg.training
+    if c.backend == "local":
+        return _local_plan(cfg)
+    if c.backend != "slurm":
+        raise ConfigError(f"cluster.backend must be 'local' or 'slurm', got {c.backend!r}")
+
+    gpn = c.gpus_per_node
+    if e.gpus_per_node > gpn:
+        raise ConfigError(
+            f"engine.gpus_per_node={e.gpus_per_node} exceeds cluster.gpus_per_node={gpn}: "
+            "an engine node runs on one Slurm node"
+        )
+    if t.device != "cuda":
+        raise ConfigError(
+            f"training.device={t.device!r} on the slurm backend; trainers own GPUs there (set cuda)"
+        )
+    if t.world_size % c.trainer_nodes:
+        raise ConfigError(
+            f"training.world_size={t.world_size} must be a multiple of cluster.trainer_nodes={c.trainer_nodes} "
+            "(every trainer node runs the same number of FSDP ranks)"
+        )
+    per_node = t.world_size // c.trainer_nodes
+    if per_node > gpn:
+        raise ConfigError(
+            f"training.world_size={t.world_size} needs {per_node} GPUs on each of cluster.trainer_nodes="
+            f"{c.trainer_nodes} node(s), but cluster.gpus_per_node={gpn}; raise cluster.trainer_nodes"
+        )
+    needed = c.trainer_nodes + e.num_engines * e.nnodes
+    if c.nodes != needed:
+        why = "too few" if c.nodes < needed else "more than the placement uses (the rest would sit idle)"
+        raise ConfigError(
+            f"cluster.nodes={c.nodes} is {why}: {c.trainer_nodes} trainer node(s) + {e.num_engines} engine(s) "
+            f"x {e.nnodes} node(s) = {needed}; set cluster.nodes={needed}"
+        )
+
+    trainer_nodes = tuple(range(c.trainer_nodes))
+    ranks = tuple(
+        TrainerRank(rank=r, node=r // per_node, local_rank=r % per_node, gpu=r % per_node)
+        for r in range(t.world_size)
+    )
+    trainer = TrainerPlacement(
+        trainer_nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks, TRAINER_PORT
+    )
+    engines = tuple(
+        EnginePlacement(
+            index=i,
+            nnodes=e.nnodes,
+            tp=e.tp_size,
+            pp=e.pp_size,
+            nodes=_engine_nodes(e.tp_size, e.nnodes, e.gpus_per_node, c.trainer_nodes + i * e.nnodes),
+            master_port=ENGINE_PORT_BASE + i,
+        )
+        for i in range(e.num_engines)
+    )
+    master, external = _master(cfg, 0, local=False)
+    plan = Plan("slurm", needed, gpn, (None,) * needed, master, external, engines, trainer)
+    _assert_consistent(plan)
+    return plan
+
+
+def _local_plan(cfg: RecipeConfig) -> Plan:
+    """Everything on this machine: node index 0 is `localhost`. Engine workers and CUDA trainers
+    draw device indices from one pool of `cluster.gpus_per_node` (on a CPU-only machine they are
+    worker slots, not GPUs)."""
+    c, e, t = cfg.cluster, cfg.engine, cfg.training
+    pool = c.gpus_per_node
+    next_gpu = 0
+    engines = []
+    for i in range(e.num_engines):
+        nodes = []
+        for k in range(e.nnodes):
+            ranks = range(k * e.gpus_per_node, (k + 1) * e.gpus_per_node)
+            gpus = tuple(range(next_gpu, next_gpu + e.gpus_per_node))
+            next_gpu += e.gpus_per_node
+            nodes.append(EngineNode(0, k, gpus, tuple(r // e.tp_size for r in ranks)))
+        engines.append(EnginePlacement(i, e.nnodes, e.tp_size, e.pp_size, tuple(nodes), ENGINE_PORT_BASE + i))
+    on_gpu = t.device == "cuda"
+    ranks = []
+    for r in range(t.world_size):
+        ranks.append(TrainerRank(r, 0, r, next_gpu if on_gpu else None))
+        next_gpu += 1 if on_gpu else 0
+    if next_gpu > pool:
+        raise ConfigError(
+            f"cluster.gpus_per_node={pool} is too few for the local backend: the engines take "
+            f"{e.num_engines * e.world_size} device(s) and the trainers {t.world_size if on_gpu else 0}"
+        )
+    trainer = TrainerPlacement(
+        (0,), t.world_size, t.world_size, t.fsdp_mode, t.device, tuple(ranks), TRAINER_PORT
+    )
+    master, external = _master(cfg, 0, local=True)
+    plan = Plan("local", 1, pool, (LOCALHOST,), master, external, tuple(engines), trainer)
+    _assert_consistent(plan)
+    return plan
+
+
+def _assert_consistent(plan: Plan) -> None:
+    """Internal invariants; a violation is a bug here, not a user mistake."""
+    seen: set[tuple[int, int]] = set()
+    for p in plan.processes():
+        if not 0 <= p.node < plan.num_nodes:
+            raise AssertionError(f"{p} placed outside the {plan.num_nodes} node(s)")
+        for g in p.gpus:
+            if (p.node, g) in seen:
+                raise AssertionError(f"GPU {g} of node {p.node} placed twice")
+            if not 0 <= g < plan.gpus_per_node:
+                raise AssertionError(f"GPU {g} of node {p.node} outside 0..{plan.gpus_per_node - 1}")
+            seen.add((p.node, g))
+    for e in plan.engines:
+        if e.leader.node_rank != 0 or [n.node_rank for n in e.nodes] != list(range(e.nnodes)):
+            raise AssertionError(f"engine {e.index} node ranks out of order")
+        stages = sorted({s for n in e.nodes for s in n.stages})
+        if stages != list(range(e.pp)):
+            raise AssertionError(f"engine {e.index} serves stages {stages}, want 0..{e.pp - 1}")

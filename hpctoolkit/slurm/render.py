@@ -1,0 +1,265 @@
+"""Render the Slurm batch script of a run. Pure: text in, text out, tested against golden files.
+
+Everything in the script derives from the `Plan`: `#SBATCH --nodes` is the plan's node count, and
+every role is one `srun` step pinned to its node(s) with `--nodelist`, the hosts taken from
+`scontrol show hostnames` at run time (node index i = i-th host). Each step runs
+`python -m hpctoolkit.node ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
+`cluster.container` is set. The script exports the plan's digest; every node recomputes its plan
+from the recipe and overrides and refuses to start if the two differ.
+
+Recipes may leave values as `???` (the production recipe leaves its paths to the site). Such a
+recipe still renders (`load_for_render`): the script then expects those keys as arguments to
+`sbatch`, which it appends to the overrides of every step.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.plan.placement import (
+    ROLE_MASTER,
+    ROLE_TRAINER,
+    Plan,
+)
+
+# Stands in for a `???` value while rendering; the value must come as an sbatch argument.
+DEFERRED = "<given-at-submission>"
+NODE_MODULE = "hpctoolkit.node"
+
+
+def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, list[str]]:
+    """Compose a recipe whose `???` values are still open; returns the config and the open keys.
+
+    Nothing here reads the target or draft files (the couplings run on the nodes, where the paths
+    are known); the placement only needs the engine, training, store and cluster sections.
+    """
+    from omegaconf import OmegaConf
+
+    from hpctoolkit.config.load import _read_yaml, compose
+
+    given = {o.partition("=")[0] for o in overrides}
+    try:
+        data = _read_yaml(Path(path))
+        merged = OmegaConf.merge(
+            OmegaConf.structured(RecipeConfig),
+            OmegaConf.create(data),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
+        # OmegaConf drops a `???` merged over a schema default, so look at the YAML itself too.
+        raw = {k for k in _raw_missing(data) if k not in given}
+        missing = sorted(set(OmegaConf.missing_keys(merged)) | raw)
+    except Exception:  # noqa: BLE001 - compose below raises the user-facing ConfigError
+        missing = []
+    cfg = compose(path, [*overrides, *(f"{k}={DEFERRED}" for k in missing)])
+    return cfg, missing
+
+
+def _raw_missing(data: object, prefix: str = "") -> list[str]:
+    if isinstance(data, dict):
+        return [k for key, v in data.items() for k in _raw_missing(v, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if data == "???" else []
+
+
+def _q(text: str) -> str:
+    return shlex.quote(str(text))
+
+
+def _deferred(cfg: RecipeConfig) -> list[str]:
+    """Keys whose value was `???` at render time (they must come as sbatch arguments)."""
+    from hpctoolkit.config.schema import SECTIONS
+
+    return [
+        f"{section}.{name}"
+        for section in SECTIONS
+        for name, value in vars(getattr(cfg, section)).items()
+        if value == DEFERRED
+    ]
+
+
+def _sbatch_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
+    c = cfg.cluster
+    out = cfg.paths.output_dir
+    output = "%x-%j.out" if out == DEFERRED else f"{out.rstrip('/')}/slurm-%j.out"
+    lines = [
+        f"--job-name={c.job_name}",
+        f"--nodes={plan.num_nodes}",
+        # CPUs for the busiest node's processes (the master and the trainers share node 0).
+        f"--ntasks-per-node={plan.max_processes_per_node()}",
+        f"--gpus-per-node={plan.gpus_per_node}",
+    ]
+    if c.exclusive:
+        lines.append("--exclusive")
+    lines.append(f"--time={c.time}")
+    if c.partition:
+        lines.append(f"--partition={c.partition}")
+    if c.account:
+        lines.append(f"--account={c.account}")
+    lines += [f"--output={output}", f"--signal=B:USR2@{c.signal_before_s}"]
+    lines += list(c.sbatch_extra or [])
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def _step(
+    *,
+    comment: str,
+    nodes: Sequence[int],
+    ntasks: int,
+    gpus_per_node: int,
+    role: str,
+    name: str,
+    var: str,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    hosts = " ".join(str(i) for i in nodes)
+    opts = [
+        f"--job-name={name}",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={ntasks}",
+        # Explicit, or srun would inherit the job's --ntasks-per-node from the environment.
+        f"--ntasks-per-node={ntasks // len(nodes)}",
+        f'--nodelist="$(hosts {hosts})"',
+        f"--gres=gpu:{gpus_per_node}",
+        *extra,
+    ]
+    return [
+        f"# {comment}",
+        "srun " + " ".join(opts) + " \\",
+        f'  "${{RUN[@]}}" -m {NODE_MODULE} {role} "$RECIPE" "${{OVERRIDES[@]}}" &',
+        f"{var}=$!",
+    ]
+
+
+def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> str:
+    """The batch script that runs `plan`. Byte-identical for identical inputs."""
+    if plan.backend != "slurm":
+        raise ValueError(f"render_sbatch needs a slurm plan, got backend {plan.backend!r}")
+    c = cfg.cluster
+    deferred = _deferred(cfg)
+    baked = [o for o in overrides if DEFERRED not in o]
+    first = shlex.join(["python", "-m", "hpctoolkit.submit", recipe_path, *baked])
+    head = [
+        "#!/bin/bash",
+        f"# Generated by hpctoolkit.slurm.render from {recipe_path}; do not edit by hand.",
+        f"# Regenerate: {first} --render-sbatch",
+        f"# Placement (digest {plan.digest()}):",
+        *(f"#   {line}" if line else "#" for line in plan.describe().splitlines()),
+    ]
+    if deferred:
+        head += [
+            "# The recipe leaves these as ???; give them as arguments to sbatch (they are appended",
+            "# to every step's overrides):",
+            f"#   sbatch <this script> {' '.join(f'{k}=...' for k in deferred)}",
+        ]
+    body = [
+        *head,
+        *_sbatch_lines(cfg, plan),
+        "set -euo pipefail",
+        "",
+        f"export HPCTOOLKIT_PLAN_DIGEST={plan.digest()}",
+        f"RECIPE={_q(recipe_path)}",
+        "OVERRIDES=(" + " ".join(_q(o) for o in baked) + (' "$@")' if baked else '"$@")'),
+    ]
+    if c.container and c.container != DEFERRED:
+        body.append(f"RUN=(apptainer exec --nv {_q(c.container)} python3)")
+    else:
+        body.append('RUN=("${HPCTOOLKIT_PYTHON:-python3}")')
+    body += [
+        "",
+        "# Node index i of the plan is the i-th host of the allocation.",
+        'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f"if (( ${{#HOSTS[@]}} != {plan.num_nodes} )); then",
+        f'  echo "expected {plan.num_nodes} nodes, the allocation has ${{#HOSTS[@]}}" >&2',
+        "  exit 1",
+        "fi",
+        "hosts() {",
+        "  local i out=()",
+        '  for i in "$@"; do out+=("${HOSTS[$i]}"); done',
+        '  (IFS=,; echo "${out[*]}")',
+        "}",
+        'echo "hosts=$(hosts "${!HOSTS[@]}")"',
+        "",
+        "# Fail before any step starts if the recipe does not load or its plan differs from this one.",
+        f'"${{RUN[@]}}" -m {NODE_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
+        "",
+    ]
+    service_vars: list[str] = []
+    if plan.master is not None:
+        m = plan.master
+        body += _step(
+            comment=f"Mooncake master on n{m.node} ({m.rule}); shares its node's CPUs with the trainers.",
+            nodes=[m.node],
+            ntasks=1,
+            gpus_per_node=0,
+            role=ROLE_MASTER,
+            name="master",
+            var="master_pid",
+            extra=["--overlap"],
+        )
+        service_vars.append("master_pid")
+        body.append("")
+    for e in plan.engines:
+        for n in e.nodes:
+            var = f"engine{e.index}_node{n.node_rank}_pid"
+            who = "leader" if n.node_rank == 0 else "headless follower"
+            body += _step(
+                comment=(
+                    f"Engine {e.index} node_rank {n.node_rank} ({who}) on n{n.node}: GPUs {_gpus(n.gpus)}, "
+                    f"PP stage {','.join(map(str, n.pp_stages))} of TP={e.tp} x PP={e.pp}."
+                ),
+                nodes=[n.node],
+                ntasks=1,
+                gpus_per_node=len(n.gpus),
+                role=n.role,
+                name=f"engine{e.index}-{n.node_rank}",
+                var=var,
+            )
+            service_vars.append(var)
+            body.append("")
+    t = plan.trainer
+    body += _step(
+        comment=(
+            f"FSDP trainers ({t.fsdp_mode}): {t.world_size} rank(s), {t.ranks_per_node} per node on "
+            + ", ".join(f"n{i}" for i in t.nodes)
+            + "."
+        ),
+        nodes=t.nodes,
+        ntasks=t.world_size,
+        gpus_per_node=t.ranks_per_node,
+        role=ROLE_TRAINER,
+        name="trainer",
+        var="trainer_pid",
+        extra=["--kill-on-bad-exit=1"],
+    )
+    body += [
+        "",
+        "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
+        "# shellcheck disable=SC2317  # invoked by the trap below",
+        "on_usr2() {",
+        '  echo "SIGUSR2: asking the trainers to checkpoint" >&2',
+        '  kill -USR2 "$trainer_pid" 2>/dev/null || true',
+        "}",
+        "trap on_usr2 USR2",
+        "",
+        "# The run ends with the trainers; a trapped signal interrupts wait, so wait again.",
+        "rc=0",
+        "while :; do",
+        '  wait "$trainer_pid" && rc=0 || rc=$?',
+        '  kill -0 "$trainer_pid" 2>/dev/null || break',
+        "done",
+        "services=(" + " ".join(f'"${v}"' for v in service_vars) + ")",
+        'for pid in "${services[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
+        'wait "${services[@]}" 2>/dev/null || true',
+        'echo "trainers exited with status $rc"',
+        'exit "$rc"',
+    ]
+    return "\n".join(body) + "\n"
+
+
+def _gpus(gpus: Sequence[int]) -> str:
+    if len(gpus) > 1 and list(gpus) == list(range(gpus[0], gpus[0] + len(gpus))):
+        return f"{gpus[0]}-{gpus[-1]}"
+    return ",".join(map(str, gpus))
