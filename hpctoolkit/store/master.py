@@ -72,6 +72,31 @@ def pick_free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _listener_pids_count(port: int) -> int:
+    """How many listening IPv4/IPv6 TCP sockets use `port` on this host (from /proc/net)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                n += 1
+    return n
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -144,6 +169,11 @@ class MasterProcess:
             self.metrics_port = self.cfg.metrics_port or pick_free_port(self.host)
             while self.metrics_port == self.rpc_port:
                 self.metrics_port = pick_free_port(self.host)
+            # mooncake_master binds with SO_REUSEPORT: a second master on a taken port starts
+            # "fine" and the kernel splits clients between the two. A plain bind detects the taker.
+            for name, port in (("master_port", self.rpc_port), ("metrics_port", self.metrics_port)):
+                if not _port_is_free(self.host, port):
+                    raise StoreError(f"store.{name} {port} on {self.host} is already in use")
             try:
                 self._spawn_and_wait()
                 return self
@@ -174,10 +204,17 @@ class MasterProcess:
                 )
             try:
                 self.version = check_reachable(self.address, timeout_s=1.0)
-                if master_healthy(self.metrics_address, timeout_s=1.0):
-                    return
+                ready = master_healthy(self.metrics_address, timeout_s=1.0)
             except StoreError:
-                pass
+                ready = False
+            if ready:
+                shared = _listener_pids_count(self.rpc_port)
+                if shared > 1:
+                    raise StoreError(
+                        f"Mooncake master at {self.address}: {shared} processes listen on port "
+                        f"{self.rpc_port} (SO_REUSEPORT); another master took it during startup"
+                    )
+                return
             if time.monotonic() > deadline:
                 raise StoreError(
                     f"Mooncake master at {self.address} failed its health check within "
