@@ -66,6 +66,7 @@ from vllm.logger import init_logger
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
 from hpctoolkit.engine.rows import gather_rows, head_index_of, sample_key_for, slot_mapping
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest, publish_stage
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
@@ -311,8 +312,6 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return self._store
 
     def _publish(self, pending: PendingSample) -> None:
-        from hpctoolkit.store.fragments import publish_stage
-
         manifest = Manifest.from_dict(pending.manifest)
         if self._kv_cache is None:
             raise DataIntegrityError(f"sample {manifest.sample_key}: connector has no registered KV cache")
@@ -396,6 +395,8 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             extra={
                 "last_hidden_states_prenorm": LAST_HIDDEN_STATES_PRENORM,
                 "request_id": request.request_id,
+                # Lets stage 0 and the reader catch input_ids that belong to another prompt.
+                INPUT_IDS_SHA256: input_ids_digest(torch.tensor(list(prompt), dtype=torch.long)),
             },
         )
         manifest_d = manifest.to_dict()

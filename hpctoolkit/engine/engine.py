@@ -198,7 +198,8 @@ class CaptureEngine:
             module, _, attr = check.partition(":")
             import importlib
 
-            getattr(importlib.import_module(module), attr)(store_address, timeout)
+            # `connect_timeout_s` bounds the whole failure, so leave a little for our own overhead.
+            getattr(importlib.import_module(module), attr)(store_address, max(0.5, timeout - 0.25))
         import psutil
 
         self._baseline_children = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -30,6 +30,7 @@ and `LLM`'s usage context (which picks the default `max_num_batched_tokens`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Mapping
@@ -91,11 +92,12 @@ def llm_engine_args(engine_kwargs: Mapping[str, Any]) -> EngineArgs:
     if "model" not in engine_kwargs:
         raise ConfigError("engine kwargs lack 'model'")
     kwargs = dict(engine_kwargs)
-    # LLM's signature defaults win over EngineArgs' for every argument the caller left out.
+    # LLM's signature defaults win over EngineArgs' for every argument the caller left out. LLM
+    # consumes a few of its arguments itself (e.g. `chat_template`); those never reach EngineArgs.
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name, param in inspect.signature(LLM.__init__).parameters.items():
-        if name in ("self", "kwargs") or param.default is inspect.Parameter.empty:
-            continue
-        kwargs.setdefault(name, param.default)
+        if name in engine_fields and param.default is not inspect.Parameter.empty:
+            kwargs.setdefault(name, param.default)
     kwargs.setdefault("disable_log_stats", True)
     if kwargs.get("hf_overrides") is None:
         kwargs["hf_overrides"] = {}

