@@ -1,0 +1,303 @@
+"""publish_stage / fetch_sample over the in-memory fake, and MooncakeStore's code paths over a fake
+native client (return codes, NO_AVAILABLE_HANDLE backoff, hard pin). The real master is exercised
+in test_store_mooncake.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+import warnings
+
+import pytest
+import torch
+from store_fixtures import make_manifest, publish_all, small_store_cfg, stage_payload, tensor_for
+
+from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.store import fragments, mooncake
+from hpctoolkit.store.api import MissingKeysError
+from hpctoolkit.store.memory import MemoryStore
+from hpctoolkit.store.mooncake import MooncakeStore, StoreUnavailableError
+
+
+def test_publish_both_stages_then_fetch_is_bitwise_and_removes():
+    st = MemoryStore()
+    m = make_manifest("a")
+    n0 = fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
+    n1 = fragments.publish_stage(st, m, 1, *stage_payload(m, 1))
+    assert n0 + n1 == m.nbytes
+    s = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    assert (
+        s.key == "a" and s.aux_hidden_states.shape == (2, 16, 32) and s.last_hidden_states.shape == (16, 32)
+    )
+    assert torch.equal(s.aux_hidden_states[1], tensor_for("a_layer3", (16, 32), torch.bfloat16))
+    assert st.keys() == []
+
+
+def test_sample_is_one_buffer_with_views():
+    st = MemoryStore()
+    m = make_manifest("v")
+    publish_all(st, m)
+    s = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    base = s.input_ids.untyped_storage().data_ptr()
+    assert s.aux_hidden_states.untyped_storage().data_ptr() == base
+    assert s.last_hidden_states.untyped_storage().data_ptr() == base
+    cat = s.hidden_states_cat()
+    assert cat.shape == (16, 64) and torch.equal(cat[:, 32:], s.aux_hidden_states[1])
+    assert cat.untyped_storage().data_ptr() != base  # a copy, as documented
+
+
+@pytest.mark.parametrize(
+    ("stage", "mutate", "match"),
+    [
+        (0, lambda L, ids: (L | {3: L[1]}, ids), r"not owned \[3\]"),
+        (1, lambda L, ids: ({4: L[4]}, ids), r"missing \[3\]"),
+        (0, lambda L, ids: ({1: L[1][:-1]}, ids), r"a_layer1.*shape \[15, 32\]"),
+        (0, lambda L, ids: ({1: L[1].float()}, ids), r"a_layer1.*dtype float32"),
+        (0, lambda L, ids: (L, None), "stage 0 must publish input_ids"),
+        (0, lambda L, ids: (L, ids[:-1]), r"a_input_ids.*shape \[15\]"),
+        (0, lambda L, ids: (L, ids.flip(0)), r"a_input_ids.*input_ids_sha256"),
+        (1, lambda L, ids: (L, torch.zeros(16, dtype=torch.int64)), "only stage 0 publishes input_ids"),
+        (2, lambda L, ids: (L, ids), r"stage 2 is outside \[0, 2\)"),
+    ],
+)
+def test_publish_rejects_anything_but_the_stages_manifest_objects(stage, mutate, match):
+    st = MemoryStore()
+    m = make_manifest("a")
+    layers, ids = stage_payload(m, min(stage, 1))
+    if ids is None:
+        ids = tensor_for(m.input_ids.key, m.input_ids.shape, torch.int64)
+    layers, ids = mutate(layers, ids)
+    with pytest.raises(DataIntegrityError, match=match):
+        fragments.publish_stage(st, m, stage, layers, ids)
+    assert st.keys() == []  # nothing written on a rejected publish
+
+
+def test_writer_put_failure_raises():
+    st = MemoryStore()
+    m = make_manifest("f")
+    st.fail_puts_for.add("f_layer1")
+    with pytest.raises(StoreError, match="f_layer1"):
+        fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
+
+
+def test_missing_fragment_raises_after_window_naming_keys_and_yields_nothing():
+    st = MemoryStore()
+    m = make_manifest("m")
+    fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
+    t0 = time.monotonic()
+    with pytest.raises(DataIntegrityError, match=r"\['m_layer3', 'm_layer4'\] still missing after 0.3s"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert len(st.keys()) == 2  # a failed sample is left for inspection, not half-removed
+
+
+def test_wrong_size_object_raises_naming_key():
+    st = MemoryStore()
+    m = make_manifest("w")
+    fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
+    layers, _ = stage_payload(m, 1)
+    st.put_many([("w_layer3", layers[3][:-1].contiguous()), ("w_layer4", layers[4])])
+    with pytest.raises(DataIntegrityError, match="w_layer3"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+
+
+def test_wrong_input_ids_raise_naming_key():
+    st = MemoryStore()
+    m = make_manifest("i")
+    fragments.publish_stage(st, m, 1, *stage_payload(m, 1))
+    layers, _ = stage_payload(m, 0)
+    st.put_many([("i_input_ids", torch.arange(16)), ("i_layer1", layers[1])])
+    with pytest.raises(DataIntegrityError, match=r"i_input_ids.*input_ids_sha256"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    m2 = make_manifest("j", sha=False)
+    publish_all(st, m2)
+    with pytest.raises(DataIntegrityError, match=r"j_input_ids.*expected"):
+        fragments.fetch_sample(st, m2, retry_max_wait_s=0, expected_input_ids=torch.arange(16))
+    m3 = make_manifest("k", sha=False)
+    fragments.publish_stage(st, m3, 1, *stage_payload(m3, 1))
+    st.put_many([("k_input_ids", torch.full((16,), -5)), ("k_layer1", stage_payload(m3, 0)[0][1])])
+    with pytest.raises(DataIntegrityError, match=r"k_input_ids.*negative"):
+        fragments.fetch_sample(st, m3, retry_max_wait_s=0)
+
+
+def test_fetch_into_a_reused_buffer():
+    st = MemoryStore()
+    a, b = make_manifest("ra"), make_manifest("rb")
+    publish_all(st, a)
+    publish_all(st, b)
+    s = fragments.fetch_sample(st, a, retry_max_wait_s=0)
+    ptr = s.input_ids.data_ptr()
+    s2 = fragments.fetch_sample(st, b, retry_max_wait_s=0, out=s)
+    assert s2.input_ids.data_ptr() == ptr and s2.key == "rb"
+    assert torch.equal(s2.last_hidden_states, tensor_for("rb_layer4", (16, 32), torch.bfloat16))
+
+
+def test_input_ids_digest_is_dtype_and_layout_independent():
+    ids = torch.arange(10)
+    assert fragments.input_ids_digest(ids) == fragments.input_ids_digest(ids.to(torch.int32))
+    assert fragments.input_ids_digest(ids) == fragments.input_ids_digest(ids.view(2, 5).t().t())
+    assert fragments.input_ids_digest(ids) != fragments.input_ids_digest(ids.flip(0))
+
+
+# -- MooncakeStore over a fake native client ------------------------------------------------------
+
+
+class FakeReplicateConfig:
+    def __init__(self) -> None:
+        self.replica_num = 0
+        self.with_hard_pin = False
+
+
+class FakeClient:
+    """Just enough of MooncakeDistributedStore to drive MooncakeStore's code paths."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.put_codes: list[list[int]] = []  # scripted batch_put_from results, consumed in order
+        self.get_code: int | None = None
+        self.registered: list[tuple[int, int]] = []
+        self.configs: list[object] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered.append((ptr, size))
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0
+
+    def batch_is_exist(self, keys):
+        return [1 if k in self.objects else 0 for k in keys]
+
+    def batch_put_from(self, keys, ptrs, sizes, cfg):
+        self.configs.append(cfg)
+        codes = self.put_codes.pop(0) if self.put_codes else [0] * len(keys)
+        for k, p, n, c in zip(keys, ptrs, sizes, codes, strict=True):
+            if c == 0:
+                self.objects[k] = _read(p, n)
+        return codes
+
+    def batch_get_into(self, keys, ptrs, sizes):
+        out = []
+        for k, p, n in zip(keys, ptrs, sizes, strict=True):
+            if self.get_code is not None:
+                out.append(self.get_code)
+            elif k not in self.objects:
+                out.append(-704)
+            elif len(self.objects[k]) > n:
+                out.append(-600)
+            else:
+                _write(p, self.objects[k])
+                out.append(len(self.objects[k]))
+        return out
+
+    def batch_remove(self, keys, force):
+        assert force
+        return [0 if self.objects.pop(k, None) is not None else -704 for k in keys]
+
+    def close(self) -> int:
+        return 0
+
+
+def _read(ptr: int, n: int) -> bytes:
+    import ctypes
+
+    return ctypes.string_at(ptr, n)
+
+
+def _write(ptr: int, data: bytes) -> None:
+    import ctypes
+
+    ctypes.memmove(ptr, data, len(data))
+
+
+@pytest.fixture
+def fake_store(monkeypatch):
+    monkeypatch.setattr(mooncake, "_hard_pin_warned", False)
+    fake_mod = types.ModuleType("mooncake.store")
+    fake_mod.ReplicateConfig = FakeReplicateConfig  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mooncake.store", fake_mod)
+
+    def make(**cfg):
+        s = MooncakeStore("127.0.0.1:1", small_store_cfg(**cfg), role="writer")
+        s._store = FakeClient()
+        s._replicate = s._make_replicate_config()
+        return s
+
+    return make
+
+
+def test_mooncake_store_roundtrip_and_return_codes(fake_store):
+    s = fake_store()
+    m = make_manifest("mc")
+    publish_all(s, m)
+    sample = fragments.fetch_sample(s, m, retry_max_wait_s=0)
+    assert torch.equal(sample.last_hidden_states, tensor_for("mc_layer4", (16, 32), torch.bfloat16))
+    assert s._store.objects == {}
+    # One registration per sample buffer, not one per view.
+    assert s._store.registered[-1][1] == m.nbytes
+    with pytest.raises(MissingKeysError):
+        s.get_into(["nope"], [torch.empty(4)])
+    s.put_many([("big", torch.zeros(8))])
+    with pytest.raises(StoreError, match=r"'big' is larger"):
+        s.get_into(["big"], [torch.empty(4)])
+    with pytest.raises(StoreError, match=r"'big' holds 32 bytes, destination expects 64"):
+        s.get_into(["big"], [torch.empty(16)])
+    s._store.get_code = -900
+    with pytest.raises(StoreUnavailableError, match=r"'big'.*RPC_FAIL"):
+        s.get_into(["big"], [torch.empty(8)])
+    s._store.put_codes = [[-800]]
+    with pytest.raises(StoreError, match=r"'x'.*-800 \(TRANSFER_FAIL\)"):
+        s.put_many([("x", torch.zeros(2))])
+    s.remove(["big", "never-there"])  # not found counts as removed
+
+
+def test_no_available_handle_is_retried_with_backoff_then_raises(fake_store):
+    s = fake_store(put_retry_max_wait_seconds=5)
+    s._store.put_codes = [[0, -200], [-200], [0]]
+    s.put_many([("a", torch.zeros(2)), ("b", torch.ones(2))])
+    assert set(s._store.objects) == {"a", "b"}
+    s = fake_store(put_retry_max_wait_seconds=0.3)
+    s._store.put_codes = [[-200]] * 100
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"'c'.*NO_AVAILABLE_HANDLE.*segment is full"):
+        s.put_many([("c", torch.zeros(2))])
+    assert time.monotonic() - t0 < 2
+
+
+def test_hard_pin_is_set_when_enabled(fake_store):
+    s = fake_store(enable_hard_pin=True)
+    assert s._replicate.with_hard_pin is True and s._replicate.replica_num == 1
+    assert fake_store()._replicate.with_hard_pin is False
+
+
+def test_hard_pin_missing_in_mooncake_warns_once_and_goes_on(fake_store, monkeypatch):
+    class OldReplicateConfig:
+        replica_num = 0
+
+    monkeypatch.setattr(sys.modules["mooncake.store"], "ReplicateConfig", OldReplicateConfig)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s1 = fake_store(enable_hard_pin=True)
+        fake_store(enable_hard_pin=True)
+    assert len([w for w in caught if "with_hard_pin" in str(w.message)]) == 1
+    s1.put_many([("p", torch.zeros(2))])  # the run goes on, unpinned
+    assert "p" in s1._store.objects
+
+
+def test_close_is_bounded_when_native_close_blocks(fake_store):
+    s = fake_store()
+    s._store.close = lambda: time.sleep(30)
+    t0 = time.monotonic()
+    s.close(timeout_s=0.2)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(StoreError, match="closed"):
+        s.put_many([("z", torch.zeros(1))])
+
+
+def test_mooncake_module_is_not_imported_by_the_package():
+    code = "import sys, hpctoolkit.store, hpctoolkit.data.dataset; print('mooncake' in sys.modules)"
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
