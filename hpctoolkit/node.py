@@ -199,15 +199,21 @@ def _run_engine(ctx: NodeContext, proc: Process) -> int:
 
 
 def _run_trainer(ctx: NodeContext, proc: Process) -> int:
-    os.environ.update(trainer_env(ctx, proc))
-    try:
-        from hpctoolkit.train.run import train  # type: ignore[import-not-found]
-    except ImportError as err:
+    cfg = ctx.cfg
+    if cfg.training.data_source != "offline":
         raise NotImplementedError(
-            f"trainer on Slurm: hpctoolkit.train.run.train is missing ({err}); this role sets "
-            "RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and would call train(cfg, store_address)"
-        ) from err
-    train(ctx.cfg, store_address(ctx))
+            "trainer on Slurm with training.data_source=live: no live samples source exists yet for "
+            "Slurm (a factory around hpctoolkit.data.dataset.HiddenStateDataset reading the manifests "
+            "the engine leaders publish; see hpctoolkit.train.source). Use training.data_source=offline "
+            "with data.offline_dir, or add that source."
+        )
+    if not cfg.data.offline_dir:
+        raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
+    from hpctoolkit.train.run import train
+
+    # srun starts one process per rank; train() joins env:// when RANK/WORLD_SIZE are set.
+    os.environ.update(trainer_env(ctx, proc))
+    train(cfg, cfg.data.offline_dir, Path(cfg.paths.output_dir) / "train")
     return 0
 
 

@@ -1,0 +1,172 @@
+"""The batch script renderer against golden files, plus properties every rendered script has.
+
+Golden files live in tests/golden/*.sbatch; launch/k3_stage1.sbatch is the render of
+recipes/k3.yaml and must stay byte-identical to it. After an intended change, rewrite them all:
+
+    .venv/bin/python tests/test_render.py --update-golden
+
+and review the diff before committing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # when run as a script for --update-golden
+    sys.path.insert(0, str(ROOT))
+
+from hpctoolkit.errors import ConfigError  # noqa: E402
+from hpctoolkit.plan.placement import make_plan  # noqa: E402
+from hpctoolkit.slurm.render import DEFERRED, load_for_render, render_sbatch  # noqa: E402
+
+GOLDEN = ROOT / "tests" / "golden"
+LAUNCH_K3 = ROOT / "launch" / "k3_stage1.sbatch"
+# golden file -> (recipe as passed on the command line, overrides)
+CASES = {
+    "k3.sbatch": ("recipes/k3.yaml", []),
+    "small_2node.sbatch": ("tests/golden/small_2node.yaml", []),
+    "emulated_3node.sbatch": ("tests/golden/emulated_3node.yaml", []),
+    "k3_with_paths.sbatch": (
+        "recipes/k3.yaml",
+        [
+            "paths.output_dir=/scratch/k3 run",
+            "paths.target_model=/models/Kimi-K3",
+            "data.prompts=/data/p.jsonl",
+        ],
+    ),
+}
+
+
+def render(recipe: str, overrides: list[str]) -> str:
+    cfg, _ = load_for_render(ROOT / recipe, overrides)
+    return render_sbatch(cfg, make_plan(cfg), recipe_path=recipe, overrides=overrides)
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes name their draft configs relative to the repository
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name):
+    recipe, overrides = CASES[name]
+    want = (GOLDEN / name).read_text()
+    assert render(recipe, overrides) == want, f"{name} changed; see this module's docstring to update"
+
+
+def test_launch_k3_is_the_render_of_the_recipe():
+    assert LAUNCH_K3.read_text() == render("recipes/k3.yaml", []), (
+        "launch/k3_stage1.sbatch is stale: python -m hpctoolkit.submit recipes/k3.yaml --render-sbatch "
+        "> launch/k3_stage1.sbatch (or tests/test_render.py --update-golden)"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_scripts_pass_shellcheck_and_bash_n(name, tmp_path):
+    path = tmp_path / name
+    path.write_text(render(*CASES[name]))
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (launch/system_deps.sh installs it)")
+    out = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def _sbatch(text: str) -> dict[str, str]:
+    return dict(
+        (m.group(1), m.group(2) or "") for m in re.finditer(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, re.M)
+    )
+
+
+def test_k3_header_derives_from_the_plan():
+    text = render("recipes/k3.yaml", [])
+    opts = _sbatch(text)
+    assert opts["nodes"] == "5" and opts["gpus-per-node"] == "8"
+    assert opts["ntasks-per-node"] == "9"  # master + 8 trainer ranks on node 0
+    assert opts["signal"] == "B:USR2@120" and opts["time"] == "48:00:00"
+    assert opts["job-name"] == "k3-stage1" and "exclusive" in opts
+    assert opts["output"] == "%x-%j.out"  # output_dir is ??? until submission
+    assert "partition" not in opts and "account" not in opts
+    assert "paths.output_dir=... paths.target_model=..." in text
+    assert DEFERRED not in text
+
+
+def test_one_step_per_role_on_the_planned_node():
+    cfg, _ = load_for_render(ROOT / "recipes/k3.yaml")
+    plan = make_plan(cfg)
+    text = render("recipes/k3.yaml", [])
+    steps = re.findall(r'^srun (.*?) \\\n  "\$\{RUN\[@\]\}" -m hpctoolkit\.node (\S+) ', text, re.M)
+    roles = [(role, re.search(r'--nodelist="\$\(hosts ([\d ]+)\)"', opts).group(1)) for opts, role in steps]
+    want = [("master", "0")]
+    want += [(n.role, str(n.node)) for e in plan.engines for n in e.nodes]
+    want += [("trainer", "0")]
+    assert roles == want
+    gres = [re.search(r"--gres=gpu:(\d+)", opts).group(1) for opts, _ in steps]
+    assert gres == ["0", "8", "8", "8", "8", "8"]
+    assert "--ntasks=8 --ntasks-per-node=8" in steps[-1][0]
+    assert text.count("apptainer exec --nv images/hpctoolkit-vllm-k3.sif python3") == 1
+
+
+def test_small_recipe_sets_partition_account_extra_and_output():
+    opts = _sbatch(render("tests/golden/small_2node.yaml", []))
+    assert opts["partition"] == "debug" and opts["account"] == "research" and opts["qos"] == "normal"
+    assert opts["output"] == "runs/small-2node/slurm-%j.out"
+    assert opts["nodes"] == "2" and opts["gpus-per-node"] == "4"
+
+
+def test_no_container_runs_the_python_on_path():
+    text = render("tests/golden/emulated_3node.yaml", [])
+    assert 'RUN=("${HPCTOOLKIT_PYTHON:-python3}")' in text and "apptainer" not in text
+    assert "#SBATCH --exclusive" not in text
+
+
+def test_overrides_are_baked_and_quoted():
+    text = render(*CASES["k3_with_paths.sbatch"])
+    assert "OVERRIDES=('paths.output_dir=/scratch/k3 run' paths.target_model=/models/Kimi-K3" in text
+    assert _sbatch(text)["output"] == "/scratch/k3 run/slurm-%j.out"
+    assert "give them as arguments to sbatch" not in text
+
+
+def test_digest_is_exported_and_matches_the_plan():
+    cfg, _ = load_for_render(ROOT / "recipes/k3.yaml")
+    text = render("recipes/k3.yaml", [])
+    assert f"export HPCTOOLKIT_PLAN_DIGEST={make_plan(cfg).digest()}\n" in text
+
+
+def test_render_is_pure_and_deterministic():
+    assert render("recipes/k3.yaml", []) == render("recipes/k3.yaml", [])
+
+
+def test_local_plans_do_not_render():
+    cfg, _ = load_for_render(ROOT / "recipes/local.yaml")
+    with pytest.raises(ValueError, match="slurm"):
+        render_sbatch(cfg, make_plan(cfg), recipe_path="recipes/local.yaml")
+
+
+def test_load_for_render_still_rejects_bad_keys():
+    with pytest.raises(ConfigError, match="cluster.nodez"):
+        load_for_render(ROOT / "recipes/k3.yaml", ["cluster.nodez=3"])
+
+
+def _update() -> None:
+    for name, (recipe, overrides) in CASES.items():
+        (GOLDEN / name).write_text(render(recipe, overrides))
+        print(f"wrote tests/golden/{name}")
+    LAUNCH_K3.write_text(render("recipes/k3.yaml", []))
+    print("wrote launch/k3_stage1.sbatch")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update-golden"]:
+        sys.exit("usage: python tests/test_render.py --update-golden")
+    import os
+
+    os.chdir(ROOT)
+    _update()
