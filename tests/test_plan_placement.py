@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,7 +128,7 @@ def test_k3_recipe_is_the_reference_deployment():
 
 def test_k3_engine_layers_match_the_draft():
     cfg, _ = load_for_render("recipes/k3.yaml")
-    draft = json.loads(open(cfg.draft.config).read())
+    draft = json.loads(Path(cfg.draft.config).read_text())
     assert list(cfg.engine.target_layer_ids) == draft["target_layer_ids"]
 
 
@@ -208,7 +209,7 @@ def test_nodes_message_says_what_to_set():
 def test_slurm_trainers_need_cuda():
     cfg = slurm_cfg()
     cfg.training.device = "cpu"
-    with pytest.raises(ConfigError, match="training.device"):
+    with pytest.raises(ConfigError, match=r"training\.device"):
         make_plan(cfg)
 
 
@@ -254,7 +255,7 @@ def test_local_cuda_trainers_draw_from_the_same_pool():
     plan = make_plan(cfg)
     assert [r.gpu for r in plan.trainer.ranks] == [1, 2]
     cfg.cluster.gpus_per_node = 2
-    with pytest.raises(ConfigError, match="cluster.gpus_per_node=2"):
+    with pytest.raises(ConfigError, match=r"cluster\.gpus_per_node=2"):
         make_plan(cfg)
 
 
