@@ -1,0 +1,159 @@
+"""Registry resolution from JSON (both directions), duplicates, checkpoints, export and inspect CLIs."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.export import main as export_main
+from hpctoolkit.models import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DSparkConfig,
+    DSparkDraftModel,
+    Eagle3Config,
+    Eagle3DraftModel,
+    K3DSparkConfig,
+    K3DSparkModel,
+    build_draft_model,
+    config_class_for,
+    load_draft,
+    load_draft_config,
+    model_class_for,
+    register_draft,
+    save_draft,
+)
+from hpctoolkit.models.inspect import main as inspect_main
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
+
+EXPECTED = {
+    "kimi_k3_dspark_mla.json": (K3DSparkConfig, K3DSparkModel),
+    "tiny_k3_dspark_mla.json": (K3DSparkConfig, K3DSparkModel),
+    "qwen3_8b_dspark.json": (DSparkConfig, DSparkDraftModel),
+    "tiny_dspark.json": (DSparkConfig, DSparkDraftModel),
+    "qwen3_8b_dflash.json": (DFlashConfig, DFlashDraftModel),
+    "tiny_dflash.json": (DFlashConfig, DFlashDraftModel),
+    "qwen3_8b_eagle3.json": (Eagle3Config, Eagle3DraftModel),
+    "tiny_eagle3.json": (Eagle3Config, Eagle3DraftModel),
+}
+
+
+def test_every_recipe_is_covered():
+    assert {p.name for p in RECIPES.glob("*.json")} == set(EXPECTED)
+
+
+@pytest.mark.parametrize(("name", "classes"), EXPECTED.items())
+def test_recipe_resolves_to_exact_classes(name, classes):
+    config = load_draft_config(RECIPES / name)
+    assert type(config) is classes[0]
+    assert model_class_for(config) is classes[1]
+    assert type(build_draft_model(config, device="meta")) is classes[1]
+
+
+def test_k3_json_resolves_to_k3_and_stays_a_dspark_config():
+    data = json.loads((RECIPES / "kimi_k3_dspark_mla.json").read_text())
+    assert config_class_for(data) is K3DSparkConfig
+    assert config_class_for({"model_type": "k3_dspark"}) is K3DSparkConfig
+    config = load_draft_config(RECIPES / "kimi_k3_dspark_mla.json")
+    assert isinstance(config, DSparkConfig)  # DSpark trainer dispatch keeps working
+    assert model_class_for(config) is K3DSparkModel  # but the model is found by exact type
+    assert issubclass(K3DSparkModel, DSparkDraftModel)
+
+
+def test_dspark_json_does_not_resolve_to_k3():
+    config = load_draft_config(RECIPES / "tiny_dspark.json")
+    assert type(config) is DSparkConfig and model_class_for(config) is DSparkDraftModel
+
+
+def test_miss_lists_known_names():
+    with pytest.raises(ConfigError, match=r"known: .*K3DSparkModel.*k3_dspark"):
+        config_class_for({"architectures": ["NopeModel"], "model_type": "nope"})
+
+    class Orphan(DFlashConfig):
+        model_type = "orphan"
+
+    with pytest.raises(ConfigError, match=r"known: .*K3DSparkConfig"):
+        model_class_for(
+            Orphan(
+                target_layer_ids=[0],
+                mask_token_id=1,
+                vocab_size=8,
+                hidden_size=8,
+                num_attention_heads=1,
+                num_key_value_heads=1,
+            )
+        )
+
+
+def test_duplicates_are_rejected():
+    class Again(DFlashConfig):
+        model_type = "again_draft"
+
+    with pytest.raises(ConfigError, match="already registered"):
+        register_draft(Again, DFlashDraftModel, architectures=("K3DSparkModel",))
+    with pytest.raises(ConfigError, match="already registered"):
+        register_draft(K3DSparkConfig, K3DSparkModel, architectures=("SomethingNew",))
+    with pytest.raises(ConfigError, match="no draft registered"):
+        config_class_for({"architectures": ["SomethingNew"]})
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_eagle3.json", "tiny_dflash.json", "tiny_dspark.json", "tiny_k3_dspark_mla.json"]
+)
+def test_save_load_export_round_trip(tmp_path, name, capsys):
+    torch.manual_seed(0)
+    config = load_draft_config(RECIPES / name)
+    model = build_draft_model(config)
+    save_draft(model, tmp_path / "ckpt")
+    again = load_draft(tmp_path / "ckpt")
+    assert type(again.config) is type(config)
+    for k, v in model.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "served"), "--dtype", "float32"]) == 0
+    served_cfg = json.loads((tmp_path / "served" / "config.json").read_text())
+    # The served config.json resolves back to the same classes (the other direction).
+    back = load_draft_config(tmp_path / "served")
+    assert type(back) is type(config)
+    assert served_cfg["architectures"][0] in {
+        "Eagle3Qwen3ForCausalLM",
+        "DFlashDraftModel",
+        "Qwen3DSparkModel",
+        "K3DSparkModel",
+    }
+    assert back.rope_theta == config.rope_theta
+
+
+def test_export_refuses_a_mismatched_state_dict(tmp_path):
+    from hpctoolkit.export import export_draft
+
+    config = load_draft_config(RECIPES / "tiny_dflash.json")
+    state = build_draft_model(config).state_dict()
+    state.pop("fc.weight")
+    with pytest.raises(ConfigError, match=r"missing \['fc.weight'\]"):
+        export_draft(state, config, tmp_path)
+
+
+def test_dflash_fc_norm_export_is_refused(tmp_path):
+    data = json.loads((RECIPES / "tiny_dflash.json").read_text())
+    data.pop("model_type")
+    config = DFlashConfig(**data, fc_norm=True)
+    from hpctoolkit.export import export_draft
+
+    with pytest.raises(ConfigError, match=r"fc_norm: vLLM 0\.32 DFlashQwen3Model"):
+        export_draft(build_draft_model(config), config, tmp_path)
+
+
+def test_inspect_prints_classes_rotary_and_shapes(capsys):
+    assert inspect_main([str(RECIPES / "kimi_k3_dspark_mla.json")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config_class"].endswith("K3DSparkConfig")
+    assert any(b.endswith("DSparkConfig") for b in report["config_bases"])
+    assert report["model_class"].endswith("K3DSparkModel")
+    assert report["rotary"]["base"] == 50000.0 and report["rotary"]["type"] == "yarn"
+    assert report["rotary"]["interleaved"] is True
+    assert report["state_dict"]["layers.4.self_attn.kv_b_proj.weight"] == [64 * 256, 512]
+    assert report["state_dict"]["embed_tokens.weight"] == [163840, 7168]
