@@ -22,7 +22,7 @@ from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, sha
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window
 from hpctoolkit.train.optim import build_optimizer, clip_and_norm
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
-from hpctoolkit.train.trainers import FamilyTrainer, build_trainer, step_generator
+from hpctoolkit.train.trainers import FamilyTrainer, build_trainer
 
 log = logging.getLogger(__name__)
 # Samples read to choose a pruned Eagle3 vocabulary (per rank; counts are summed over ranks).
@@ -61,6 +61,19 @@ def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
 
     sd = get_model_state_dict(trainer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k.removeprefix("draft."): v for k, v in sd.items() if k.startswith("draft.")}
+
+
+def forward_backward(trainer: FamilyTrainer, batch, step: int, ctx: DistContext):
+    """Forward, normalise by the global denominator, backward. Returns this rank's `LossParts`.
+
+    The denominator is summed over ranks and the local numerator scaled by `world_size`, so after
+    FSDP averages gradients the step's gradient is that of `sum(numerators) / sum(denominators)`.
+    """
+    parts = trainer.run(batch, step)
+    den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
+    scale = ctx.world_size / max(float(den), 1e-12)
+    (parts.numerator * scale).backward()
+    return parts
 
 
 def run_rank(rank: int, world_size: int, job: TrainJob) -> dict[str, Any] | None:
@@ -107,6 +120,10 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
 
         bar = tqdm(total=cfg.steps, initial=start_step, desc=f"train {trainer.family}", dynamic_ncols=True)
 
+    order_dir = out / "data_order"
+    order_dir.mkdir(parents=True, exist_ok=True)
+    # Which samples each step read, per rank: what resume is checked against.
+    order_log = (order_dir / f"rank{ctx.rank}.jsonl").open("a" if start_step else "w")
     step = start_step
     last_stats: StepStats | None = None
     stop_reason = ""
@@ -128,11 +145,9 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         t0 = time.monotonic()
         batch = collate(samples, max_seq_len=cfg.max_seq_len, min_loss_tokens=cfg.min_loss_tokens)
         batch = batch.to(ctx.device, train_dtype)
-        parts = trainer.run(batch, step_generator(cfg.seed, step, ctx.rank))
-        den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
-        scale = ctx.world_size / max(float(den), 1e-12)
-        loss = parts.numerator * scale
-        loss.backward()
+        order_log.write(json.dumps({"step": step + 1, "keys": batch.keys}) + "\n")
+        order_log.flush()
+        parts = forward_backward(trainer, batch, step, ctx)
         grad_norm = clip_and_norm(trainer, cfg.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -186,6 +201,7 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
             )
     if bar is not None:
         bar.close()
+    order_log.close()
     tb.close()
     wall = time.monotonic() - t_start
 

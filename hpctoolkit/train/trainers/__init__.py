@@ -24,7 +24,7 @@ from hpctoolkit.models import (
 )
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
-from hpctoolkit.train.trainers.base import FamilyTrainer, step_generator
+from hpctoolkit.train.trainers.base import FamilyTrainer, sample_generator
 from hpctoolkit.train.trainers.dflash import DFlashTrainer
 from hpctoolkit.train.trainers.dspark import DSparkTrainer
 from hpctoolkit.train.trainers.eagle3 import Eagle3Trainer, draft_vocab_from_counts
@@ -114,6 +114,6 @@ __all__ = [
     "FamilyTrainer",
     "build_trainer",
     "init_from_target",
-    "step_generator",
+    "sample_generator",
     "trainer_class_for",
 ]

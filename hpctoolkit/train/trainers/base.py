@@ -2,13 +2,15 @@
 """`FamilyTrainer`: the unit FSDP wraps, holding one draft and the target's frozen head.
 
 Its `forward` takes plain tensors (so FSDP's mixed-precision policy can cast them) and returns
-`LossParts`. Everything random about a step (DFlash anchors) is drawn by `step_inputs` from a
-generator seeded by `(seed, step, rank)`, so a resumed run draws exactly what the uninterrupted
-run would have, without depending on restored RNG state.
+`LossParts`. Everything random about a step (DFlash anchors) is drawn by `step_inputs` from
+generators seeded by `(seed, step, sample key)`: a resumed run draws exactly what the
+uninterrupted run would have without depending on restored RNG state, and a sample gets the same
+anchors whichever rank reads it, so 1 and N ranks compute the same global step.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -20,9 +22,10 @@ from hpctoolkit.train.losses import LossParts
 from hpctoolkit.train.target_head import TargetHead
 
 
-def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+def sample_generator(seed: int, step: int, key: str) -> torch.Generator:
+    """The generator for one sample at one step (independent of rank and batch position)."""
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
+    g.manual_seed(((seed * 1_000_003 + step) * 65_537 + zlib.crc32(key.encode())) % (2**63))
     return g
 
 
@@ -52,7 +55,7 @@ class FamilyTrainer(nn.Module):
         """Submodules that become their own FSDP groups (the decoder layers)."""
         return list(getattr(self.draft, "layers", []))
 
-    def step_inputs(self, batch: Batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def step_inputs(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         """Per-step tensors beyond the batch (anchors); drawn on the CPU."""
         return {}
 
@@ -72,9 +75,9 @@ class FamilyTrainer(nn.Module):
     ) -> LossParts:
         raise NotImplementedError
 
-    def run(self, batch: Batch, generator: torch.Generator) -> LossParts:
-        """Forward one batch (already on the device)."""
-        extra = {k: v.to(batch.input_ids_BS.device) for k, v in self.step_inputs(batch, generator).items()}
+    def run(self, batch: Batch, step: int) -> LossParts:
+        """Forward one batch (already on the device) at optimizer step `step`."""
+        extra = {k: v.to(batch.input_ids_BS.device) for k, v in self.step_inputs(batch, step).items()}
         return self(
             batch.input_ids_BS,
             batch.context_BSC,

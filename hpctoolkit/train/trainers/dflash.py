@@ -8,7 +8,7 @@ import torch
 from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
-from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows
+from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows, sample_generator
 
 
 class DFlashTrainer(FamilyTrainer):
@@ -20,25 +20,29 @@ class DFlashTrainer(FamilyTrainer):
 
     family = "dflash"
 
+    # Evaluation mirrors serving, whose block is `num_speculative_tokens + 1` slots.
+    block_size_override: int | None = None
+
     @property
     def block_size(self) -> int:
-        return int(self.draft.config.block_size)
+        return int(self.block_size_override or self.draft.config.block_size)
 
     @property
     def num_positions(self) -> int:
         return self.block_size - 1
 
-    def step_inputs(self, batch: Batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        K = self.block_size
+    def step_inputs(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+        K, N = self.block_size, self.cfg.num_anchors
         pos_BS = torch.arange(batch.seq_len).unsqueeze(0)
         fits_BS = pos_BS + K - 1 < batch.lengths_B.cpu().unsqueeze(1)
         eligible_BS = batch.loss_mask_BS().cpu() & fits_BS
-        if batch.seq_len < self.cfg.num_anchors:
-            # Too short to draw distinct anchors at all: one valid-free layout keeps shapes static.
-            anchors = torch.zeros(batch.batch_size, self.cfg.num_anchors, dtype=torch.long)
-            ok = torch.zeros_like(anchors, dtype=torch.bool)
-            return {"anchors_BN": anchors, "anchor_ok_BN": ok}
-        anchors, ok = sample_anchors(eligible_BS, self.cfg.num_anchors, K, generator=generator)
+        anchors = torch.zeros(batch.batch_size, N, dtype=torch.long)
+        ok = torch.zeros(batch.batch_size, N, dtype=torch.bool)
+        if batch.seq_len >= N:
+            for b, key in enumerate(batch.keys):
+                g = sample_generator(self.cfg.seed, step, key)
+                anchors[b : b + 1], ok[b : b + 1] = sample_anchors(eligible_BS[b : b + 1], N, K, generator=g)
+        # else: too short to hold N distinct anchors; all blocks stay invalid, shapes stay static.
         return {"anchors_BN": anchors, "anchor_ok_BN": ok}
 
     def block_targets(
