@@ -145,7 +145,7 @@ def run_local(cfg: RecipeConfig, out: Path) -> dict[str, Any]:
             child.kill()
             reader.close()
         summary.update(samples_published=len(prompts), samples_read=read, bytes_moved=moved, capture=timing)
-        summary["keys_left_in_store"] = count_keys_via_master(master.address)
+        summary["keys_left_in_store"] = count_keys_via_master(master.metrics_address)
         say(
             f"capture done: {read} samples, {moved / 2**20:.1f} MiB; keys left in store: {summary['keys_left_in_store']}"
         )
