@@ -235,15 +235,23 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
     return _ROLE_FUNCS[proc.role](ctx, proc)
 
 
-def run_task(recipe: str, overrides: Sequence[str], digest: str, dry: bool) -> str | int | None:
-    """submitit's entry: every task of the job runs this; SLURM_LOCALID picks the process."""
-    os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = digest
-    ctx = load_context(recipe, overrides)
-    procs = ctx.plan.on_node(ctx.node)
-    local = ctx.slurm.local_id if ctx.slurm else 0
-    if local >= len(procs):
-        return None  # a spare task: submitit gives every node the same task count
-    return run_process(ctx, procs[local], dry=dry)
+def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> str | int | None:
+    """submitit's entry: every task of the job runs this; SLURM_LOCALID picks the process.
+
+    `plan` is the one computed at submission. Spare tasks (submitit gives every node the same task
+    count) and dry runs decide from it alone, without loading the recipe; a real role loads the
+    recipe and refuses to start if its plan differs.
+    """
+    senv = SlurmEnvironment.from_env()
+    here = plan.on_node(senv.node_index)
+    if senv.local_id >= len(here):
+        return None
+    proc = here[senv.local_id]
+    if dry:
+        ctx = NodeContext(None, plan, senv.node_index, senv.nodelist, senv.nodename or "?", senv)
+        return run_process(ctx, proc, dry=True)
+    os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
+    return run_process(load_context(recipe, overrides), proc, dry=False)
 
 
 def main(argv: list[str]) -> int:

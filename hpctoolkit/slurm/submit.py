@@ -115,4 +115,4 @@ def submit_submitit(
         )
     executor = submitit.SlurmExecutor(folder=str(folder))
     executor.update_parameters(**executor_parameters(cfg, plan))
-    return executor.submit(run_task, recipe_path, list(overrides), plan.digest(), dry)
+    return executor.submit(run_task, plan, recipe_path, list(overrides), dry)

@@ -1,0 +1,137 @@
+"""Submission without a cluster: submitit parameters from the plan, `sbatch` through a fake binary,
+the one-shot command runner, and the rule that only `hpctoolkit/slurm/shell.py` runs commands."""
+
+from __future__ import annotations
+
+import ast
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from hpctoolkit.config import load_recipe
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.slurm import shell
+from hpctoolkit.slurm.render import load_for_render
+from hpctoolkit.slurm.submit import _timeout_min, executor_parameters, submit_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_executor_parameters_from_the_k3_plan():
+    cfg, _ = load_for_render("recipes/k3.yaml")
+    params = executor_parameters(cfg, make_plan(cfg))
+    assert params == {
+        "job_name": "k3-stage1",
+        "nodes": 5,
+        "ntasks_per_node": 9,
+        "gpus_per_node": 8,
+        "time": 48 * 60,
+        "signal_delay_s": 120,
+        "exclusive": True,
+    }
+
+
+def test_executor_parameters_accepted_by_submitit(tmp_path):
+    submitit = pytest.importorskip("submitit")
+    cfg = load_recipe("tests/golden/small_2node.yaml")
+    ex = submitit.SlurmExecutor(folder=str(tmp_path))
+    ex.update_parameters(**executor_parameters(cfg, make_plan(cfg)))
+    text = ex._make_submission_file_text("python -m x", "UID")
+    for line in (
+        "--nodes=2",
+        "--ntasks-per-node=5",
+        "--gpus-per-node=4",
+        "--partition=debug",
+        "--account=research",
+    ):
+        assert f"#SBATCH {line}" in text
+
+
+def test_local_plan_is_refused():
+    cfg = load_recipe("recipes/local.yaml")
+    with pytest.raises(ConfigError, match="backend=slurm"):
+        executor_parameters(cfg, make_plan(cfg))
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("04:00:00", 240), ("48:00:00", 2880), ("1-00:00:00", 1440), ("30", 30), ("10:30", 11), ("00:00:01", 1)],
+)
+def test_timeout_minutes(text, minutes):
+    assert _timeout_min(text) == minutes
+
+
+def test_timeout_rejects_garbage():
+    with pytest.raises(ConfigError, match=r"cluster\.time"):
+        _timeout_min("1:2:3:4")
+
+
+def fake_sbatch(tmp_path: Path, body: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "sbatch"
+    exe.write_text("#!/bin/bash\n" + body)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_submit_sbatch_reads_the_job_id(tmp_path):
+    env = fake_sbatch(tmp_path, 'cat > "$PWD/got.sbatch"; echo "$@" > "$PWD/args"; echo "4711;hpctoolkit"\n')
+    job = submit_sbatch("#!/bin/bash\necho hi\n", tmp_path, env=env)
+    assert job == "4711"
+    assert (tmp_path / "got.sbatch").read_text() == "#!/bin/bash\necho hi\n"
+    assert (tmp_path / "args").read_text().strip() == "--parsable"
+
+
+def test_submit_sbatch_passes_script_arguments(tmp_path):
+    env = fake_sbatch(tmp_path, 'echo "$@" > "$PWD/args"; echo 12\n')
+    assert submit_sbatch("#!/bin/bash\n", tmp_path, args=["paths.output_dir=/x"], env=env) == "12"
+    args = (tmp_path / "args").read_text().split()
+    assert args[0] == "--parsable" and args[-1] == "paths.output_dir=/x"
+
+
+def test_submit_sbatch_errors(tmp_path):
+    env = fake_sbatch(tmp_path, 'echo "sbatch: error: Invalid partition name specified" >&2; exit 1\n')
+    with pytest.raises(shell.CommandError, match="Invalid partition"):
+        submit_sbatch("#!/bin/bash\n", tmp_path, env=env)
+
+
+def test_shell_run():
+    assert shell.run(["printf", "a b"]) == "a b"
+    assert shell.run(["cat"], stdin="x\n") == "x\n"
+    with pytest.raises(shell.CommandError) as err:
+        shell.run(["false"])
+    assert err.value.returncode == 1
+    with pytest.raises(shell.CommandError, match="command not found"):
+        shell.run(["hpctoolkit-no-such-binary"])
+    with pytest.raises(shell.CommandError, match="timed out"):
+        shell.run(["sleep", "5"], timeout_s=0.2)
+
+
+ONE_SHOT = {"run", "check_output", "check_call", "call", "getoutput", "getstatusoutput"}
+
+
+def test_one_shot_commands_only_in_shell_py():
+    """`subprocess.run` & co. appear in exactly one module; services use Popen where they live."""
+    offenders = []
+    for path in sorted((ROOT / "hpctoolkit").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(), filename=rel)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                base = n.func.value
+                if isinstance(base, ast.Name) and (
+                    (base.id == "subprocess" and n.func.attr in ONE_SHOT)
+                    or (base.id == "os" and n.func.attr in {"system", "popen"})
+                ):
+                    offenders.append(f"{rel}:{n.lineno} {base.id}.{n.func.attr}")
+    offenders = [o for o in offenders if not o.startswith("hpctoolkit/slurm/shell.py:")]
+    assert offenders == [], "run one-shot commands through hpctoolkit.slurm.shell.run"
