@@ -121,16 +121,34 @@ def test_wrong_input_ids_raise_naming_key():
         fragments.fetch_sample(st, m3, retry_max_wait_s=0)
 
 
-def test_fetch_into_a_reused_buffer():
+def test_released_buffers_are_reused_and_unreleased_are_not():
+    from hpctoolkit.data.sample import BufferPool
+
     st = MemoryStore()
-    a, b = make_manifest("ra"), make_manifest("rb")
-    publish_all(st, a)
-    publish_all(st, b)
-    s = fragments.fetch_sample(st, a, retry_max_wait_s=0)
-    ptr = s.input_ids.data_ptr()
-    s2 = fragments.fetch_sample(st, b, retry_max_wait_s=0, out=s)
-    assert s2.input_ids.data_ptr() == ptr and s2.key == "rb"
-    assert torch.equal(s2.last_hidden_states, tensor_for("rb_layer4", (16, 32), torch.bfloat16))
+    ms = [make_manifest(f"r{i}") for i in range(3)]
+    for m in ms:
+        publish_all(st, m)
+    pool = BufferPool(1)
+    a = fragments.fetch_sample(st, ms[0], retry_max_wait_s=0, pool=pool)
+    ptr = a.input_ids.data_ptr()
+    b = fragments.fetch_sample(st, ms[1], retry_max_wait_s=0, pool=pool)
+    assert b.input_ids.data_ptr() != ptr  # a is still held
+    a.release()
+    c = fragments.fetch_sample(st, ms[2], retry_max_wait_s=0, pool=pool)
+    assert c.input_ids.data_ptr() == ptr and c.key == "r2"
+    assert torch.equal(c.last_hidden_states, tensor_for("r2_layer4", (16, 32), torch.bfloat16))
+    assert torch.equal(b.last_hidden_states, tensor_for("r1_layer4", (16, 32), torch.bfloat16))
+
+
+def test_failed_fetch_returns_its_buffer_to_the_pool():
+    from hpctoolkit.data.sample import BufferPool
+
+    st = MemoryStore()
+    m = make_manifest("gone")
+    pool = BufferPool(1)
+    with pytest.raises(DataIntegrityError):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0, pool=pool)
+    assert len(pool._free) == 1
 
 
 def test_input_ids_digest_is_dtype_and_layout_independent():

@@ -12,7 +12,9 @@ Sources
     inconsistent manifest raises `DataIntegrityError` naming the sample key and the field.
 
 Each sample is fetched whole by `fetch_sample` (see `hpctoolkit.store.fragments`); a partial
-sample is never yielded. Use with `DataLoader(num_workers=0)`: the store client is one per process
+sample is never yielded. A consumer that calls `sample.release()` once it is done with a sample
+(e.g. after copying it to the GPU) lets the next sample reuse its buffer instead of faulting in a
+fresh one; a consumer that does not release loses nothing but that speed. Use with `DataLoader(num_workers=0)`: the store client is one per process
 and the fetch is a zero-copy transfer, so worker processes would add a copy, not speed.
 """
 
@@ -25,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hpctoolkit.capture.manifest import Manifest
-from hpctoolkit.data.sample import Sample
+from hpctoolkit.data.sample import BufferPool, Sample
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.store.api import ObjectStore
 from hpctoolkit.store.fragments import fetch_sample
@@ -70,6 +72,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         skip: int = 0,
         remove: bool = True,
         expected_input_ids: Callable[[Manifest], torch.Tensor | None] | None = None,
+        pool_buffers: int = 2,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} must lie in [0, world_size={world_size})")
@@ -82,6 +85,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self.world_size = world_size
         self.remove = remove
         self.expected_input_ids = expected_input_ids
+        self.pool = BufferPool(pool_buffers)
         self._consumed = skip
 
     def state_dict(self) -> dict[str, int]:
@@ -119,6 +123,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 retry_max_wait_s=self.retry_max_wait_s,
                 remove=self.remove,
                 expected_input_ids=expected,
+                pool=self.pool,
             )
             self._consumed = local + 1
             yield sample

@@ -10,7 +10,8 @@ concatenating copies. `input_ids`, `aux_hidden_states` and `last_hidden_states` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +39,34 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class BufferPool:
+    """Recycles sample buffers so a fresh 300 MB buffer is not page-faulted in for every sample.
+
+    A sample comes from the pool only through `fetch_sample(..., pool=)`, and goes back only when
+    its consumer calls `Sample.release()`: a consumer that never releases just gets fresh buffers.
+    At most `max_buffers` idle buffers are kept.
+    """
+
+    def __init__(self, max_buffers: int = 2):
+        self.max_buffers = max_buffers
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self._free = [b for b in self._free if b is not best]
+                return best
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self.max_buffers:
+                self._free.append(buf)
+
+
 @dataclass
 class Sample:
     """A sample as the trainer sees it.
@@ -52,6 +81,18 @@ class Sample:
     aux_hidden_states: torch.Tensor
     last_hidden_states: torch.Tensor
     manifest: Manifest
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
+    _pool: BufferPool | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Hand the buffer back to its pool. The sample's tensors must not be used afterwards.
+
+        Call it once the sample has been consumed (e.g. copied to the GPU). Optional: without it
+        the buffer is simply freed when the last reference goes.
+        """
+        if self._pool is not None and self._buffer is not None:
+            self._pool.give(self._buffer)
+        self._buffer = self._pool = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +106,8 @@ class Sample:
         return torch.cat(self.aux_hidden_states.unbind(0), dim=-1)
 
     @classmethod
-    def empty_for(cls, manifest: Manifest) -> Sample:
-        """Allocate the sample's single buffer, uninitialised, with its views laid out per manifest."""
+    def empty_for(cls, manifest: Manifest, pool: BufferPool | None = None) -> Sample:
+        """The sample's single buffer, uninitialised (from `pool` when given), with its views."""
         hidden_dtypes = {f.dtype for f in manifest.fragments}
         if len(hidden_dtypes) != 1:
             raise DataIntegrityError(
@@ -77,7 +118,9 @@ class Sample:
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
         ids_bytes = t * 8
         elem = torch.empty((), dtype=dtype).element_size()
-        buf = torch.empty(ids_bytes + n * t * h * elem, dtype=torch.uint8)
+        total = ids_bytes + n * t * h * elem
+        backing = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
+        buf = backing[:total]
         ids = buf[:ids_bytes].view(torch.int64)
         hidden = buf[ids_bytes:].view(dtype).view(n, t, h)
         return cls(
@@ -86,6 +129,8 @@ class Sample:
             aux_hidden_states=hidden[: n - 1],
             last_hidden_states=hidden[n - 1],
             manifest=manifest,
+            _buffer=backing,
+            _pool=pool,
         )
 
     def destinations(self) -> list[tuple[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.store.mooncake import (
     MooncakeStore,
     StoreUnavailableError,
+    TransientStoreError,
     check_reachable,
     count_keys_via_master,
     list_keys_via_master,
@@ -35,6 +36,7 @@ __all__ = [
     "ObjectStore",
     "StoreConfig",
     "StoreUnavailableError",
+    "TransientStoreError",
     "check_reachable",
     "count_keys_via_master",
     "fetch_sample",

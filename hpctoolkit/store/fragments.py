@@ -10,7 +10,8 @@ Fetch (trainer side)
     `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`) and fills it with one
     batched zero-copy `get_into`. Keys that are not there yet are polled until
     `retry_max_wait_s`; then it raises `DataIntegrityError` naming them. A master that stopped
-    answering (`StoreUnavailableError`) is retried within the same window. An object of the wrong
+    answering, or a read that outlasted its lease (`TransientStoreError`), is retried within the
+    same window and then re-raised. An object of the wrong
     size raises at once, naming its key. After a successful read (and its checks) the sample's
     objects are force-removed; "not found" counts as removed. A sample that fails a check is left
     in the store for inspection and never yielded.
@@ -31,10 +32,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hpctoolkit.capture.manifest import ROLE_INPUT_IDS, FragmentSpec, Manifest
-from hpctoolkit.data.sample import Sample, dtype_name
+from hpctoolkit.data.sample import BufferPool, Sample, dtype_name
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store.api import MissingKeysError, ObjectStore
-from hpctoolkit.store.mooncake import StoreUnavailableError
+from hpctoolkit.store.mooncake import StoreUnavailableError, TransientStoreError
 
 INPUT_IDS_SHA256 = "input_ids_sha256"
 
@@ -136,18 +137,30 @@ def fetch_sample(
     retry_max_wait_s: float,
     remove: bool = True,
     expected_input_ids: torch.Tensor | None = None,
-    out: Sample | None = None,
+    pool: BufferPool | None = None,
     poll_interval_s: float = 0.05,
 ) -> Sample:
     """Fetch and check every object of `manifest`'s sample; return it whole or raise.
 
-    `out` reuses a previously returned sample's buffer when its layout matches (the caller must be
-    done with that sample). `expected_input_ids`, when given, must equal the fetched ids.
+    `pool` recycles buffers of samples the consumer has `release()`d (a fresh buffer costs page
+    faults on every sample). `expected_input_ids`, when given, must equal the fetched ids.
     """
     manifest.validate()
-    sample = out if out is not None and _same_layout(out, manifest) else Sample.empty_for(manifest)
-    if sample is out:
-        sample.key, sample.manifest = manifest.sample_key, manifest
+    sample = Sample.empty_for(manifest, pool)
+    try:
+        _fill(store, manifest, sample, retry_max_wait_s, poll_interval_s)
+        _check_sample(sample, expected_input_ids)
+    except BaseException:
+        sample.release()
+        raise
+    if remove:
+        store.remove([f.key for f in manifest.all_objects])
+    return sample
+
+
+def _fill(
+    store: ObjectStore, manifest: Manifest, sample: Sample, retry_max_wait_s: float, poll_interval_s: float
+) -> None:
     dests = sample.destinations()
     keys = [k for k, _ in dests]
     tensors = [t for _, t in dests]
@@ -160,7 +173,7 @@ def fetch_sample(
         except MissingKeysError as err:
             pending: Sequence[str] = err.keys
             last_err: Exception = err
-        except StoreUnavailableError as err:
+        except TransientStoreError as err:
             pending, last_err = keys, err
         except StoreError as err:
             raise DataIntegrityError(f"sample {manifest.sample_key!r}: {err}") from err
@@ -173,8 +186,13 @@ def fetch_sample(
                         f"sample {manifest.sample_key!r}: objects {list(pending)} still missing after "
                         f"{retry_max_wait_s:g}s (store.get_retry_max_wait_seconds)"
                     ) from last_err
-                raise StoreUnavailableError(
-                    f"sample {manifest.sample_key!r}: store unavailable for {retry_max_wait_s:g}s "
+                cls = (
+                    StoreUnavailableError
+                    if isinstance(last_err, StoreUnavailableError)
+                    else TransientStoreError
+                )
+                raise cls(
+                    f"sample {manifest.sample_key!r}: still failing after {retry_max_wait_s:g}s "
                     f"(store.get_retry_max_wait_seconds): {last_err}"
                 ) from last_err
             time.sleep(min(delay, deadline - now))
@@ -187,18 +205,3 @@ def fetch_sample(
             pending = [k for k, ok in zip(pending, present, strict=True) if not ok]
             if not pending:
                 break
-    _check_sample(sample, expected_input_ids)
-    if remove:
-        store.remove(keys)
-    return sample
-
-
-def _same_layout(sample: Sample, manifest: Manifest) -> bool:
-    frag_dtype = manifest.fragments[0].dtype
-    n = len(manifest.fragments)
-    return (
-        tuple(sample.input_ids.shape) == (manifest.num_tokens,)
-        and tuple(sample.aux_hidden_states.shape) == (n - 1, manifest.num_tokens, manifest.hidden_size)
-        and dtype_name(sample.last_hidden_states.dtype) == frag_dtype
-        and all(f.dtype == frag_dtype for f in manifest.fragments)
-    )

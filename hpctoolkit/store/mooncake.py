@@ -30,7 +30,9 @@ Failure
     NO_AVAILABLE_HANDLE (-200: the writer's segment is full) is retried with backoff for
     `put_retry_max_wait_seconds`, then raises. OBJECT_NOT_FOUND on a get raises `MissingKeysError`
     and on a remove counts as success. RPC failures (the master went away) raise
-    `StoreUnavailableError`, which readers treat as retryable within their retry window.
+    `StoreUnavailableError`; a read that outlasts its object lease (LEASE_EXPIRED, -707) raises
+    `TransientStoreError`; readers retry both within their retry window. The lease
+    (`kv_lease_ttl_s`) must therefore exceed the time one sample's read takes on a loaded host.
 
 `mooncake` is imported inside functions, so `hpctoolkit.store` imports where it is not installed.
 """
@@ -76,12 +78,14 @@ ERROR_NAMES = {
     -704: "OBJECT_NOT_FOUND",
     -705: "OBJECT_ALREADY_EXISTS",
     -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL",
 }
 NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
+LEASE_EXPIRED = -707
 _UNAVAILABLE_CODES = frozenset({RPC_FAIL, -1010})  # -1010: UNAVAILABLE_IN_CURRENT_STATUS
 
 # coro_rpc, the master's RPC framing: a 20-byte request header, a 16-byte response header.
@@ -95,8 +99,12 @@ _SERVICE_READY_ID = int.from_bytes(
 _hard_pin_warned = False
 
 
-class StoreUnavailableError(StoreError):
-    """The master stopped answering (RPC failure). Readers retry it within their window."""
+class TransientStoreError(StoreError):
+    """A failure that may pass (readers retry it within their window, then raise)."""
+
+
+class StoreUnavailableError(TransientStoreError):
+    """The master stopped answering (RPC failure)."""
 
 
 def code_name(code: int) -> str:
@@ -230,6 +238,7 @@ class MooncakeStore:
         self._replicate: Any = None
         self._lock = threading.RLock()
         self._closed = False
+        self._persistent: dict[int, int] = {}
 
     # -- client lifetime -------------------------------------------------------------------------
 
@@ -297,11 +306,35 @@ class MooncakeStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def register(self, tensor: torch.Tensor) -> None:
+        """Register `tensor` with the client until `unregister`/`close`.
+
+        For buffers reused across calls (a staging buffer, a reused sample): calls then skip the
+        per-call registration of spans inside it. Mooncake refuses a second registration of the
+        same memory, so memory registered here must not also be registered on the raw client.
+        """
+        ptr, size = _tensor_span(tensor, "<registered buffer>")
+        with self._lock:
+            rc = self._client().register_buffer(ptr, size)
+            if rc != 0:
+                raise StoreError(f"Mooncake register_buffer of {size} bytes failed: {code_name(rc)}")
+            self._persistent[ptr] = size
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            if self._persistent.pop(tensor.data_ptr(), None) is not None and self._store is not None:
+                self._store.unregister_buffer(tensor.data_ptr())
+
+    def _covered(self, ptr: int, size: int) -> bool:
+        return any(p <= ptr and ptr + size <= p + n for p, n in self._persistent.items())
+
     @contextmanager
     def _registered(self, store: Any, spans: Sequence[tuple[int, int]]) -> Iterator[None]:
         done: list[int] = []
         try:
             for ptr, size in _merge_spans(spans):
+                if self._covered(ptr, size):
+                    continue
                 rc = store.register_buffer(ptr, size)
                 if rc != 0:
                     raise StoreError(f"Mooncake register_buffer of {size} bytes failed: {code_name(rc)}")
@@ -384,6 +417,12 @@ class MooncakeStore:
             elif n == -600:
                 # The client refuses a destination smaller than the object.
                 raise StoreError(f"object {key!r} is larger than its destination of {want} bytes")
+            elif n == LEASE_EXPIRED:
+                # The read outlasted the lease the master granted for it; the bytes may be stale.
+                raise TransientStoreError(
+                    f"get of {key!r} from Mooncake master {self.address} took longer than the object "
+                    f"lease ({code_name(n)}); store.kv_lease_ttl_s must exceed one sample's read time"
+                )
             elif n in _UNAVAILABLE_CODES:
                 raise StoreUnavailableError(
                     f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}"

@@ -1,0 +1,293 @@
+"""Store-path benchmark at K3-like sizes: our fragment path against raw Mooncake and memcpy.
+
+    .venv/bin/python benchmarks/store_path.py [--iters 7] [--tokens 4096] [--hidden 7168] [--layers 5]
+
+The script launches its own mooncake_master (127.0.0.1, free ports) and one writer and one reader
+process, as in production (the objects live in the writer's segment and cross the loopback). It
+prints medians over `--iters` samples of:
+
+* fragment path: `publish_stage` (both PP stages) + `fetch_sample` (+ removal), GiB/s;
+* raw Mooncake: the same bytes as the same number of objects through `batch_put_from` /
+  `batch_get_into` with buffers registered once, GiB/s;
+* memcpy: the same bytes through one `torch` copy in the reader, GiB/s;
+* reassembly: `fetch_sample` (allocate, register, one batched `get_into`, checks) against a raw
+  `batch_get_into` of the same bytes into a preregistered buffer, as a ratio (target <= 1.05),
+  both into a fresh buffer per sample and into a recycled one (`BufferPool` + `Sample.release()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import hpctoolkit.store  # noqa: E402, F401  (import order)
+from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
+from hpctoolkit.data.sample import BufferPool  # noqa: E402
+from hpctoolkit.store import fragments  # noqa: E402
+from hpctoolkit.store.config import StoreConfig  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def _cfg(args: argparse.Namespace) -> StoreConfig:
+    return StoreConfig(
+        global_segment_size=f"{args.segment_mb}MB",
+        local_buffer_size="64MB",
+        # A 300 MB read on a loaded 2-core host can take seconds; the lease must outlast it.
+        kv_lease_ttl_s=60.0,
+        get_retry_max_wait_seconds=30.0,
+    )
+
+
+def _manifest(key: str, args: argparse.Namespace) -> Manifest:
+    # `layers` captured ids of a 61-layer K3-like target over 2 PP stages; the last is the final layer.
+    num_layers = 61
+    ids = [*(2 + 12 * i for i in range(args.layers - 1)), num_layers]
+    return build_manifest(key, ids, args.tokens, args.hidden, num_layers, 2, "bfloat16")
+
+
+# -- child processes ------------------------------------------------------------------------------
+
+
+def _writer(args: argparse.Namespace) -> None:
+    from hpctoolkit.store.mooncake import MooncakeStore
+
+    store = MooncakeStore(args.address, _cfg(args), role="writer")
+    m0 = _manifest("proto", args)
+    g = torch.Generator().manual_seed(0)
+    layers = {f.layer_id: torch.randn(f.shape, generator=g).to(torch.bfloat16) for f in m0.fragments}
+    ids = torch.randint(0, 150000, (args.tokens,), generator=g)
+    srcs = [ids, *layers.values()]
+    client = store._client()
+    for t in srcs:  # registered once, as a tuned raw user would; the fragment path reuses them
+        store.register(t)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        m = Manifest.from_dict(cmd["manifest"]) if "manifest" in cmd else None
+        t0 = time.perf_counter()
+        if cmd["op"] == "publish":
+            assert m is not None
+            n = 0
+            for stage in range(m.pp_size):
+                own = {k: v for k, v in layers.items() if m.fragments[m.layer_ids.index(k)].stage == stage}
+                n += fragments.publish_stage(store, m, stage, own, ids if stage == 0 else None)
+        elif cmd["op"] == "raw_put":
+            keys = [f"{cmd['key']}_raw{i}" for i in range(len(srcs))]
+            rcs = client.batch_put_from(
+                keys,
+                [t.data_ptr() for t in srcs],
+                [t.numel() * t.element_size() for t in srcs],
+                store._replicate,
+            )
+            assert set(rcs) == {0}, rcs
+            n = sum(t.numel() * t.element_size() for t in srcs)
+        _reply({"t": time.perf_counter() - t0, "bytes": n})
+    store.close()
+
+
+def _reader(args: argparse.Namespace) -> None:
+    from hpctoolkit.store.mooncake import MooncakeStore
+
+    store = MooncakeStore(args.address, _cfg(args), role="reader")
+    client = store._client()
+    m0 = _manifest("proto", args)
+    sizes = [f.nbytes for f in m0.all_objects]
+    raw_dst = torch.empty(sum(sizes), dtype=torch.uint8)
+    store.register(raw_dst)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    cp_src = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8)
+    cp_dst = torch.empty_like(cp_src)
+    cp_dst.copy_(cp_src)  # fault the pages in once
+    pool = BufferPool(1)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        out: dict[str, Any] = {}
+        if op == "fetch":
+            m = Manifest.from_dict(cmd["manifest"])
+            t0 = time.perf_counter()
+            sample = fragments.fetch_sample(
+                store, m, retry_max_wait_s=30, remove=False, pool=pool if cmd["reuse"] else None
+            )
+            out["t"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            store.remove([f.key for f in m.all_objects])
+            out["t_remove"] = time.perf_counter() - t0
+            out["sum"] = float(sample.last_hidden_states[:4].float().sum())
+            sample.release()  # the trainer's part: done with it (copied to the GPU)
+        elif op == "raw_get":
+            keys = [f"{cmd['key']}_raw{i}" for i in range(len(sizes))]
+            t0 = time.perf_counter()
+            got = client.batch_get_into(keys, [raw_dst.data_ptr() + o for o in offsets], sizes)
+            out["t"] = time.perf_counter() - t0
+            assert got == sizes, got
+            t0 = time.perf_counter()
+            assert set(client.batch_remove(keys, True)) == {0}
+            out["t_remove"] = time.perf_counter() - t0
+        elif op == "memcpy":
+            t0 = time.perf_counter()
+            cp_dst.copy_(cp_src)
+            out["t"] = time.perf_counter() - t0
+        _reply(out)
+    store.close()
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+class Child:
+    def __init__(self, role: str, args: argparse.Namespace, address: str, log_dir: Path):
+        argv = [sys.executable, __file__, f"--role={role}", f"--address={address}"]
+        argv += [f"--tokens={args.tokens}", f"--hidden={args.hidden}", f"--layers={args.layers}"]
+        argv += [f"--segment-mb={args.segment_mb}"]
+        self.log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+        self.role = role
+        self.call_raw()  # ready
+
+    def call_raw(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"{self.role} process died; see {self.log.name}")
+        return json.loads(line)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.call_raw()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write('{"op": "quit"}\n')  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")
+    p.add_argument("--segment-mb", type=int, default=1024)
+    p.add_argument("--role", choices=["writer", "reader"])
+    p.add_argument("--address")
+    args = p.parse_args()
+    if args.role is not None:
+        (_writer if args.role == "writer" else _reader)(args)
+        return
+
+    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake import count_keys_via_master
+
+    log_dir = Path(tempfile.mkdtemp(prefix="store_path_"))
+    master = launch_master(_cfg(args), log_dir)
+    writer = reader = None
+    try:
+        writer = Child("writer", args, master.address, log_dir)
+        reader = Child("reader", args, master.address, log_dir)
+        nbytes = _manifest("proto", args).nbytes
+        res: dict[str, list[float]] = {}
+
+        def rec(name: str, v: float) -> None:
+            res.setdefault(name, []).append(v)
+
+        for i in range(args.iters):
+            for reuse in (False, True):
+                m = _manifest(f"s{i}_{int(reuse)}", args).to_dict()
+                pub = writer.call(op="publish", manifest=m)
+                got = reader.call(op="fetch", manifest=m, reuse=reuse)
+                tag = "reused" if reuse else "fresh"
+                rec(f"publish_{tag}", pub["t"])
+                rec(f"fetch_{tag}", got["t"])
+                rec(f"remove_{tag}", got["t_remove"])
+                rec(f"roundtrip_{tag}", pub["t"] + got["t"] + got["t_remove"])
+            put = writer.call(op="raw_put", key=f"r{i}")
+            get = reader.call(op="raw_get", key=f"r{i}")
+            rec("raw_put", put["t"])
+            rec("raw_get", get["t"])
+            rec("raw_remove", get["t_remove"])
+            rec("raw_roundtrip", put["t"] + get["t"] + get["t_remove"])
+            rec("memcpy", reader.call(op="memcpy")["t"])
+        left = count_keys_via_master(master.metrics_address)
+    finally:
+        for c in (writer, reader):
+            if c is not None:
+                c.close()
+        master.stop()
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+
+    def gbs(t: float) -> str:
+        return f"{nbytes / t / GiB:6.2f} GiB/s"
+
+    print(
+        f"sample: {args.tokens} tokens x hidden {args.hidden} x {args.layers} layers bf16 + input_ids = "
+        f"{nbytes / 2**20:.1f} MiB in {args.layers + 1} objects; medians of {args.iters}; "
+        f"writer and reader in separate processes, TCP loopback"
+    )
+    print(
+        f"  fragment path publish+fetch+remove : {med['roundtrip_fresh'] * 1e3:8.1f} ms  {gbs(med['roundtrip_fresh'])}"
+    )
+    print(
+        f"      publish_stage x2               : {med['publish_fresh'] * 1e3:8.1f} ms  {gbs(med['publish_fresh'])}"
+    )
+    print(
+        f"      fetch_sample (fresh buffer)    : {med['fetch_fresh'] * 1e3:8.1f} ms  {gbs(med['fetch_fresh'])}"
+    )
+    print(
+        f"      fetch_sample (reused buffer)   : {med['fetch_reused'] * 1e3:8.1f} ms  {gbs(med['fetch_reused'])}"
+    )
+    print(f"      remove                         : {med['remove_fresh'] * 1e3:8.1f} ms")
+    print(
+        f"  raw Mooncake put+get+remove        : {med['raw_roundtrip'] * 1e3:8.1f} ms  {gbs(med['raw_roundtrip'])}"
+    )
+    print(f"      batch_put_from                 : {med['raw_put'] * 1e3:8.1f} ms  {gbs(med['raw_put'])}")
+    print(f"      batch_get_into (preregistered) : {med['raw_get'] * 1e3:8.1f} ms  {gbs(med['raw_get'])}")
+    print(f"  memcpy (torch copy_)               : {med['memcpy'] * 1e3:8.1f} ms  {gbs(med['memcpy'])}")
+    print(
+        f"  reassembly / raw get_into, fresh buffer  : {med['fetch_fresh'] / med['raw_get']:.3f}x (target <= 1.05)"
+    )
+    print(
+        f"  reassembly / raw get_into, reused buffer : {med['fetch_reused'] / med['raw_get']:.3f}x (target <= 1.05)"
+    )
+    print(
+        f"  fragment path / raw Mooncake (roundtrip) : {med['raw_roundtrip'] / med['roundtrip_fresh']:.3f} of raw"
+    )
+    print(
+        f"  fragment path / memcpy bound             : {med['memcpy'] / med['roundtrip_fresh']:.4f} of memcpy"
+    )
+    print(f"  keys left in the master after the run    : {left}")
+    print(f"  logs: {log_dir}")
+
+
+if __name__ == "__main__":
+    main()
