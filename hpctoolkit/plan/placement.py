@@ -218,8 +218,9 @@ class Plan:
         return f"n{node}" if host is None else f"n{node}={host}"
 
     def describe(self) -> str:
+        unit = "GPU(s)" if self.backend == "slurm" else "device slot(s)"
         lines = [
-            f"placement   {self.backend}: {self.num_nodes} node(s), {self.total_gpus} GPU(s) used "
+            f"placement   {self.backend}: {self.num_nodes} node(s), {self.total_gpus} {unit} used "
             f"({self.engine_gpus} engine + {self.trainer_gpus} trainer)"
             + (f", {self.idle_gpus} idle" if self.idle_gpus else ""),
         ]

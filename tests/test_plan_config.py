@@ -1,0 +1,42 @@
+"""The cluster section's own checks (`cluster.*`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctoolkit.config.load import compose
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.config import ClusterConfig
+
+
+def test_defaults_are_valid():
+    ClusterConfig().validate()
+    ClusterConfig(backend="slurm", nodes=5).validate()  # no container: steps run the python on PATH
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"backend": "k8s"}, "backend"),
+        ({"nodes": 0}, "nodes"),
+        ({"trainer_nodes": 3, "nodes": 2}, "trainer_nodes"),
+        ({"job_name": "two words"}, "job_name"),
+        ({"container": ""}, "container"),
+        ({"signal_before_s": 0}, "signal_before_s"),
+        ({"sbatch_extra": ["-p gpu"]}, "sbatch_extra"),
+        ({"sbatch_extra": ["--qos=a\n#SBATCH --x"]}, "sbatch_extra"),
+    ],
+)
+def test_bad_fields_name_the_key(fields, key):
+    with pytest.raises(ConfigError) as err:
+        ClusterConfig(**fields).validate()
+    assert str(err.value).startswith(key)
+
+
+def test_recipe_prefixes_the_section(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "paths: {output_dir: x, target_model: y}\ndraft: {config: z}\ncluster: {job_name: 'a b'}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^cluster\.job_name"):
+        compose(recipe)

@@ -1,0 +1,124 @@
+"""The rendered batch script's control flow, run by bash with fake `srun`/`scontrol` and a fake
+interpreter (no Slurm): every role starts once, SIGUSR2 on the batch shell reaches the trainers, the
+script exits with the trainers' status and ends the services, and a failed check starts nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctoolkit.config import load_recipe
+from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.slurm.render import render_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "tests/golden/emulated_3node.yaml"
+
+FAKE_SRUN = """#!/bin/bash
+# Drop srun's options, log where the step was pinned, become the step's command.
+nodelist=""
+while [[ $1 == --* ]]; do
+  [[ $1 == --nodelist=* ]] && nodelist=${1#--nodelist=}
+  shift
+done
+echo "$nodelist $*" >> "$FLOW_DIR/steps"
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+printf 'node1\\nnode2\\nnode3\\n'
+"""
+# Stands in for `python3 -m hpctoolkit.node ROLE RECIPE ...`.
+FAKE_PYTHON = """#!/bin/bash
+role=$3
+case $role in
+  check) [[ ${FLOW_CHECK_FAILS:-0} == 1 ]] && { echo "error: re-render" >&2; exit 2; }; exit 0 ;;
+  trainer)
+    trap 'echo usr2 >> "$FLOW_DIR/trainer-usr2"; exit "${FLOW_TRAINER_RC:-0}"' USR2
+    touch "$FLOW_DIR/trainer-up"
+    for _ in $(seq 1 300); do sleep 0.1; done
+    exit 99 ;;
+  *)
+    trap 'echo "$role" >> "$FLOW_DIR/terminated"; exit 0' TERM
+    for _ in $(seq 1 300); do sleep 0.1; done
+    exit 98 ;;
+esac
+"""
+
+
+@pytest.fixture
+def flow(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("fakepython", FAKE_PYTHON)):
+        exe = bin_dir / name
+        exe.write_text(body)
+        exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    ov = [f"paths.output_dir={tmp_path}"]
+    cfg = load_recipe(RECIPE, ov)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(cfg, make_plan(cfg), recipe_path=RECIPE, overrides=ov))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FLOW_DIR": str(tmp_path),
+        "HPCTOOLKIT_PYTHON": str(bin_dir / "fakepython"),
+        "SLURM_JOB_NODELIST": "node[1-3]",
+    }
+    return tmp_path, script, env
+
+
+def _wait_for(path: Path, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("trainer_rc", [0, 3])
+def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc):
+    tmp, script, env = flow
+    env["FLOW_TRAINER_RC"] = str(trainer_rc)
+    proc = subprocess.Popen(
+        ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(tmp / "trainer-up")
+        time.sleep(0.3)  # let every step start
+        proc.send_signal(signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == trainer_rc, out
+    assert (tmp / "trainer-usr2").read_text() == "usr2\n"
+    assert "SIGUSR2: asking the trainers to checkpoint" in out
+    assert f"trainers exited with status {trainer_rc}" in out
+    steps = (tmp / "steps").read_text().splitlines()
+    pinned = sorted((line.split()[0], line.split()[4]) for line in steps)
+    assert pinned == [
+        ("node1", "master"),
+        ("node1", "trainer"),
+        ("node2", "engine-leader"),
+        ("node3", "engine-follower"),
+    ]
+    assert all(f" {RECIPE} paths.output_dir={tmp}" in line for line in steps)
+    assert sorted((tmp / "terminated").read_text().split()) == ["engine-follower", "engine-leader", "master"]
+
+
+def test_failed_check_starts_no_step(flow):
+    tmp, script, env = flow
+    env["FLOW_CHECK_FAILS"] = "1"
+    out = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert out.returncode == 2
+    assert "re-render" in out.stderr
+    assert not (tmp / "steps").exists()
