@@ -191,6 +191,13 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self._manifests)
 
+    def __getitem__(self, index: int) -> Sample:
+        """Sample `index` in write order, read through the same fetch path as the live store."""
+        from hpctoolkit.capture import Manifest
+        from hpctoolkit.store.fragments import fetch_sample
+
+        return fetch_sample(self, Manifest.from_dict(self._manifests[index]), retry_max_wait_s=0.0, remove=False)
+
     def dataset(self, **kwargs: Any) -> HiddenStateDataset:
         """A `HiddenStateDataset` replaying these shards (sharding/resume kwargs as online)."""
         kwargs.setdefault("retry_max_wait_s", 0.0)
