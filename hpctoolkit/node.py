@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -156,8 +157,22 @@ def store_address(ctx: NodeContext) -> str:
         return plan.external_master
     if plan.master is None:  # pragma: no cover - make_plan always sets one of the two
         raise AssertionError("plan has neither a master nor an external master")
-    host = plan.master.bind_host or ctx.host(plan.master.node)
-    return f"{host}:{plan.master.port}"
+    return f"{master_bind_host(ctx)}:{plan.master.port}"
+
+
+def master_bind_host(ctx: NodeContext) -> str:
+    """The address the master binds and everyone dials: the recipe's, or its node's host name
+    resolved to an address (the same lookup on every node of the job)."""
+    m = ctx.plan.master
+    if m is None:
+        raise ConfigError("store.master_address is set: this run connects to an external master")
+    if m.bind_host:
+        return m.bind_host
+    host = ctx.host(m.node)
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
 
 
 def _wait_for_term() -> None:
@@ -176,7 +191,7 @@ def _run_master(ctx: NodeContext, proc: Process) -> int:
         raise ConfigError(
             "store.master_address is set: this run connects to an external master, none runs here"
         )
-    store_cfg = replace(ctx.cfg.store, bind_host=m.bind_host or ctx.host(m.node), master_port=m.port)
+    store_cfg = replace(ctx.cfg.store, bind_host=master_bind_host(ctx), master_port=m.port)
     log_dir = Path(ctx.cfg.paths.output_dir) / "logs"
     with resolve_master(store_cfg, log_dir) as master:
         print(f"mooncake master at {master.address} on {ctx.nodename}", flush=True)

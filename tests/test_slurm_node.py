@@ -69,7 +69,8 @@ def test_trainer_rank_comes_from_procid(monkeypatch):
         "MASTER_ADDR": "node4",
         "MASTER_PORT": "29500",
     }
-    assert node.store_address(ctx) == "node4:50051"
+    monkeypatch.setattr(node.socket, "gethostbyname", lambda h: {"node4": "10.0.0.4"}[h])
+    assert node.store_address(ctx) == "10.0.0.4:50051"
     assert "rank=3 local_rank=3" in node.dry_line(ctx, proc)
 
 
