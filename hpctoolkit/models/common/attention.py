@@ -35,6 +35,14 @@ class AttentionMask:
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _block: object | None = field(default=None, repr=False)
 
+    def materialize(self, backend: str) -> "AttentionMask":
+        """Build the backend's mask now, outside any compiled region; returns self."""
+        if backend == "flex":
+            self.block_mask()
+        else:
+            self.dense_B1QK()
+        return self
+
     def dense_B1QK(self) -> torch.Tensor:
         if self._dense is None:
             b = torch.arange(self.batch, device=self.device).view(-1, 1, 1)

@@ -14,9 +14,34 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def _ce_rows(logits_NV: torch.Tensor, labels_N: torch.Tensor, keep_N: torch.Tensor, grad_dtype: torch.dtype):
+    """Per chunk: summed loss, `d loss_sum / d logits` (softmax - onehot on kept rows), argmax hits."""
+    logits = logits_NV.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = labels_N.clamp(min=0)
+    picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    loss_sum = ((lse - picked) * keep_N).sum()
+    hit = logits.argmax(-1) == labels_N
+    grad = torch.exp(logits - lse.unsqueeze(1))
+    grad = grad.scatter_add(1, safe.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
+    return loss_sum, (grad * keep_N.unsqueeze(1)).to(grad_dtype), hit
+
+
+_compiled_ce_rows = None
+
+
+def _ce_rows_fn(compiled: bool):
+    global _compiled_ce_rows
+    if not compiled:
+        return _ce_rows
+    if _compiled_ce_rows is None:
+        _compiled_ce_rows = torch.compile(_ce_rows, dynamic=False)
+    return _compiled_ce_rows
+
+
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, w_VH, extra_NR, w_extra_VR, labels_N, chunk_size):
+    def forward(ctx, hidden_NH, w_VH, extra_NR, w_extra_VR, labels_N, chunk_size, compiled):
         n = hidden_NH.shape[0]
         valid_N = labels_N != IGNORE_INDEX
         count = valid_N.sum().clamp(min=1)
@@ -31,24 +56,14 @@ class _FusedLinearCE(torch.autograd.Function):
         )
         loss_sum = hidden_NH.new_zeros((), dtype=torch.float32)
         hit_N = torch.zeros(n, dtype=torch.bool, device=hidden_NH.device)
+        ce_rows = _ce_rows_fn(compiled)
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
             logits = hidden_NH[sl] @ w_VH.t()
             if has_extra:
                 logits = torch.addmm(logits, extra_NR[sl], w_extra_VR.t())
-            logits = logits.float()
-            lab = labels_N[sl]
-            lse = torch.logsumexp(logits, dim=-1)
-            safe = lab.clamp(min=0)
-            picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
-            keep = valid_N[sl]
-            loss_sum += ((lse - picked) * keep).sum()
-            hit_N[sl] = logits.argmax(-1) == lab
-            # d(loss_sum)/d(logits) = softmax - onehot, on kept rows only.
-            grad = torch.exp(logits.sub_(lse.unsqueeze(1)))
-            grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
-            grad.mul_(keep.unsqueeze(1))
-            grad = grad.to(hidden_NH.dtype)
+            chunk_loss, grad, hit_N[sl] = ce_rows(logits, labels_N[sl], valid_N[sl], hidden_NH.dtype)
+            loss_sum += chunk_loss
             if g_hidden is not None:
                 g_hidden[sl] = grad @ w_VH
             if g_w is not None:
@@ -84,6 +99,7 @@ class _FusedLinearCE(torch.autograd.Function):
             scaled(g_w_extra, extra_dtype),
             None,
             None,
+            None,
         )
 
 
@@ -95,9 +111,15 @@ def fused_linear_cross_entropy(
     extra_NR: torch.Tensor | None = None,
     extra_weight_VR: torch.Tensor | None = None,
     chunk_size: int = 4096,
+    compile_elementwise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(mean CE over non-ignored rows, hit_N)` where `hit_N` says the argmax equals the label."""
-    return _FusedLinearCE.apply(hidden_NH, weight_VH, extra_NR, extra_weight_VR, labels_N, chunk_size)
+    """`(mean CE over non-ignored rows, hit_N)` where `hit_N` says the argmax equals the label.
+
+    `compile_elementwise` fuses each chunk's softmax/gradient passes with `torch.compile` (GPU).
+    """
+    return _FusedLinearCE.apply(
+        hidden_NH, weight_VH, extra_NR, extra_weight_VR, labels_N, chunk_size, compile_elementwise
+    )
 
 
 def reference_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:

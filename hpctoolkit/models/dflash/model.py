@@ -103,6 +103,23 @@ class DFlashDraftModel(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         self.rotary_emb = self.build_rotary(c)
 
+    def compile_layers(self, **compile_kwargs: object) -> None:
+        """`torch.compile` each decoder layer in place (state-dict names unchanged).
+
+        Fuses the norms, rotary and SwiGLU elementwise work around the GEMMs; all layers share
+        one graph. Set `config.attention_backend` before the first forward.
+        """
+        for layer in self.layers:
+            layer.compile(**({"dynamic": False} | compile_kwargs))
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Switch every layer between `sdpa` and `flex` (e.g. flex on GPU, sdpa for CPU backward)."""
+        self.config.attention_backend = backend
+        self.config.validate()
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
+
     def build_rotary(self, config: DFlashConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.head_dim, RopeSpec.from_config(config))
 
@@ -130,7 +147,7 @@ class DFlashDraftModel(nn.Module):
         x_BTH = x_BTH.to(context_BSH.dtype)
         rope_q = self.rotary_emb(layout.q_position_ids())
         rope_k = self.rotary_emb(layout.k_position_ids())
-        mask = layout.attention_mask()
+        mask = layout.attention_mask().materialize(self.config.attention_backend)
         for layer in self.layers:
             x_BTH = layer(x_BTH, context_BSH, rope_q, rope_k, mask)
         return getattr(self, self.final_norm_name)(x_BTH)

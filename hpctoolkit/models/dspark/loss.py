@@ -26,6 +26,7 @@ def dspark_loss(
     *,
     confidence_weight: float = 0.1,
     chunk_size: int = 4096,
+    compile_elementwise: bool = False,
 ) -> DSparkLoss:
     """Mean CE over labelled slots; the confidence target is "the greedy draft token is right"."""
     labels_N = labels_BT.flatten()
@@ -36,6 +37,7 @@ def dspark_loss(
         extra_NR=out.markov_BTR.flatten(0, 1),
         extra_weight_VR=model.markov_head.markov_w2.weight,
         chunk_size=chunk_size,
+        compile_elementwise=compile_elementwise,
     )
     valid_N = labels_N != IGNORE_INDEX
     hit_N = hit_N & valid_N
