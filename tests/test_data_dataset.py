@@ -13,6 +13,8 @@ from hpctoolkit.data import HiddenStateDataset, ShardReader, ShardWriter, save_m
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.store.memory import MemoryStore
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def _published(n: int, prefix: str = "s") -> tuple[MemoryStore, list]:
     st = MemoryStore()

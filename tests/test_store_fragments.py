@@ -19,6 +19,8 @@ from hpctoolkit.store.api import MissingKeysError
 from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.store.mooncake import MooncakeStore, StoreUnavailableError
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def test_publish_both_stages_then_fetch_is_bitwise_and_removes():
     st = MemoryStore()

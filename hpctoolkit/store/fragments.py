@@ -7,14 +7,17 @@ Publish (engine side, one call per pipeline stage per sample)
     `StoreError`. Nothing is ever skipped with a warning.
 
 Fetch (trainer side)
-    `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`) and fills it with one
-    batched zero-copy `get_into`. Keys that are not there yet are polled until
-    `retry_max_wait_s`; then it raises `DataIntegrityError` naming them. A master that stopped
-    answering, or a read that outlasted its lease (`TransientStoreError`), is retried within the
-    same window and then re-raised. An object of the wrong
-    size raises at once, naming its key. After a successful read (and its checks) the sample's
-    objects are force-removed; "not found" counts as removed. A sample that fails a check is left
-    in the store for inspection and never yielded.
+    `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`, recycled through a
+    `BufferPool` when given) and fills it with one batched zero-copy `get_into`. Keys that are not
+    there yet are polled until `retry_max_wait_s`; then it raises `DataIntegrityError` naming
+    them. A master that stopped answering, or a read that outlasted its lease
+    (`TransientStoreError`), is retried within the same window and then re-raised. An object
+    whose byte size differs from the manifest's shape and dtype raises at once, naming its key
+    (objects carry no shape of their own, so a same-size transposition cannot be told apart).
+    `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
+    successful read and its checks the sample's objects are force-removed (a read leaves a
+    lease); "not found" counts as removed. A sample that fails is left in the store for
+    inspection and never returned.
 
 Manifest `extra` keys this module reads
     `input_ids_sha256` (`INPUT_IDS_SHA256`): hex SHA-256 of the sample's `input_ids` as
