@@ -4,10 +4,13 @@
     PYTHONPATH=. python benchmarks/draft_step.py            # H200, K3 shapes, bf16
     PYTHONPATH=. python benchmarks/draft_step.py --tiny     # CPU smoke run, tiny shapes
 
-Variants, all timed in the same process on the same inputs:
-  ours-<backend>   `dspark_loss`: CE fused with `lm_head` + markov, no `[T, V]` logits;
-  naive-<backend>  `return_logits=True`: full-vocabulary logits materialised, fp32 CE on them.
+Variants, all timed in the same process on the same inputs and weights:
+  ours-<backend>[-compiled]  `dspark_loss`: CE fused with `lm_head` + markov, no `[T, V]` logits;
+                             `-compiled` adds `compile_layers()` and compiled CE elementwise work;
+  naive-<backend>            eager layers, `return_logits=True`: full-vocabulary logits
+                             materialised, fp32 CE on them.
 `backend` is the attention backend (flex: block-sparse mask; sdpa: dense boolean mask).
+`-compiled` variants compile in place, so they run last.
 
 MFU counts model FLOPs only (matmuls and the attention pairs the mask allows; no recompute):
 trainable matmuls 3x forward, the frozen `lm_head` 2x (forward + input grad).
@@ -40,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="rows per fused-CE chunk")
-    p.add_argument("--variants", default="ours-flex,ours-sdpa,naive-sdpa,naive-flex")
+    p.add_argument("--variants", default="ours-flex,naive-sdpa,naive-flex,ours-flex-compiled")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later variants are skipped")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel table")
     return p.parse_args()
@@ -76,18 +79,34 @@ def make_batch(c, B: int, S: int, N: int, device: torch.device, dtype: torch.dty
     return ctx.to(device, dtype), ids, layout, layout.labels(ids)
 
 
-def set_backend(model, backend: str) -> None:
-    for m in model.modules():
-        if hasattr(m, "backend"):
-            m.backend = backend
-
-
-def run_ours(model, ctx, ids, layout, labels, chunk: int) -> None:
+def run_ours(model, ctx, ids, layout, labels, chunk: int, events: list | None = None) -> None:
+    compiled = getattr(model, "_bench_compiled", False)
+    if events:
+        events[0].record()
     out = model(ctx, ids, layout)
-    dspark_loss(model, out, labels, chunk_size=chunk).total.backward()
+    if events:
+        events[1].record()
+    loss = dspark_loss(model, out, labels, chunk_size=chunk, compile_elementwise=compiled).total
+    if events:
+        events[2].record()
+    loss.backward()
+    if events:
+        events[3].record()
 
 
-def run_naive(model, ctx, ids, layout, labels, chunk: int) -> None:
+def phase_breakdown(model, batch, args) -> dict:
+    """Median ms of forward / fused loss (forward + its gradients) / backward over 3 steps."""
+    rows = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        run_ours(model, *batch, args.chunk, events)
+        torch.cuda.synchronize()
+        rows.append([events[i].elapsed_time(events[i + 1]) for i in range(3)])
+    return {k: statistics.median(r[i] for r in rows) for i, k in enumerate(("forward", "loss", "backward"))}
+
+
+def run_naive(model, ctx, ids, layout, labels, chunk: int, events: list | None = None) -> None:
     out = model(ctx, ids, layout, return_logits=True)
     logits = out.logits_BTV.float().flatten(0, 1)
     lab = labels.flatten()
@@ -152,7 +171,7 @@ def main() -> None:
     if args.tiny:
         cfg_path, device, dtype = RECIPES / "tiny_k3_dspark_mla.json", torch.device("cpu"), torch.float32
         args.batch, args.seq, args.blocks = 2, 64, 6
-        args.variants = "ours-sdpa,naive-sdpa"
+        args.variants = "ours-sdpa,naive-sdpa"  # no CPU backward through FlexAttention
     else:
         cfg_path, device, dtype = RECIPES / "kimi_k3_dspark_mla.json", torch.device("cuda"), torch.bfloat16
     config = load_draft_config(cfg_path)
@@ -179,10 +198,17 @@ def main() -> None:
         if time.perf_counter() - start > args.time_budget:
             report["variants"][name] = {"skipped": "time budget"}
             continue
-        kind, backend = name.split("-")
-        set_backend(model, backend)
+        kind, backend, *extra = name.split("-")
+        model.set_attention_backend(backend)
         try:
+            if "compiled" in extra and not getattr(model, "_bench_compiled", False):
+                model.compile_layers()
+                model._bench_compiled = True
+            t0 = time.perf_counter()
             res = time_variant(fns[kind], model, batch, args, device)
+            res["first_steps_incl_compile_s"] = time.perf_counter() - t0 - res["median_s"] * res["steps"]
+            if kind == "ours" and device.type == "cuda":
+                res["phases_ms"] = phase_breakdown(model, batch, args)
         except Exception as exc:  # report and continue: one failing kernel must not hide the rest
             report["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             if device.type == "cuda":
@@ -191,22 +217,16 @@ def main() -> None:
         res["tokens_per_s"] = tokens / res["median_s"]
         res["mfu"] = flops / res["median_s"] / H200_BF16_PEAK_FLOPS
         report["variants"][name] = res
-        if args.profile and kind == "ours" and table is None and device.type == "cuda":
-            table = profile_table(fns[kind], model, batch, args)
+    ok_ours = [k for k, v in report["variants"].items() if k.startswith("ours") and "median_s" in v]
+    if args.profile and ok_ours and device.type == "cuda" and time.perf_counter() - start < args.time_budget:
+        best = min(ok_ours, key=lambda k: report["variants"][k]["median_s"])
+        model.set_attention_backend(best.split("-")[1])
+        report["profiled"] = best
+        table = profile_table(run_ours, model, batch, args)
     ok = {k: v for k, v in report["variants"].items() if "median_s" in v}
-    ours = (
-        min((v["median_s"], k) for k, v in ok.items() if k.startswith("ours"))
-        if any(k.startswith("ours") for k in ok)
-        else None
-    )
-    naive = (
-        min((v["median_s"], k) for k, v in ok.items() if k.startswith("naive"))
-        if any(k.startswith("naive") for k in ok)
-        else None
-    )
-    if ours and naive:
-        report["speedup_best_ours_vs_best_naive"] = naive[0] / ours[0]
-        report["best"] = {"ours": ours[1], "naive": naive[1]}
+    for o in (k for k in ok if k.startswith("ours")):
+        for n in (k for k in ok if k.startswith("naive")):
+            report.setdefault("speedup", {})[f"{o} vs {n}"] = ok[n]["median_s"] / ok[o]["median_s"]
     report["wall_s"] = time.perf_counter() - start
     print(json.dumps(report, indent=2))
     if table:
