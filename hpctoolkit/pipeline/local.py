@@ -11,6 +11,7 @@ clean run leaves 0 keys in the store (counted through the master).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -110,11 +111,13 @@ def run_local(cfg: RecipeConfig, out: Path) -> dict[str, Any]:
     prompts = load_prompt_ids(cfg.data.prompts, tok, cfg.data.num_samples, cfg.data.max_prompt_tokens)
     say(f"target {target_dir} | {len(prompts)} prompts | output {out}")
 
-    capture_dir = out / "capture"
-    capture_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (capture_dir / "manifests.jsonl", capture_dir / DRAIN_FLAG):
-        stale.unlink(missing_ok=True)
+    # `make run` is a fresh run every time: what an earlier run left in this output directory
+    # (samples, checkpoints, export) would otherwise be mixed into this one or resumed from.
     shards_dir = Path(cfg.data.offline_dir) if cfg.data.offline_dir else out / "shards"
+    for stale in (out / "capture", shards_dir, out / "checkpoints", out / "export", out / "tensorboard"):
+        shutil.rmtree(stale, ignore_errors=True)
+    capture_dir = out / "capture"
+    capture_dir.mkdir(parents=True)
 
     with resolve_master(cfg.store, out / "logs") as master:
         say(f"Mooncake master {'launched' if master.launched else 'reached'} at {master.address}")
