@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpctoolkit.errors import ConfigError, StoreError
@@ -97,12 +98,18 @@ def _listener_pids_count(port: int) -> int:
     return n
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died between fork and prctl; then nobody would deliver the signal.
-    if os.getppid() == 1:
-        os._exit(1)
+def _die_with_parent_fn() -> Callable[[], None]:
+    # Resolved in the parent: dlopen in a child forked from a threaded parent can deadlock.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def _in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died between fork and prctl; then nobody would deliver the signal.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return _in_child
 
 
 def _lease_ms(seconds: float) -> int:
@@ -192,7 +199,7 @@ class MasterProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (only prctl, async-signal-safe enough)
+                preexec_fn=_die_with_parent_fn(),  # noqa: PLW1509 (only prctl, async-signal-safe enough)
                 close_fds=True,
             )
         deadline = time.monotonic() + self.cfg.master_startup_timeout_s
