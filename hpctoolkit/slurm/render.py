@@ -37,13 +37,14 @@ def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> t
     Nothing here reads the target or draft files (the couplings run on the nodes, where the paths
     are known); the placement only needs the engine, training, store and cluster sections.
     """
+    import yaml
     from omegaconf import OmegaConf
 
-    from hpctoolkit.config.load import _read_yaml, compose
+    from hpctoolkit.config.load import compose
 
     given = {o.partition("=")[0] for o in overrides}
     try:
-        data = _read_yaml(Path(path))
+        data = yaml.safe_load(Path(path).read_text()) or {}
         merged = OmegaConf.merge(
             OmegaConf.structured(RecipeConfig),
             OmegaConf.create(data),
@@ -237,18 +238,21 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
     body += [
         "",
         "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
+        "usr2=0",
         "# shellcheck disable=SC2317  # invoked by the trap below",
         "on_usr2() {",
+        "  usr2=1",
         '  echo "SIGUSR2: asking the trainers to checkpoint" >&2',
         '  kill -USR2 "$trainer_pid" 2>/dev/null || true',
         "}",
         "trap on_usr2 USR2",
         "",
-        "# The run ends with the trainers; a trapped signal interrupts wait, so wait again.",
+        "# The run ends with the trainers; the trap interrupts wait, so then wait again.",
         "rc=0",
         "while :; do",
+        "  usr2=0",
         '  wait "$trainer_pid" && rc=0 || rc=$?',
-        '  kill -0 "$trainer_pid" 2>/dev/null || break',
+        "  ((usr2)) || break",
         "done",
         "services=(" + " ".join(f'"${v}"' for v in service_vars) + ")",
         'for pid in "${services[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
