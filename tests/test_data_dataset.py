@@ -134,6 +134,8 @@ def test_shards_roundtrip_through_the_same_dataset_path(tmp_path):
         assert_sample_matches(s, m)
     # Replay never deletes, so a second epoch sees the same data; sharding works as online.
     assert [s.key for s in reader.dataset(rank=1, world_size=2)] == ["s1", "s3"]
+    assert len(reader) == 5
+    assert_sample_matches(reader[3], ms[3])  # random access, for shuffled epochs
 
 
 def test_shards_are_plain_safetensors(tmp_path):

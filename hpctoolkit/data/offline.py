@@ -196,7 +196,9 @@ class ShardReader:
         from hpctoolkit.capture import Manifest
         from hpctoolkit.store.fragments import fetch_sample
 
-        return fetch_sample(self, Manifest.from_dict(self._manifests[index]), retry_max_wait_s=0.0, remove=False)
+        return fetch_sample(
+            self, Manifest.from_dict(self._manifests[index]), retry_max_wait_s=0.0, remove=False
+        )
 
     def dataset(self, **kwargs: Any) -> HiddenStateDataset:
         """A `HiddenStateDataset` replaying these shards (sharding/resume kwargs as online)."""

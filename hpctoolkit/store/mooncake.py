@@ -181,13 +181,18 @@ def master_healthy(metrics_address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def count_keys_via_master(metrics_address: str, timeout_s: float = 5.0) -> int:
+def count_keys_via_master(metrics_address: str | None, timeout_s: float = 5.0) -> int:
     """The number of keys the master holds, read from its `/metrics` (`master_key_count`).
 
     This asks the master itself, not our bookkeeping, so it also counts objects published by
     processes that have since exited. `metrics_address` is the master's HTTP server
     (`MasterProcess.metrics_address`, or `store.master_metrics_address` for an external master).
     """
+    if not metrics_address:
+        raise StoreError(
+            "counting keys needs the master's metrics address (store.master_metrics_address for a "
+            "master this run did not launch)"
+        )
     text = _http_get(metrics_address, "/metrics", timeout_s)
     m = re.search(r"^master_key_count\s+(\d+(?:\.\d+)?)\s*$", text, re.MULTILINE)
     if m is None:
