@@ -1,0 +1,119 @@
+"""The patched vLLM, piece by piece, without starting an engine (the equivalence test does that).
+
+These import the installed vLLM, so they need `make setup` (which applies the patch series).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.real
+
+vllm = pytest.importorskip("vllm", reason="vLLM (the 'engine' extra) is not installed")
+
+
+@pytest.fixture
+def fake_pp(monkeypatch):
+    """Pretend to be rank `rank` of a `size`-stage pipeline, as get_local_aux_layer_ids sees it."""
+    import vllm.distributed.parallel_state as ps
+
+    def set_rank(rank: int, size: int) -> None:
+        group = SimpleNamespace(rank_in_group=rank, world_size=size)
+        monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+        monkeypatch.setattr(ps, "get_pp_group", lambda: group)
+
+    return set_rank
+
+
+@pytest.mark.timeout(120)
+def test_local_ids_are_exactly_capture_owned_layers(fake_pp, monkeypatch):
+    """The patch's per-stage split and hpctoolkit's owned_layers are the same arithmetic."""
+    from vllm.model_executor.models.extract_hidden_states import get_local_aux_layer_ids
+
+    from hpctoolkit.capture import owned_layers, pp_range
+
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    checked = 0
+    for num_layers in (*range(2, 25), 32, 36, 61, 64):
+        all_ids = list(range(num_layers + 1))
+        id_lists = [all_ids, [num_layers], [1, num_layers], [*all_ids[::3], num_layers]]
+        for pp_size in range(1, min(num_layers, 8) + 1):
+            for rank in range(pp_size):
+                fake_pp(rank, pp_size)
+                for ids in id_lists:
+                    local, end = get_local_aux_layer_ids(ids, num_layers)
+                    assert local == owned_layers(ids, num_layers, rank, pp_size), (num_layers, pp_size, rank)
+                    assert end == pp_range(num_layers, rank, pp_size)[1]
+                    checked += 1
+    assert checked > 2000
+
+
+@pytest.mark.timeout(60)
+def test_local_ids_honour_vllm_pp_layer_partition(fake_pp, monkeypatch):
+    from vllm.model_executor.models.extract_hidden_states import get_local_aux_layer_ids
+
+    from hpctoolkit.capture import owned_layers
+
+    for partition in ("1,5", "4,2", "2,2,2", "1,1,4", "3,1,1,1"):
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+        size = partition.count(",") + 1
+        for rank in range(size):
+            fake_pp(rank, size)
+            local, _ = get_local_aux_layer_ids([0, 1, 3, 5, 6], 6)
+            assert local == owned_layers([0, 1, 3, 5, 6], 6, rank, size), (partition, rank)
+
+
+@pytest.mark.timeout(60)
+def test_extract_hidden_states_model_supports_pp():
+    from vllm.model_executor.models.extract_hidden_states import ExtractHiddenStatesModel
+    from vllm.model_executor.models.interfaces import supports_pp
+
+    assert supports_pp(ExtractHiddenStatesModel)
+    empty = ExtractHiddenStatesModel.make_empty_intermediate_tensors(None, 8, None, "cpu")  # type: ignore[arg-type]
+    assert dict(empty.tensors) == {}, "the drafter must never add anything to the PP pipe"
+
+
+@pytest.mark.timeout(60)
+def test_non_last_rank_pops_every_aux_key_before_the_send():
+    import torch
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    h, r = torch.randn(5, 4), torch.randn(5, 4)
+    aux = [torch.full((5, 4), float(i)) for i in range(3)]
+    out = IntermediateTensors(
+        {"hidden_states": h, "residual": r, **{f"aux_hidden_states_{i}": a for i, a in enumerate(aux)}}
+    )
+    popped = GPUModelRunner._pop_local_aux_hidden_states(None, out)  # type: ignore[arg-type]
+    assert set(out.tensors) == {"hidden_states", "residual"}  # what plain inference sends
+    assert all(p is a for p, a in zip(popped, aux, strict=True))  # in slot order, not copied
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pp", [2, 3])
+def test_engine_config_with_extract_hidden_states_and_pp_is_accepted(pp, monkeypatch):
+    """Released 0.32.0 raised NotImplementedError (...SupportsPP) right here."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    args = EngineArgs(
+        model=str(resolve_target("builtin:tiny-qwen3")),
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp",
+        enforce_eager=True,
+        max_model_len=512,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5, 6]}},
+        },
+    )
+    config = args.create_engine_config()
+    assert config.parallel_config.pipeline_parallel_size == pp
+    assert config.speculative_config.draft_parallel_config.pipeline_parallel_size == pp
+    # The patch targets the V1 runner; the engine pins it, and this is what the pin selects.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert config.use_v2_model_runner is False
