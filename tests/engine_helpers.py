@@ -8,6 +8,7 @@ reads the samples back through the production dataset and asserts.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -97,6 +98,7 @@ def scenario_capture(args: dict[str, Any]) -> dict[str, Any]:
         "shutdown_s": time.monotonic() - t1,
         "children_while_running": len(children_running),
         "children_after_shutdown": [p for p in _children() if p not in before],
+        "reaped_by_us": eng.reaped,
         "drained": (work / DRAINED).exists(),
     }
 
@@ -108,7 +110,9 @@ def scenario_master_killed(args: dict[str, Any]) -> dict[str, Any]:
 
     master = launch_master(StoreConfig(), Path(args["workdir"]) / "master-logs")
     args = dict(args, address=master.address)
+    before = _children()
     eng = _engine(args)
+    children_running = [p for p in _children() if p not in before]
     done = 0
     killed_at: list[float] = []
     ok_before = eng.capture([args["prompts"][0]])  # the path works while the master is up
@@ -138,6 +142,9 @@ def scenario_master_killed(args: dict[str, Any]) -> dict[str, Any]:
     t1 = time.monotonic()
     eng.shutdown()
     result["shutdown_s"] = time.monotonic() - t1
+    result["children_while_running"] = len(children_running)
+    result["children_after_shutdown"] = [p for p in _children() if p not in before]
+    result["reaped_by_us"] = eng.reaped
     master.stop()
     return result
 
@@ -148,6 +155,8 @@ SCENARIOS = {"capture": scenario_capture, "master_killed": scenario_master_kille
 def main() -> int:
     name, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)
+    # A scenario that hangs leaves every thread's stack in its log before the test kills it.
+    faulthandler.dump_traceback_later(args.get("dump_stacks_after_s", 200), exit=False)
     try:
         result = SCENARIOS[name](args)
     except BaseException as err:

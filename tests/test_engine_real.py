@@ -188,15 +188,27 @@ def test_fidelity_against_hf_and_no_keys_left(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_master_killed_mid_run_raises_store_error_promptly(tiny_qwen3, tmp_path):
-    """The master dies while prompts are being captured: capture() raises the store's error."""
-    args = _engine_args(tiny_qwen3, None, tmp_path, dtype="bfloat16")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "multiprocess"])
+def test_master_killed_mid_run_raises_store_error_promptly(tiny_qwen3, tmp_path, in_process):
+    """The master dies while prompts are being captured: capture() raises the store's error.
+
+    In-process the writer's exception reaches the caller as itself. With EngineCore and the
+    worker in their own processes vLLM reports only an engine death; the worker's fault record
+    turns it back into the store's message. The multiprocess run also checks that shutdown()
+    leaves no process behind (it has an engine core and a worker to end).
+    """
+    args = _engine_args(tiny_qwen3, None, tmp_path, dtype="bfloat16", in_process=in_process)
     args["prompts"] = _prompts()
     log = tmp_path / "engine.log"
     proc = spawn("master_killed", args, log)
-    result = finish(proc, tmp_path / "result.json", log, timeout_s=220)
-    print(f"\n[measure] master killed mid-run: {json.dumps(result)}")
+    result = finish(proc, tmp_path / "result.json", log, timeout_s=280)
+    print(
+        f"\n[measure] master killed mid-run ({'in' if in_process else 'multi'}-process): {json.dumps(result)}"
+    )
+    assert result["children_after_shutdown"] == [], result
+    if not in_process:
+        assert result["children_while_running"] >= 2, result  # engine core + worker
     assert "crashed" not in result, (result.get("traceback"), tail(log))
     assert result["error_type"] is not None, "capture kept succeeding with the master dead"
     assert "StoreError" in result["error_mro"], result

@@ -23,6 +23,7 @@ PROTECTED_ENGINE_KEYS = frozenset(
         "master_addr",
         "master_port",
         "VLLM_USE_V2_MODEL_RUNNER",
+        "worker_extension_cls",
     }
 )
 

@@ -28,6 +28,7 @@ from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"
 CONNECTOR_MODULE = "hpctoolkit.engine.connector"
+WORKER_EXTENSION = "hpctoolkit.engine.worker_ext.CaptureWorkerExtension"
 # Mirrors connector.MANIFEST_PARAM / EXTRA_CONFIG_KEY without importing vLLM here.
 MANIFEST_PARAM = "hpctoolkit_manifest"
 EXTRA_CONFIG_KEY = "hpctoolkit"
@@ -132,6 +133,7 @@ def build_llm_kwargs(
         "distributed_executor_backend": "uni" if world == 1 else "mp",
         "enforce_eager": eager,
         "disable_log_stats": True,
+        "worker_extension_cls": WORKER_EXTENSION,
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -153,13 +155,6 @@ def build_llm_kwargs(
         num_cores=num_cores,
     )
     return kwargs, env
-
-
-def _published_count(worker: Any) -> int:
-    """Run on each worker through `collective_rpc`: samples its connector published."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return int(getattr(get_kv_transfer_group(), "num_published", 0)) if has_kv_transfer_group() else 0
 
 
 class CaptureEngine:
@@ -184,6 +179,8 @@ class CaptureEngine:
         self._llm: Any = None
         self._fault_dir: str | None = None
         self._broken: BaseException | None = None
+        # Command lines of processes vLLM's shutdown left and `shutdown` had to end itself.
+        self.reaped: list[str] = []
         self._captured = 0
         self.cfg = cfg
         self.model_dir = Path(model_dir)
@@ -270,7 +267,7 @@ class CaptureEngine:
             return
         # Multiprocess: EngineCore keeps stepping on its own; wait for every stage's report.
         want = self._captured * self.pp_size
-        while sum(llm.collective_rpc(_published_count)) < want:
+        while sum(llm.collective_rpc("hpctoolkit_published_count")) < want:
             if time.monotonic() > deadline:
                 raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
             time.sleep(0.05)
@@ -335,15 +332,22 @@ class CaptureEngine:
             self._fault_dir = None
 
     def _reap_children(self, timeout_s: float) -> None:
+        """End what vLLM's own shutdown left of the processes started since construction.
+
+        vLLM already waited for its engine core and workers; what remains (multiprocessing's
+        resource tracker, a worker stuck in a native call) is ended by pid, and recorded in
+        `self.reaped` so tests can tell vLLM's cleanup from ours.
+        """
         import psutil
 
         baseline = getattr(self, "_baseline_children", None)
         if baseline is None:
             return
         ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in baseline]
-        _, alive = psutil.wait_procs(ours, timeout=timeout_s)
-        # vLLM's own shutdown should have ended them; whatever it left is ours to end, by pid.
+        _, alive = psutil.wait_procs(ours, timeout=min(timeout_s, 2.0))
         for p in alive:
+            with contextlib.suppress(psutil.Error):
+                self.reaped.append(" ".join(p.cmdline()[:3]) or p.name())
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.terminate()
         _, alive = psutil.wait_procs(alive, timeout=5)
