@@ -36,8 +36,13 @@ pytestmark = pytest.mark.real
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 
-# Parameters a served draft takes from the target after loading, so no checkpoint carries them.
-SHARED_FROM_TARGET = ("embed_tokens", "mask_embedding", "lm_head")
+
+def _shared_from_target(name: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Parameters a served draft aliases from the target after loading, so no checkpoint carries them."""
+    if name == "lm_head.weight":
+        return name not in tensors
+    return "embed_tokens" in name or "mask_embedding" in name
+
 
 TINY_TARGET = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -129,9 +134,7 @@ def _load_and_audit(served: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
     assert not unconsumed, f"exported but never loaded by vLLM: {unconsumed}"
     unloaded = []
     for name, param in served.named_parameters():
-        if any(s in name for s in SHARED_FROM_TARGET) and name.split(".")[0] != "lm_head":
-            continue
-        if name == "lm_head.weight" and "lm_head.weight" not in tensors:
+        if _shared_from_target(name, tensors):
             continue
         sentinel = param.isnan() if param.is_floating_point() else param == -(2**40)
         if bool(sentinel.any()):

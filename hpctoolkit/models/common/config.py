@@ -14,6 +14,7 @@ keys:
 """
 
 import copy
+import logging
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -21,6 +22,20 @@ from transformers import PretrainedConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import ATTENTION_BACKENDS
 from hpctoolkit.models.common.rope import ROPE_TYPES
+
+logger = logging.getLogger(__name__)
+
+# Bookkeeping keys any HF config.json may carry; everything else must be a field we read.
+_HF_KEYS = frozenset(PretrainedConfig().to_dict()) | {
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "initializer_range",
+    "use_cache",
+    "name_or_path",
+}
 
 # DeepSeek-V3's `rope_scaling` block (config.json of deepseek-ai/DeepSeek-V3).
 DEEPSEEK_YARN_DEFAULTS: dict[str, Any] = {
@@ -95,6 +110,10 @@ class DraftConfig(PretrainedConfig):
         self.draft_vocab_size = draft_vocab_size or vocab_size
         self.attention_backend = attention_backend
         self.attention_bias = attention_bias
+        ignored = sorted(set(kwargs) - _HF_KEYS)
+        if ignored:
+            # Kept as attributes (a published config round-trips), but nothing reads them.
+            logger.warning("%s ignores config keys %s", type(self).__name__, ", ".join(ignored))
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         # PreTrainedConfig may re-standardise the dict; keep our resolved theta authoritative.
