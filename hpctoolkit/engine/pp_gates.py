@@ -13,7 +13,10 @@ Per-stage capture (`check_per_stage_capture`)
     `IntermediateTensors` (`pack_local_aux_hidden_states`; Qwen2/Qwen3 `qwen2.py` forward, Llama
     `llama.py` forward, Kimi `KimiLinearModel.forward`). It is the flag vLLM's V2 runner itself checks
     before allowing Eagle3 capture with PP (`verify_supports_aux_hidden_states_over_pp` in
-    `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`). Neither `SupportsPP` nor `SupportsEagle3` on
+    `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`), and in 0.32 the decoders that set it are
+    exactly the ones whose forward calls `pack_local_aux_hidden_states` (qwen2, llama, sarvam,
+    deepseek_v4, minimax_m3, kimi_k3). Our PP patch pops those `aux_hidden_states_*` keys on each
+    non-last rank and caches them there (`_pop_local_aux_hidden_states`). Neither `SupportsPP` nor `SupportsEagle3` on
     the top-level class implies it: a mixin decoder without the flag (e.g. `Qwen3MoeModel`, or
     `MiMoModel`, which sets it to False explicitly) drops its aux list on non-last ranks, and
     `DeepseekV2Model` keeps its own aux list outside the mixin; either way the non-last rank has
@@ -138,12 +141,16 @@ def resolve_model_class(architectures: Sequence[str], model_config: Any = None) 
 
     if not architectures:
         raise ConfigError("the target config lists no 'architectures'; vLLM cannot resolve a model class")
+    known = ModelRegistry.get_supported_archs()
+    if model_config is None and not any(a in known for a in architectures):
+        raise ConfigError(
+            f"target architectures {list(architectures)} are not in vLLM's model registry "
+            f"({len(known)} known; see vllm.ModelRegistry.get_supported_archs())"
+        )
     try:
         return ModelRegistry.resolve_model_cls(list(architectures), model_config or _RegistryQuery())
     except ValueError as err:
-        raise ConfigError(
-            f"vLLM's registry cannot resolve target architectures {list(architectures)}: {err}"
-        ) from err
+        raise ConfigError(f"vLLM cannot resolve target architectures {list(architectures)}: {err}") from err
 
 
 def per_stage_capture_problem(architectures: Sequence[str], model_config: Any = None) -> str | None:
