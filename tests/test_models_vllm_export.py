@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.export import export_draft
-from hpctoolkit.models import build_draft_model, load_draft_config
+from hpctoolkit.models import build_draft_model, config_from_dict, load_draft_config
 
 for _key, _value in {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -142,17 +142,32 @@ def _load_and_audit(served: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
     assert not unloaded, f"vLLM parameters left unloaded: {unloaded}"
 
 
-CASES = [
+CASES = [  # (recipe, config overrides, speculative method, a served parameter, its exported source)
     (
         "tiny_eagle3.json",
+        {},
         "eagle3",
         "model.layers.0.self_attn.o_proj.weight",
         "midlayer.self_attn.o_proj.weight",
     ),
-    ("tiny_dflash.json", "dflash", "model.layers.1.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight"),
-    ("tiny_dspark.json", "dspark", "model.markov_head.markov_w2.weight", "markov_head.markov_w2.weight"),
+    (
+        "tiny_eagle3.json",
+        {"fc_norm": True, "norm_before_fc": True},
+        "eagle3",
+        "model.fc_norm.2.weight",
+        "fc_norm.2.weight",
+    ),
+    (
+        "tiny_dflash.json",
+        {},
+        "dflash",
+        "model.layers.1.mlp.down_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+    ),
+    ("tiny_dspark.json", {}, "dspark", "model.markov_head.markov_w2.weight", "markov_head.markov_w2.weight"),
     (
         "tiny_k3_dspark_mla.json",
+        {},
         "dspark",
         "model.layers.1.self_attn.kv_b_proj.weight",
         "layers.1.self_attn.kv_b_proj.weight",
@@ -160,10 +175,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("recipe", "method", "served_name", "our_name"), CASES)
-def test_export_loads_through_vllm(vllm_env, tmp_path, recipe, method, served_name, our_name):
+@pytest.mark.parametrize(("recipe", "overrides", "method", "served_name", "our_name"), CASES)
+def test_export_loads_through_vllm(vllm_env, tmp_path, recipe, overrides, method, served_name, our_name):
     torch.manual_seed(0)
-    config = load_draft_config(RECIPES / recipe)
+    data = json.loads((RECIPES / recipe).read_text()) | overrides
+    config = config_from_dict(data)
     model = build_draft_model(config)
     if config.draft_vocab_size < config.vocab_size:
         model.set_vocab_mapping(torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values)

@@ -63,6 +63,9 @@ class DFlashDraftModel(nn.Module):
                    Logits are `model.compute_logits(hidden_BTH)` -> [B, T, draft_vocab_size]; the
                    loss should chunk over T instead (`dflash.loss.block_cross_entropy`).
 
+    GPU training: `set_attention_backend("flex")` (block-sparse) and `compile_layers()`; see
+    `benchmarks/draft_step.py` for what each buys at K3 shapes.
+
     Subclass hooks: `attention_class` (built with `.from_config(config, layer_idx)`),
     `decoder_layer_class`, and `context_proj_name` / `context_norm_name` / `final_norm_name`,
     which name the projection modules so a variant's state dict matches its serving checkpoint.

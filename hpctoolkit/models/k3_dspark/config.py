@@ -5,6 +5,17 @@ from typing import Any
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.dspark.config import DSparkConfig
 
+K3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 64,
+    "target_hidden_size": 7168,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+}
+
 
 class K3DSparkConfig(DSparkConfig):
     """DSpark whose attention is DeepSeek MLA (`q_lora_rank`, `kv_lora_rank`, split qk dims, `v_head_dim`).
@@ -36,9 +47,11 @@ class K3DSparkConfig(DSparkConfig):
         self.v_head_dim = v_head_dim
         self.mla_use_output_gate = mla_use_output_gate
         self.mla_use_nope = mla_use_nope
+        # K3 shapes where a config omits them (see recipes/draft_models/README.md for sources).
+        for key, value in K3_DEFAULTS.items():
+            kwargs.setdefault(key, value)
         # MLA has no grouped KV heads; the GQA fields only keep the shared validation honest.
-        heads = kwargs.get("num_attention_heads", 64)
-        kwargs["num_key_value_heads"] = heads
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         kwargs.setdefault("head_dim", qk_nope_head_dim + qk_rope_head_dim)
         super().__init__(**kwargs)
 
