@@ -60,7 +60,9 @@ HPCTOOLKIT_NODE_DRY = _register(
     "HPCTOOLKIT_NODE_DRY",
     "0",
     "1: `python -m hpctoolkit.node ROLE` prints where it landed (role, node, engine, node_rank, "
-    "CUDA_VISIBLE_DEVICES) and exits 0 instead of starting the role; proves placement without GPUs.",
+    "CUDA_VISIBLE_DEVICES) and exits 0 instead of starting the role; proves placement without GPUs. "
+    "A comma-separated list of roles (e.g. engine-leader,engine-follower,trainer) makes only those "
+    "dry; while the master runs for real, the dry roles first wait until they reach it.",
 )
 HPCTOOLKIT_PLAN_DIGEST = _register(
     "HPCTOOLKIT_PLAN_DIGEST",

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 from hpctoolkit import envs
 from hpctoolkit.cli import run_cli
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import (
     LOCALHOST,
     ROLE_ENGINE_FOLLOWER,
@@ -44,6 +45,8 @@ from hpctoolkit.plan.placement import (
 from hpctoolkit.slurm.env import SlurmEnvironment
 
 ROLE_CHECK = "check"
+# A dry role waits at most this long for a real master (which imports torch and spawns the binary).
+DRY_REACH_TIMEOUT_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -240,11 +243,52 @@ _ROLE_FUNCS = {
 }
 
 
+def dry_roles(value: str | None) -> frozenset[str]:
+    """Roles `HPCTOOLKIT_NODE_DRY` makes dry: "1" all, "0"/unset none, else a comma list."""
+    value = (value or "0").strip()
+    if value == "1":
+        return frozenset(ROLES)
+    if value in ("", "0"):
+        return frozenset()
+    roles = frozenset(r.strip() for r in value.split(",") if r.strip())
+    unknown = sorted(roles - set(ROLES))
+    if unknown:
+        raise ConfigError(f"HPCTOOLKIT_NODE_DRY names unknown roles {unknown}; valid: {list(ROLES)}")
+    return roles
+
+
+def wait_reachable(address: str, timeout_s: float) -> float:
+    """Seconds until a TCP connection to host:port succeeds; StoreError naming it after timeout_s."""
+    host, _, port = address.rpartition(":")
+    t0 = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return time.monotonic() - t0
+        except OSError as err:
+            if time.monotonic() - t0 > timeout_s:
+                raise StoreError(
+                    f"the Mooncake master at {address} is unreachable after {timeout_s:.0f}s: {err}"
+                ) from err
+            time.sleep(0.2)
+
+
 def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> str | int:
+    dry_set = dry_roles(envs.get(envs.HPCTOOLKIT_NODE_DRY.name)) if dry is None else None
     if dry is None:
-        dry = envs.get(envs.HPCTOOLKIT_NODE_DRY.name) == "1"
+        dry = proc.role in dry_set
     if dry:
         line = dry_line(ctx, proc)
+        if (
+            dry_set is not None
+            and ROLE_MASTER not in dry_set
+            and ctx.plan.master
+            and proc.role != ROLE_MASTER
+        ):
+            # The master runs for real: prove this node reaches it at the planned address.
+            address = store_address(ctx)
+            waited = wait_reachable(address, DRY_REACH_TIMEOUT_S)
+            line += f" store={address} reached_after_s={waited:.1f}"
         print(line, flush=True)
         return line
     return _ROLE_FUNCS[proc.role](ctx, proc)

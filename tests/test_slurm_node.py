@@ -151,3 +151,36 @@ def test_real_roles_say_what_is_missing(monkeypatch):
     ctx = node.load_context(RECIPE, [])
     with pytest.raises(NotImplementedError, match="live"):
         node.run_process(ctx, node.select_process(ctx, "trainer"), dry=False)
+
+
+def test_dry_roles_parsing():
+    assert node.dry_roles("1") == {"master", "engine-leader", "engine-follower", "trainer"}
+    assert node.dry_roles(None) == node.dry_roles("0") == node.dry_roles("") == frozenset()
+    assert node.dry_roles("trainer, engine-leader") == {"trainer", "engine-leader"}
+    with pytest.raises(ConfigError, match="boss"):
+        node.dry_roles("trainer,boss")
+
+
+def test_wait_reachable():
+    import socket
+
+    from hpctoolkit.errors import StoreError
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        assert node.wait_reachable(f"127.0.0.1:{port}", 5) < 5
+    with pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
+        node.wait_reachable(f"127.0.0.1:{port}", 0.3)
+
+
+def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        on_node(monkeypatch, "node5")
+        monkeypatch.setenv("HPCTOOLKIT_NODE_DRY", "engine-leader,engine-follower,trainer")
+        ctx = node.load_context(RECIPE, [f"store.master_port={port}"])
+        monkeypatch.setattr(node.socket, "gethostbyname", lambda h: "127.0.0.1")
+        line = node.run_process(ctx, node.select_process(ctx, "engine-leader"))
+    assert f" store=127.0.0.1:{port} reached_after_s=" in line

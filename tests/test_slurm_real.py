@@ -119,7 +119,9 @@ def jobs(cluster, tmp_path_factory):
     text = render_sbatch(cfg, plan, recipe_path=recipe, overrides=overrides)
     env = {**cluster, "HPCTOOLKIT_NODE_DRY": "1", "HPCTOOLKIT_PYTHON": sys.executable}
     t0 = time.monotonic()
-    placed = submit_sbatch(text, ROOT, env=env)
+    # The Mooncake master runs for real; the GPU roles are dry and first dial it from their nodes.
+    placed_env = {**env, "HPCTOOLKIT_NODE_DRY": "engine-leader,engine-follower,trainer"}
+    placed = submit_sbatch(text, ROOT, env=placed_env)
     # A placement-changing argument at submission time no longer matches the rendered digest.
     stale = submit_sbatch(text, ROOT, args=["training.world_size=2"], env=env)
     small = "tests/golden/small_2node.yaml"
@@ -156,14 +158,23 @@ def test_rendered_batch_script_places_every_role(jobs):
     assert hosts == expand_hostlist(alloc)  # the script's host order is the allocation's
     assert len(set(hosts)) == plan.num_nodes
     assert f"plan {plan.digest()} matches" in log
-    check_placement(plan, hosts, parse_lines(log.splitlines()))
+    master_line = re.search(r"^mooncake master at (\S+) on (\S+)$", log, re.M)
+    assert master_line and master_line.group(2) == hosts[0], log
+    address = master_line.group(1)
+    landed = parse_lines(log.splitlines())
+    # Every dry role reached the real master at the planned address (node 0's host, port 50051).
+    assert {d["store"] for d in landed} == {address} and address.endswith(":50051")
+    landed.append(
+        {"role": "master", "node": master_line.group(2), "engine": "-", "node_rank": "-", "gpus": ""}
+    )
+    check_placement(plan, hosts, landed)
     assert "trainers exited with status 0" in log
     steps = shell.run(["sacct", "-n", "-P", "-j", job, "-o", "JobName,NodeList,State"], env=env)
     by_name = {line.split("|")[0]: line.split("|")[1:] for line in steps.splitlines()}
     assert by_name["engine0-0"] == [hosts[1], "COMPLETED"]
     assert by_name["engine0-1"] == [hosts[2], "COMPLETED"]
     assert by_name["trainer"] == [hosts[0], "COMPLETED"]
-    assert by_name["master"] == [hosts[0], "COMPLETED"]
+    assert by_name["master"][0] == hosts[0]
 
 
 def test_stale_script_fails_before_any_step(jobs):

@@ -254,6 +254,7 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         '  wait "$trainer_pid" && rc=0 || rc=$?',
         "  ((usr2)) || break",
         "done",
+        "# srun turns SIGTERM into a step cancel: tasks get SIGTERM, then SIGKILL after KillWait.",
         "services=(" + " ".join(f'"${v}"' for v in service_vars) + ")",
         'for pid in "${services[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
         'wait "${services[@]}" 2>/dev/null || true',
