@@ -270,3 +270,19 @@ def test_master_killed_mid_run_writer_raises_reader_fails_after_window(tmp_path)
         reader.close(timeout_s=2)
         assert time.monotonic() - t0 < 5  # close is bounded even with the master gone
         own.stop()
+
+
+@pytest.mark.timeout(60)
+def test_writer_keeps_its_fragments_in_its_own_segment(master, writer, reader):  # noqa: F811
+    # With a second writer's segment available, default placement would scatter the objects.
+    with MooncakeStore(master.address, small_store_cfg(), role="writer") as other:
+        other.put_many([("other_probe", torch.zeros(4))])
+        keys = [f"own{i}" for i in range(16)]
+        writer.put_many([(k, torch.full((256,), float(i))) for i, k in enumerate(keys)])
+        client = writer._client()
+        segments = {
+            client.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for k in keys
+        }
+        assert len(segments) == 1, segments
+        reader.remove([*keys, "other_probe"])

@@ -15,7 +15,9 @@ Concurrency
     One `MooncakeStore` per process and role. Calls from several threads are serialised by a lock;
     the native client is not documented as thread-safe. A writer contributes
     `global_segment_size` bytes to the store, and the objects it publishes live in that segment:
-    the writer process must outlive the reads of what it wrote. A reader contributes no segment.
+    the writer process must outlive the reads of what it wrote. Writers put with their own segment
+    preferred (`ReplicateConfig.preferred_segment`), so a stage's fragments live, and die, with
+    that stage's process. A reader contributes no segment.
 
 Data path
     A put of a key that already exists raises: Mooncake would answer success and keep the old
@@ -272,6 +274,11 @@ class MooncakeStore:
                 )
             self._store = store
             self._replicate = self._make_replicate_config()
+            if self.role == "writer" and hasattr(self._replicate, "preferred_segment"):
+                # Left to itself the master spreads objects over every writer's segment, so a
+                # stage's fragments could sit in (and die with) another stage's process, and each
+                # put would cross the network. Keep them in the writer's own segment.
+                self._replicate.preferred_segment = store.get_hostname()
         return self._store
 
     def _make_replicate_config(self) -> Any:
