@@ -1,4 +1,4 @@
-"""`hpctoolkit.models` (and the exporter) must work on GPU hosts that have neither vLLM nor Mooncake."""
+"""`hpctoolkit.models` (and the exporter) must work on GPU hosts without vLLM, Mooncake or OmegaConf."""
 
 import subprocess
 import sys
@@ -10,7 +10,7 @@ SCRIPT = r"""
 import sys
 
 class Block:
-    blocked = ("vllm", "mooncake")
+    blocked = ("vllm", "mooncake", "omegaconf")
 
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in self.blocked:
@@ -40,7 +40,7 @@ print("OK", tuple(out.hidden_BTH.shape), loaded)
 """
 
 
-def test_models_import_without_vllm_or_mooncake():
+def test_models_import_without_vllm_mooncake_or_omegaconf():
     recipe = ROOT / "recipes" / "draft_models" / "tiny_k3_dspark_mla.json"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(recipe)],
