@@ -270,3 +270,16 @@ def test_digest_changes_with_placement():
     a = make_plan(slurm_cfg()).digest()
     b = make_plan(slurm_cfg(engines=1, nodes=3)).digest()
     assert a != b
+
+
+def test_placement_and_slurm_env_import_nothing_heavy():
+    """Pure rooms: no torch, vLLM, Mooncake, submitit, not even subprocess."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hpctoolkit.plan.placement, hpctoolkit.slurm.env\n"
+        "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'subprocess', 'omegaconf') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
