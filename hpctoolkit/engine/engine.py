@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -319,11 +320,23 @@ class CaptureEngine:
     # ------------------------------------------------------------------ lifetime
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the engine and every process it started. Idempotent."""
+        """Stop the engine and every process it started, within about `timeout_s` + 15 s. Idempotent.
+
+        vLLM's own shutdown runs first, on a helper thread: after an engine death it has been seen
+        to block, and a stuck shutdown must not keep the caller (or the engine's processes) alive.
+        """
         llm, self._llm = self._llm, None
         if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+
+            def _stop() -> None:
+                with contextlib.suppress(Exception):
+                    llm.llm_engine.engine_core.shutdown()
+
+            stopper = threading.Thread(target=_stop, name="hpctoolkit-engine-shutdown", daemon=True)
+            stopper.start()
+            stopper.join(timeout_s)
+            if stopper.is_alive():
+                self.reaped.append(f"<vLLM shutdown still blocked after {timeout_s:g}s>")
             del llm
             gc.collect()
         self._reap_children(timeout_s)
