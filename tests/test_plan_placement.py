@@ -283,3 +283,21 @@ def test_placement_and_slurm_env_import_nothing_heavy():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_k3_recipe_loads_once_its_paths_are_given(tmp_path):
+    """The couplings hold for K3: the draft's layers, hidden size, min_loss_tokens, node counts."""
+    from hpctoolkit.config import load_recipe
+
+    target = tmp_path / "kimi-k3"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "hidden_size": 7168}))
+    cfg = load_recipe(
+        "recipes/k3.yaml",
+        [
+            f"paths.output_dir={tmp_path / 'run'}",
+            f"paths.target_model={target}",
+            "data.prompts=/data/p.jsonl",
+        ],
+    )
+    assert make_plan(cfg).to_dict() == make_plan(slurm_cfg()).to_dict()
