@@ -51,8 +51,12 @@ def test_sample_anchors_leave_room_for_a_block():
     assert int(anchors.min()) >= 1 and int(anchors.max()) <= 30 - 7
     assert int(anchors[2].max()) < 20
     assert all(len(set(row.tolist())) == 5 for row in anchors)
-    _, ok = sample_anchors(torch.ones(1, 10), num_blocks=6, block_size=7)
+    short, ok = sample_anchors(torch.ones(1, 10), num_blocks=6, block_size=7)
     assert ok.sum() == 3  # only positions 1..3 can hold a whole block
+    layout = make_block_layout(short, 7, 10, valid_BN=ok)
+    labels = layout.labels(torch.arange(10).unsqueeze(0)).view(6, 7)
+    assert bool((labels[~ok[0]] == IGNORE_INDEX).all())
+    assert bool((labels[ok[0]][:, 1:3] != IGNORE_INDEX).all())
 
 
 @pytest.mark.parametrize("recipe", ["tiny_dflash.json", "tiny_dspark.json", "tiny_k3_dspark_mla.json"])

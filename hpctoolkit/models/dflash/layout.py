@@ -30,6 +30,7 @@ class BlockLayout:
     anchors_BN: torch.Tensor
     block_size: int
     context_len: int
+    valid_BN: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -67,12 +68,15 @@ class BlockLayout:
         return ids_BNK.flatten(1)
 
     def labels(self, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """`[B, T]` targets `input_ids[a + k]`; `IGNORE_INDEX` at slot 0, past the end, or masked out."""
+        """`[B, T]` targets `input_ids[a + k]`; `IGNORE_INDEX` at slot 0, past the end, in an invalid
+        block (`valid_BN`), or where `loss_mask_BS` is 0."""
         pos_BT = self.q_position_ids()
         in_range = pos_BT < input_ids_BS.shape[1]
         safe = pos_BT.clamp(max=input_ids_BS.shape[1] - 1)
         labels = input_ids_BS.gather(1, safe)
         keep = in_range & (slot_index(self.num_blocks, self.block_size, pos_BT.device) > 0)
+        if self.valid_BN is not None:
+            keep &= self.valid_BN.repeat_interleave(self.block_size, dim=1)
         if loss_mask_BS is not None:
             keep &= loss_mask_BS.gather(1, safe).bool()
         return labels.masked_fill(~keep, IGNORE_INDEX)
@@ -114,12 +118,19 @@ def block_attention_mask(anchors_BN: torch.Tensor, block_size: int, context_len:
     return AttentionMask(mask_mod, B, T, context_len + T, anchors_BN.device)
 
 
-def make_block_layout(anchors_BN: torch.Tensor, block_size: int, context_len: int) -> BlockLayout:
+def make_block_layout(
+    anchors_BN: torch.Tensor, block_size: int, context_len: int, valid_BN: torch.Tensor | None = None
+) -> BlockLayout:
+    """Validate and wrap anchors; `valid_BN` (from `sample_anchors`) drops padding blocks from the labels."""
+    if valid_BN is not None and valid_BN.shape != anchors_BN.shape:
+        raise ConfigError(
+            f"valid_BN shape {tuple(valid_BN.shape)} != anchors_BN shape {tuple(anchors_BN.shape)}"
+        )
     if anchors_BN.dtype != torch.long or anchors_BN.dim() != 2:
         raise ConfigError("anchors_BN must be a [batch, num_blocks] int64 tensor")
     if anchors_BN.numel() and (int(anchors_BN.min()) < 0 or int(anchors_BN.max()) >= context_len):
         raise ConfigError(f"anchors must lie in [0, {context_len})")
-    return BlockLayout(anchors_BN, block_size, context_len)
+    return BlockLayout(anchors_BN, block_size, context_len, valid_BN)
 
 
 def sample_anchors(
@@ -131,7 +142,7 @@ def sample_anchors(
     """Draw `num_blocks` distinct anchors per sample where a whole block fits before the end.
 
     Returns `(anchors_BN, valid_BN)`. Samples with fewer eligible positions repeat an anchor and
-    mark the surplus invalid, so the loss can drop them without reshaping the batch. Position 0
+    mark the surplus invalid; pass `valid_BN` to `make_block_layout` so their labels are ignored. Position 0
     is never an anchor: a block needs at least one context state.
     """
     B, S = loss_mask_BS.shape
