@@ -281,29 +281,6 @@ def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.Path
     return draft.eval(), head
 
 
-@torch.no_grad()
-def recapture(target_dir: str | os.PathLike, sequences: list[list[int]], hf_indices: list[int]):
-    """Per sequence `(aux [n_aux, T, H], last_prenorm [T, H])` from a transformers forward.
-
-    `hf_indices` index transformers' `hidden_states` (0 = embeddings, k = after layer k-1), i.e.
-    the engine's capture ids; the last state is the final norm's input, as vLLM captures it.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
-    grabbed: dict[str, torch.Tensor] = {}
-    hook = model.model.norm.register_forward_hook(lambda m, args, out: grabbed.__setitem__("last", args[0]))
-    out = []
-    try:
-        for ids in sequences:
-            res = model(torch.tensor([ids]), output_hidden_states=True)
-            aux = torch.stack([res.hidden_states[i][0] for i in hf_indices])
-            out.append((aux.float(), grabbed["last"][0].float()))
-    finally:
-        hook.remove()
-    return out
-
-
 def simulate(
     export_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
@@ -316,6 +293,7 @@ def simulate(
     from hpctoolkit.config.couplings import draft_target_layer_ids
     from hpctoolkit.models import Eagle3Config
     from hpctoolkit.train.config import TrainingConfig
+    from hpctoolkit.train.hf_capture import recapture
     from hpctoolkit.train.metrics import StepStats
     from hpctoolkit.train.trainers import trainer_class_for
 

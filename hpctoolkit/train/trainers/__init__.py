@@ -64,13 +64,13 @@ def init_from_target(draft: nn.Module, head: TargetHead, embed_VH: torch.Tensor 
     seeded from the target rows of its draft vocabulary (`d2t` must be installed first).
     """
     emb = head.lm_head_VH if embed_VH is None else embed_VH
-    draft.embed_tokens.weight.copy_(emb.to(draft.embed_tokens.weight.dtype))
+    draft.embed_tokens.weight.copy_(emb.to(draft.embed_tokens.weight))
     rows = head.lm_head_VH
     lm = draft.lm_head.weight
     if lm.shape[0] != rows.shape[0]:
         ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
         rows = rows.index_select(0, ids.to(rows.device))
-    lm.copy_(rows.to(lm.dtype))
+    lm.copy_(rows.to(lm))
 
 
 def build_trainer(
@@ -79,8 +79,12 @@ def build_trainer(
     cfg: TrainingConfig,
     *,
     vocab_counts: torch.Tensor | None = None,
+    device: str | torch.device | None = None,
 ) -> FamilyTrainer:
-    """Draft (fresh init, embedding and head from the target) + frozen target head, on the CPU.
+    """Draft (fresh init, embedding and head from the target) + frozen target head.
+
+    Built directly on `device` (default: the CPU), so a multi-billion-parameter draft is not
+    initialised on the host first.
 
     `target` is a target model directory (only the head tensors are read) or a ready
     `TargetHead` (synthetic benchmarks). `vocab_counts` `[V]` token counts choose a pruned
@@ -94,7 +98,8 @@ def build_trainer(
         head = TargetHead.from_pretrained(target)
         embed = read_target_tensor(Path(target), "embed_tokens.weight")
     check_draft_against_target(config, head)
-    draft = build_draft_model(config)
+    draft = build_draft_model(config, device=device)
+    head = head.to(device) if device is not None else head
     trainer_cls = trainer_class_for(config)
     if isinstance(config, Eagle3Config) and config.draft_vocab_size < config.vocab_size:
         counts = (

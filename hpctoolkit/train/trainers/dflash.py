@@ -8,6 +8,7 @@ import torch
 from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
+from hpctoolkit.train.losses.common import LOGIT_CHUNK_ROWS
 from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows, sample_generator
 
 
@@ -60,8 +61,13 @@ class DFlashTrainer(FamilyTrainer):
         pos_BT = layout.q_position_ids()
         target_rows_BTH = gather_rows(last_BSH, pos_BT - 1)
         with torch.no_grad():
-            target_ids_BT = self.target_logits(target_rows_BTH.flatten(0, 1), last_prenorm).argmax(-1)
-        target_ids_BT = target_ids_BT.view(pos_BT.shape)
+            rows_NH = target_rows_BTH.flatten(0, 1)
+            target_ids_BT = torch.cat(
+                [
+                    self.target_logits(rows_NH[i : i + LOGIT_CHUNK_ROWS], last_prenorm).argmax(-1)
+                    for i in range(0, rows_NH.shape[0], LOGIT_CHUNK_ROWS)
+                ]
+            ).view(pos_BT.shape)
         data_labels_BT = layout.labels(input_ids_BS, loss_mask_BS)
         block_ok_BT = anchor_ok_BN.repeat_interleave(K, dim=1)
         supervised_BT = (data_labels_BT != IGNORE_INDEX) & block_ok_BT

@@ -1,0 +1,202 @@
+# ruff: noqa: N806  -- shape names (B, S), per STYLE.md
+"""Short FSDP training of the Kimi-K3 DSpark MLA draft on synthetic hidden states at K3 shapes.
+
+    PYTHONPATH=. python benchmarks/train_k3_gpu.py                 # one H200 (or all visible GPUs)
+    PYTHONPATH=. python benchmarks/train_k3_gpu.py --tiny          # CPU smoke run, tiny shapes
+
+The trainer's own stack end to end: `build_trainer` (DSparkTrainer + K3DSparkModel), FSDP2
+`fully_shard` (full_shard, bf16 compute, fp32 master weights), AdamW, warmup+cosine,
+`forward_backward` (DSpark's 0.1 CE + 0.9 L1 + 1.0 BCE with global normalisation), gradient
+clipping. The target head is synthetic (random `[V, H]` bf16 lm_head, unit final norm), and
+hidden states are random: this measures throughput and memory, not learning.
+
+Reports, per GPU: context tokens/s, draft-slot tokens/s, median step time, peak allocated memory,
+and the static footprint of parameters, gradients and AdamW state (fp32) it is compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stub_missing_config_deps() -> list[str]:
+    """The GPU host may lack omegaconf, which only the recipe loader uses; stub it."""
+    stubbed = []
+    try:
+        import omegaconf  # noqa: F401
+    except ImportError:
+        m = types.ModuleType("omegaconf")
+        m.MISSING = "???"
+        m.OmegaConf = type("OmegaConf", (), {})
+        err = types.ModuleType("omegaconf.errors")
+        for n in (
+            "ConfigKeyError",
+            "GrammarParseError",
+            "MissingMandatoryValue",
+            "OmegaConfBaseException",
+            "ValidationError",
+        ):
+            setattr(err, n, type(n, (Exception,), {}))
+        m.errors = err
+        sys.modules["omegaconf"], sys.modules["omegaconf.errors"] = m, err
+        stubbed.append("omegaconf")
+    return stubbed
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--batch", type=int, default=1, help="samples per GPU per step")
+    p.add_argument("--seq", type=int, default=4096, help="context tokens per sample")
+    p.add_argument("--anchors", type=int, default=512, help="blocks of block_size per sample")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
+    p.add_argument("--backend", default="flex", choices=["sdpa", "flex"], help="draft attention backend")
+    p.add_argument("--out", default="", help="also write the JSON result here")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    stubbed = _stub_missing_config_deps()
+    sys.path.insert(0, str(ROOT))
+    from hpctoolkit.models import load_draft_config
+    from hpctoolkit.train.batch import collate
+    from hpctoolkit.train.config import TrainingConfig
+    from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
+    from hpctoolkit.train.loop import forward_backward
+    from hpctoolkit.train.optim import build_optimizer, clip_and_norm
+    from hpctoolkit.train.synthetic import SyntheticSamples
+    from hpctoolkit.train.target_head import TargetHead
+    from hpctoolkit.train.trainers import build_trainer
+
+    recipe = "tiny_k3_dspark_mla.json" if args.tiny else "kimi_k3_dspark_mla.json"
+    config = load_draft_config(ROOT / "recipes" / "draft_models" / recipe)
+    config.attention_backend = args.backend if not args.tiny else "sdpa"
+    if args.tiny:
+        args.seq, args.anchors, args.steps, args.warmup = 64, 4, 3, 1
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    init = "env://" if "MASTER_ADDR" in os.environ else f"file://{tempfile.mktemp(prefix='k3-rdzv-')}"
+    ctx = init_distributed(rank, world, init, device)
+    cfg = TrainingConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=1e-4,
+        warmup_steps=1,
+        num_anchors=args.anchors,
+        max_seq_len=args.seq,
+        world_size=world,
+        device=device,
+        mixed_precision="bf16",
+        min_loss_tokens=14,
+        fsdp_mode="full_shard",
+    )
+    H, V = config.hidden_size, config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    head = TargetHead(
+        (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16), torch.ones(H), config.rms_norm_eps
+    )
+    t0 = time.monotonic()
+    trainer = build_trainer(config, head, cfg, device=ctx.device)
+    n_train = sum(p.numel() for p in trainer.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in trainer.parameters() if not p.requires_grad)
+    trainer.to(ctx.device)
+    shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
+    optimizer, scheduler = build_optimizer(trainer, cfg)
+    build_s = time.monotonic() - t0
+    src = SyntheticSamples(
+        num_samples=args.batch * world * (args.steps + 1),
+        vocab_size=V,
+        hidden_size=H,
+        num_aux=config.num_target_layers,
+        lengths=[args.seq],
+        dtype=torch.bfloat16,
+        seed=1,
+    )
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    stream = src(ctx.rank, ctx.world_size, 0, 0)
+    for step in range(args.steps):
+        samples = [next(stream) for _ in range(args.batch)]
+        batch = collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens).to(
+            ctx.device, torch.float32
+        )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.monotonic()
+        parts = forward_backward(trainer, batch, step, ctx)
+        gn = clip_and_norm(trainer, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.monotonic() - t)
+        losses.append(float(parts.numerator.detach()) / max(float(parts.denominator), 1e-9))
+        if ctx.is_main:
+            print(
+                f"step {step}: {times[-1] * 1e3:.0f} ms, loss {losses[-1]:.4f}, grad_norm {gn:.3f}",
+                flush=True,
+            )
+    timed = times[args.warmup :] or times
+    step_s = statistics.median(timed)
+    ctx_tokens = args.batch * args.seq
+    draft_tokens = args.batch * args.anchors * config.block_size
+    gib = 2**30
+    static = {
+        "trainable_params": n_train,
+        "frozen_params": n_frozen,
+        "fp32_master_params_gib": n_train * 4 / gib,
+        "fp32_grads_gib": n_train * 4 / gib,
+        "adamw_state_gib": n_train * 8 / gib,
+        "frozen_params_fp32_gib": n_frozen * 4 / gib,
+        "target_head_bf16_gib": V * H * 2 / gib,
+    }
+    static["sum_static_gib_per_gpu"] = (
+        sum(v for k, v in static.items() if k.endswith("_gib")) - static["target_head_bf16_gib"]
+    ) / world + static["target_head_bf16_gib"]
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "world_size": world,
+        "stubbed_modules": stubbed,
+        "attention_backend": config.attention_backend,
+        "batch_per_gpu": args.batch,
+        "context_tokens_per_sample": args.seq,
+        "draft_tokens_per_sample": args.anchors * config.block_size,
+        "build_and_shard_s": build_s,
+        "step_ms_median": step_s * 1e3,
+        "step_ms_all": [round(x * 1e3, 1) for x in times],
+        "context_tokens_per_s_per_gpu": ctx_tokens / step_s,
+        "draft_tokens_per_s_per_gpu": draft_tokens / step_s,
+        "losses": losses,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if device == "cuda" else None,
+        **static,
+    }
+    if ctx.is_main:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+    ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
