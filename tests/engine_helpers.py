@@ -23,6 +23,35 @@ REPO = Path(__file__).resolve().parents[1]
 DRAINED = "drained"
 
 
+class _ClearableMemoryStore:
+    """Process-wide in-memory store for connector unit tests (see `memory_store_factory`)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        from hpctoolkit.store.memory import MemoryStore
+
+        self._inner = MemoryStore()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_inner":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+
+MEMORY_STORE = _ClearableMemoryStore()
+
+
+def memory_store_factory(address: str | None, cfg: Any, role: str) -> Any:
+    """`store_factory` for the connector in unit tests: everyone shares `MEMORY_STORE`."""
+    return MEMORY_STORE
+
+
 def spawn(scenario: str, args: dict[str, Any], log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     log = open(log_path, "w")  # noqa: SIM115  (the child owns it for its lifetime)

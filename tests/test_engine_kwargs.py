@@ -49,6 +49,7 @@ def test_capture_engine_core_arguments():
     assert extra["store_address"] == "127.0.0.1:50051"
     assert extra["connect_timeout_s"] == 7.0
     assert extra["run_prefix"] == "run1-e0"
+    assert kv["engine_id"] == "run1-e0"  # identical on every node of the engine
     # Settings cross a process boundary to the workers: JSON only.
     json.dumps(kwargs)
 

@@ -242,27 +242,26 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         """
         return self._pp_size
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        # One token's rows for all capture ids stay together, as `gather_rows` indexes them.
-        return "LBNHC"
-
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-        self._tp_rank = get_tensor_model_parallel_rank()
-        self._pp_rank = get_pp_group().rank_in_group
-        self._owned = owned_layers(self._capture_ids, self._num_layers, self._pp_rank, self._pp_size)
+        tp_rank = get_tensor_model_parallel_rank()
+        pp_rank = get_pp_group().rank_in_group
         layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
         if len(layers) != 1:
             raise DataIntegrityError(
-                f"stage {self._pp_rank} holds {len(layers)} cache-only layers ({sorted(layers)}); expected 1"
+                f"stage {pp_rank} holds {len(layers)} cache-only layers ({sorted(layers)}); expected 1"
             )
         (name,) = layers
-        kv = kv_caches[name]
+        self._bind_cache(kv_caches[name], pp_rank, tp_rank, name)
+
+    def _bind_cache(self, kv: torch.Tensor, pp_rank: int, tp_rank: int, name: str = "cache_only") -> None:
+        """Attach this worker's cache-only layer and its place in the PP x TP grid."""
+        self._pp_rank, self._tp_rank = pp_rank, tp_rank
+        self._owned = owned_layers(self._capture_ids, self._num_layers, pp_rank, self._pp_size)
         if kv.dim() != 4 or kv.shape[2] != self._block_size or kv.shape[3] != self._hidden_size:
             raise DataIntegrityError(
                 f"cache-only layer {name} has shape {tuple(kv.shape)}; expected "
@@ -272,9 +271,9 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._heads = head_index_of(self._capture_ids, self._owned, kv.shape[1])
         logger.info(
             "hpctoolkit connector: stage %d/%d tp %d owns capture ids %s (cache layer %s, shape %s)",
-            self._pp_rank,
+            pp_rank,
             self._pp_size,
-            self._tp_rank,
+            tp_rank,
             self._owned,
             name,
             tuple(kv.shape),

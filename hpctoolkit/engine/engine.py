@@ -144,6 +144,8 @@ def build_llm_kwargs(
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
+            # vLLM draws a random engine_id otherwise; the nodes of a multi-node engine must agree.
+            "engine_id": extra["run_prefix"],
             "kv_connector_extra_config": {EXTRA_CONFIG_KEY: extra},
         },
     }

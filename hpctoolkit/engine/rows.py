@@ -56,9 +56,10 @@ def head_index_of(capture_ids: Sequence[int], owned: Sequence[int], num_heads: i
 def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_tokens, num_heads, hidden]` rows of the cache-only layer at `slots`, copied out.
 
-    The cache is laid out `[num_blocks, num_heads, block_size, hidden]` (what vLLM's
-    `HiddenStateCacheSpec` allocates for the "LBNHC" layout the connector asks for). The copy
-    matters: the blocks are freed and reused as soon as the request is reported sent.
+    vLLM hands connectors the layer as a `[num_blocks, num_heads, block_size, hidden]` view
+    whatever the backend's physical layout (vLLM's own `extract_from_kv_cache` indexes it the same
+    way; the connector checks the shape when it binds the layer). The copy matters: the blocks
+    are freed and reused as soon as the request is reported sent.
     """
     block_size = kv_cache.shape[2]
     return kv_cache[slots // block_size, :, slots % block_size].clone()

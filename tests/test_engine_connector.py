@@ -1,0 +1,222 @@
+"""`HpcHiddenStatesConnector` driven directly, without an engine: lifecycle, PP stages, faults.
+
+The connector is built from a stand-in `VllmConfig` and bound to a hand-made cache-only layer, so
+every rule is checked in seconds: no partial sample, TP rank 0 only, each PP stage publishes
+exactly its own fragments, `finished_sending` only after a successful publish, a failing put
+raises (and leaves a fault record), `get_finished_count() == pp_size`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the connector subclasses vLLM's KVConnectorBase_V1")
+
+import engine_helpers
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
+
+from hpctoolkit.capture import Manifest
+from hpctoolkit.data.sample import Sample
+from hpctoolkit.engine.connector import (
+    EXTRA_CONFIG_KEY,
+    MANIFEST_PARAM,
+    HpcConnectorMetadata,
+    HpcHiddenStatesConnector,
+    read_faults,
+)
+from hpctoolkit.errors import StoreError
+from hpctoolkit.store.fragments import fetch_sample
+
+pytestmark = pytest.mark.timeout(120)
+
+NUM_LAYERS, HIDDEN, BLOCK = 6, 8, 4
+CAPTURE_IDS = [1, 3, 5, 6]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_store(monkeypatch):
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    engine_helpers.MEMORY_STORE.clear()
+
+
+def _connector(role, *, pp_size=1, fault_dir=None, dtype=torch.float32):
+    extra = {
+        "run_prefix": "run-e0",
+        "store_address": None,
+        "store_factory": "engine_helpers:memory_store_factory",
+        "fault_dir": fault_dir,
+    }
+    kv_transfer = SimpleNamespace(
+        get_from_extra_config={EXTRA_CONFIG_KEY: extra}.get,
+        is_kv_producer=True,
+    )
+    cfg = SimpleNamespace(
+        kv_transfer_config=kv_transfer,
+        speculative_config=SimpleNamespace(
+            method="extract_hidden_states",
+            draft_model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=CAPTURE_IDS)
+            ),
+        ),
+        model_config=SimpleNamespace(
+            hf_text_config=SimpleNamespace(num_hidden_layers=NUM_LAYERS),
+            get_hidden_size=lambda: HIDDEN,
+            dtype=dtype,
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp_size),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+    )
+    return HpcHiddenStatesConnector(cfg, role, None)
+
+
+def _request(req_id="r1", n=6, computed=None, status=RequestStatus.FINISHED_LENGTH_CAPPED):
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(range(100, 100 + n)),
+        num_computed_tokens=n if computed is None else computed,
+        status=status,
+    )
+
+
+def _cache(num_heads=None, blocks=8, dtype=torch.float32):
+    num_heads = len(CAPTURE_IDS) if num_heads is None else num_heads
+    torch.manual_seed(0)
+    return torch.randn(blocks, num_heads, BLOCK, HIDDEN).to(dtype)
+
+
+def _finish(sched, req):
+    delay, params = sched.request_finished(req, [5, 2])
+    meta = sched.build_connector_meta(SimpleNamespace())
+    return delay, params, meta
+
+
+def test_finished_request_yields_manifest_and_pending_save():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    delay, params, meta = _finish(sched, _request())
+    assert delay is True  # blocks stay until the workers published
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    assert m.sample_key.startswith("run-e0-")
+    assert m.layer_ids == CAPTURE_IDS
+    assert m.num_tokens == 6
+    assert m.extra["last_hidden_states_prenorm"] is True
+    assert isinstance(meta, HpcConnectorMetadata)
+    assert [p.req_id for p in meta.pending] == ["r1"]
+    assert meta.pending[0].block_ids == [5, 2]
+    # Handed over once: the next step carries nothing.
+    assert sched.build_connector_meta(SimpleNamespace()).pending == []
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        _request(computed=4),  # finished before its last prefill chunk ran
+        _request(status=RequestStatus.FINISHED_ABORTED),
+    ],
+    ids=["partial-prefill", "aborted"],
+)
+def test_partial_or_aborted_request_is_never_published(req):
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    delay, params, meta = _finish(sched, req)
+    assert (delay, params) == (False, None)
+    assert meta.pending == []
+
+
+def test_never_scheduled_request_has_no_group_blocks():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    assert sched.request_finished_all_groups(_request(), ()) == (False, None)
+
+
+def _worker(pp_rank=0, tp_rank=0, pp_size=1, kv=None, **kw):
+    w = _connector(KVConnectorRole.WORKER, pp_size=pp_size, **kw)
+    w._bind_cache(_cache() if kv is None else kv, pp_rank, tp_rank)
+    return w
+
+
+def _step(worker, meta, finished):
+    worker.bind_connector_metadata(meta)
+    try:
+        return worker.get_finished(finished)[0]
+    finally:
+        worker.clear_connector_metadata()
+
+
+def test_worker_publishes_rows_then_reports_sent():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    kv = _cache()
+    worker = _worker(kv=kv)
+    assert _step(worker, meta, {"r1"}) == {"r1"}
+    sample: Sample = fetch_sample(engine_helpers.MEMORY_STORE, m, retry_max_wait_s=1)
+    # Tokens 0..3 sit in block 5, tokens 4..5 in block 2.
+    want = torch.cat([kv[5].permute(1, 0, 2), kv[2, :, :2].permute(1, 0, 2)])  # [T, heads, H]
+    for j, k in enumerate(CAPTURE_IDS[:-1]):
+        assert torch.equal(sample.aux_hidden_states[j], want[:, j]), k
+    assert torch.equal(sample.last_hidden_states, want[:, -1])
+    assert sample.input_ids.tolist() == list(range(100, 106))
+    assert engine_helpers.MEMORY_STORE.keys() == []  # fetch removed what it read
+
+
+def test_sent_reported_only_once_finished_ids_arrive():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, _, meta = _finish(sched, _request())
+    worker = _worker()
+    assert _step(worker, meta, set()) is None
+    assert _step(worker, HpcConnectorMetadata(), {"r1"}) == {"r1"}
+    assert _step(worker, HpcConnectorMetadata(), set()) is None
+
+
+def test_only_tp_rank_zero_publishes():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, _, meta = _finish(sched, _request())
+    assert _step(_worker(tp_rank=1), meta, {"r1"}) is None
+    assert engine_helpers.MEMORY_STORE.keys() == []
+
+
+@pytest.mark.parametrize("layout", ["global-heads", "local-heads"])
+def test_pp_stages_publish_their_own_fragments(layout):
+    """Two stages of a 6-layer target: stage 0 owns ids 1, 3 (+input_ids), stage 1 owns 5, 6."""
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    assert sched.get_finished_count() == 2  # blocks freed only when both stages reported
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    reports = []
+    for stage, owned in ((0, [1, 3]), (1, [5, 6])):
+        heads = len(CAPTURE_IDS) if layout == "global-heads" else len(owned)
+        kv = _cache(num_heads=heads)
+        worker = _worker(pp_rank=stage, pp_size=2, kv=kv)
+        reports.append(_step(worker, meta, {"r1"}))
+        objs = {f.key for f in m.fragments_of_stage(stage)}
+        assert objs <= set(engine_helpers.MEMORY_STORE.keys())
+    assert reports == [{"r1"}, {"r1"}]
+    assert sorted(engine_helpers.MEMORY_STORE.keys()) == sorted(f.key for f in m.all_objects)
+
+
+def test_failing_put_raises_and_records_fault(tmp_path):
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    engine_helpers.MEMORY_STORE.fail_puts_for = {m.last.key}
+    worker = _worker(fault_dir=str(tmp_path))
+    with pytest.raises(StoreError, match="injected"):
+        _step(worker, meta, {"r1"})
+    (fault,) = read_faults(str(tmp_path))
+    assert fault["type"] == "StoreError" and "injected" in fault["message"]
+    # Nothing was reported sent, so vLLM keeps the blocks.
+    assert _step(worker, HpcConnectorMetadata(), set()) is None
+
+
+def test_cache_shape_and_dtype_checked():
+    from hpctoolkit.errors import DataIntegrityError
+
+    with pytest.raises(DataIntegrityError, match="heads"):
+        _worker(kv=_cache(num_heads=3))
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, _, meta = _finish(sched, _request())
+    worker = _worker(kv=_cache(dtype=torch.bfloat16))  # manifest says float32
+    with pytest.raises(DataIntegrityError, match="dtype"):
+        _step(worker, meta, {"r1"})
