@@ -125,6 +125,21 @@ def build_vllm_config(engine_kwargs: Mapping[str, Any], *, headless: bool = Fals
     )
 
 
+def check_node_invariant(engine_kwargs: Mapping[str, Any]) -> None:
+    """Reject engine kwargs from which two nodes would build different configs.
+
+    `KVTransferConfig` draws a random `engine_id` when none is given, so leader and follower would
+    each get their own; a multi-node engine must pin it in the shared kwargs.
+    """
+    kv = engine_kwargs.get("kv_transfer_config")
+    if isinstance(kv, Mapping) and not kv.get("engine_id"):
+        raise ConfigError(
+            "kv_transfer_config has no engine_id: each node would draw a random one and leader and "
+            "followers would disagree; set kv_transfer_config['engine_id'] in the shared engine kwargs "
+            "(e.g. the run prefix)"
+        )
+
+
 class HeadlessFollower:
     """The workers of one follower node (`node_rank > 0`) of a multi-node engine.
 
@@ -150,6 +165,7 @@ class HeadlessFollower:
                 f"node_rank={node_rank} is not a follower rank of a {nnodes}-node engine; "
                 "node 0 is the leader and constructs the LLM"
             )
+        check_node_invariant(engine_kwargs)
         backend = engine_kwargs.get("distributed_executor_backend", "mp")
         if backend != "mp":
             raise ConfigError(

