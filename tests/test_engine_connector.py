@@ -220,3 +220,61 @@ def test_cache_shape_and_dtype_checked():
     worker = _worker(kv=_cache(dtype=torch.bfloat16))  # manifest says float32
     with pytest.raises(DataIntegrityError, match="dtype"):
         _step(worker, meta, {"r1"})
+
+
+# ------------------------------------------------------------------ CaptureEngine around a fake LLM
+
+
+class _FakeLLM:
+    """Stands in for `vllm.LLM` in-process: `generate` gives what the test says."""
+
+    def __init__(self, outputs=None, error=None):
+        self.outputs, self.error, self.calls = outputs, error, 0
+        scheduler = SimpleNamespace(has_requests=lambda: False)
+        self.llm_engine = SimpleNamespace(
+            engine_core=SimpleNamespace(
+                engine_core=SimpleNamespace(scheduler=scheduler), shutdown=lambda: None
+            )
+        )
+
+    def generate(self, prompts, params, use_tqdm):
+        self.calls += 1
+        assert len(prompts) == 1  # one request per generate(): batch composition is fixed
+        assert params.max_tokens == 1
+        if self.error is not None:
+            raise self.error
+        return self.outputs
+
+
+def _engine_around(llm, fault_dir):
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.engine.engine import CaptureEngine
+
+    eng = object.__new__(CaptureEngine)
+    eng._llm, eng._fault_dir, eng._broken, eng._captured = llm, fault_dir, None, 0
+    eng.reaped, eng.in_process, eng.pp_size = [], True, 1
+    eng.cfg = EngineConfig(target_layer_ids=[0, 2, 4])
+    return eng
+
+
+def test_capture_without_manifest_is_a_data_integrity_error(tmp_path):
+    from hpctoolkit.errors import DataIntegrityError
+
+    eng = _engine_around(_FakeLLM(outputs=[SimpleNamespace(kv_transfer_params=None, request_id="0")]), None)
+    with pytest.raises(DataIntegrityError, match="no manifest"):
+        eng.capture([[1, 2, 3]])
+
+
+def test_engine_death_is_reported_as_the_writers_store_error(tmp_path):
+    from hpctoolkit.engine.connector import write_fault
+
+    write_fault(str(tmp_path), "stage 0 publish of 7", StoreError("put of 'k' to master 1.2.3.4:5 failed"))
+    llm = _FakeLLM(error=RuntimeError("EngineDeadError: EngineCore encountered an issue"))
+    eng = _engine_around(llm, str(tmp_path))
+    with pytest.raises(StoreError, match=r"1\.2\.3\.4:5") as info:
+        eng.capture([[1, 2, 3]])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # The engine is not used again after a failure.
+    with pytest.raises(StoreError, match="earlier failure"):
+        eng.capture([[1, 2, 3]])
+    assert llm.calls == 1
