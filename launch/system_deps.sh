@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the project needs on a fresh machine. Idempotent: installs only what is missing.
 #   libibverbs1   mooncake's store.so and mooncake_master link it, even for TCP
-#   shellcheck    `make lint`
+#   the linter    shellcheck, for `make lint`
 #   slurm + munge + mariadb  the emulated 8-node cluster used by the Slurm tests
 set -euo pipefail
 want=(libibverbs1 shellcheck)

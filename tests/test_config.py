@@ -192,3 +192,13 @@ def test_config_imports_nothing_heavy():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_required_marker_over_a_schema_default(capsys, recipe):
+    p = recipe()
+    d = yaml.safe_load(Path(p).read_text())
+    d["data"] = {"prompts": "???"}
+    Path(p).write_text(yaml.safe_dump(d))
+    assert "data.prompts is required" in _fail(capsys, [p])
+    cfg = load_recipe(p, ["data.prompts=builtin:tiny"])
+    assert cfg.data.prompts == "builtin:tiny"

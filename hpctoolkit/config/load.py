@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -75,6 +76,14 @@ def _parse_overrides(overrides: Sequence[str]) -> list[str]:
     return list(overrides)
 
 
+def _missing_keys(data: Any, prefix: str = "") -> list[str]:
+    """Keys a recipe marks `???`. OmegaConf's merge keeps the schema default under a `???`, so the
+    loader re-marks them itself; otherwise `data.prompts: ???` would silently mean the default."""
+    if isinstance(data, dict):
+        return [k for key, v in data.items() for k in _missing_keys(v, f"{prefix}{key}.")]
+    return [prefix[:-1]] if data == "???" else []
+
+
 def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge recipe and overrides onto the schema and check every section's own fields."""
     path = Path(path)
@@ -91,6 +100,11 @@ def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeCon
         raise ConfigError(f"override could not be parsed: {str(err).splitlines()[0]}") from err
     except OmegaConfBaseException as err:
         raise _explain(err, "the command-line overrides") from err
+    must_give = _missing_keys(data)
+    given = {o.partition("=")[0] for o in overrides if o.partition("=")[2] != "???"}
+    for key in must_give:
+        if key not in given:
+            OmegaConf.update(merged, key, "???", merge=False)
     try:
         cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
