@@ -28,7 +28,8 @@ def describe(cfg: RecipeConfig, plan) -> str:
     num_layers = target_hf_config(cfg.paths.target_model)["num_hidden_layers"]
     capture = capture_ids_for(cfg.engine.target_layer_ids, num_layers)
     e, s, t = cfg.engine, cfg.store, cfg.training
-    master = f"connect to {s.master_address}" if s.master_address else f"launch our own on {s.bind_host}"
+    where = s.bind_host if cfg.cluster.backend == "local" else "the planned node's address"
+    master = f"connect to {s.master_address}" if s.master_address else f"launch our own on {where}"
     lines = [
         f"recipe      {cfg.name}  (backend: {cfg.cluster.backend})",
         f"output      {cfg.paths.output_dir}",
@@ -60,13 +61,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--render-sbatch", action="store_true", help="print the Slurm batch script and exit")
     args = ap.parse_args(argv)
 
+    if args.render_sbatch:
+        # The script is rendered before the job's paths exist: `???` values stay open and become
+        # arguments of `sbatch`; the couplings run on the nodes, where the files are.
+        from hpctoolkit.plan.placement import make_plan
+        from hpctoolkit.slurm.render import load_for_render, render_sbatch
+
+        cfg, _ = load_for_render(args.recipe, args.overrides)
+        sys.stdout.write(render_sbatch(cfg, make_plan(cfg), recipe_path=args.recipe, overrides=args.overrides))
+        return 0
     cfg = load_recipe(args.recipe, args.overrides)
     plan = _plan(cfg)
-    if args.render_sbatch:
-        from hpctoolkit.slurm.render import render_sbatch
-
-        sys.stdout.write(render_sbatch(cfg, plan, recipe_path=args.recipe, overrides=args.overrides))
-        return 0
     print(describe(cfg, plan))
     if args.dry_run:
         print("\ndry run: recipe is valid; nothing was started.")
