@@ -229,6 +229,25 @@ def test_read_removes_despite_the_lease(writer, reader):
 
 
 @pytest.mark.timeout(120)
+def test_writer_process_killed_reader_fails_at_once_naming_the_key(master, reader, tmp_path):  # noqa: F811
+    m = make_manifest("wdead")
+    w = WriterProc(
+        tmp_path, "publish", {"address": master.address, "stages": [0, 1], "manifests": [m.to_dict()]}
+    )
+    w.wait_for("published", 90)
+    w.proc.kill()
+    w.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(DataIntegrityError, match=r"wdead_.*TRANSFER_FAIL.*writer"):
+        fragments.fetch_sample(reader, m, retry_max_wait_s=2)
+    print(f"\nwriter killed: reader raised after {time.monotonic() - t0:.2f}s")
+    assert time.monotonic() - t0 < 10
+    # The master still lists the dead writer's objects until its client TTL runs out; drop them.
+    reader.remove([f.key for f in m.all_objects])
+    assert reader.exists([f.key for f in m.all_objects]) == [False] * 4
+
+
+@pytest.mark.timeout(120)
 def test_master_killed_mid_run_writer_raises_reader_fails_after_window(tmp_path):
     own = launch_master(small_store_cfg(), tmp_path / "master")
     done = make_manifest("before")

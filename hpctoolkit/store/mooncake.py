@@ -88,6 +88,7 @@ NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
 LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
 _UNAVAILABLE_CODES = frozenset({RPC_FAIL, -1010})  # -1010: UNAVAILABLE_IN_CURRENT_STATUS
 
 # coro_rpc, the master's RPC framing: a 20-byte request header, a 16-byte response header.
@@ -445,7 +446,10 @@ class MooncakeStore:
                     f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}"
                 )
             else:
-                raise StoreError(f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}")
+                hint = " (the writer whose segment holds it may have died)" if n == TRANSFER_FAIL else ""
+                raise StoreError(
+                    f"get of {key!r} from Mooncake master {self.address} failed: {code_name(n)}{hint}"
+                )
         if missing:
             raise MissingKeysError(missing)
 
