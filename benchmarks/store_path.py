@@ -1,6 +1,6 @@
 """Store-path benchmark at K3-like sizes: our fragment path against raw Mooncake and memcpy.
 
-    .venv/bin/python benchmarks/store_path.py [--iters 7] [--tokens 4096] [--hidden 7168] [--layers 5]
+    .venv/bin/python benchmarks/store_path.py [--iters 9] [--tokens 4096] [--hidden 7168] [--layers 5]
 
 The script launches its own mooncake_master (127.0.0.1, free ports) and one writer and one reader
 process, as in production (the objects live in the writer's segment and cross the loopback). It
@@ -193,7 +193,7 @@ class Child:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--iters", type=int, default=9)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")

@@ -16,9 +16,11 @@ _EXPORTS = {
     "ShardWriter": "hpctoolkit.data.offline",
     "save_manifest_samples": "hpctoolkit.data.offline",
     "Sample": "hpctoolkit.data.sample",
+    "BufferPool": "hpctoolkit.data.sample",
 }
 
 __all__ = [
+    "BufferPool",
     "HiddenStateDataset",
     "Sample",
     "ShardReader",
