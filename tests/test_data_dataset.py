@@ -178,3 +178,15 @@ def test_truncated_or_mismatched_shard_is_rejected(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(DataIntegrityError, match=r"s0_layer4.*truncated"):
         list(ShardReader(tmp_path).dataset())
+
+
+def test_works_under_a_dataloader_without_collation():
+    from torch.utils.data import DataLoader
+
+    st, ms = _published(2)
+    ds = HiddenStateDataset(ms, st, retry_max_wait_s=0)
+    got = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert [s.key for s in got] == ["s0", "s1"]
+    got[0].release()
+    got[1].release()
+    assert len(ds.pool._free) == 2  # released buffers wait for the next samples
