@@ -1,0 +1,182 @@
+
+"""Loss math, normalisation, masking and the target head, on tiny CPU tensors (no processes)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpctoolkit.models.dflash import IGNORE_INDEX
+from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.train.batch import collate
+from hpctoolkit.train.config import TrainingConfig
+from hpctoolkit.train.losses import acceptance_from_matches, dflash_loss, dspark_loss, eagle3_step_loss
+from hpctoolkit.train.losses.dflash import dflash_decay_gamma, slot_weights
+from hpctoolkit.train.metrics import StepStats
+from hpctoolkit.train.synthetic import SyntheticSample, SyntheticSamples
+from hpctoolkit.train.target_head import TargetHead
+from hpctoolkit.train.trainers import build_trainer
+
+pytestmark = pytest.mark.timeout(120)
+RECIPES = "recipes/draft_models"
+
+
+def test_acceptance_is_the_accepted_prefix():
+    match = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    ok = torch.tensor([True, True, True, False])
+    reach, chains = acceptance_from_matches(match, ok)
+    assert chains == 3
+    assert reach.tolist() == [2, 2, 1, 1]  # chains reaching depth k: [1,1,0,..], [0..], [1,1,1,1]
+    v = torch.cat([torch.zeros(2 + 4 * 4), reach, chains.reshape(1)]).double()
+    v[0] = 1.0
+    s = StepStats(4, (), v)
+    assert s.simulated_acc_len_excl_bonus() == pytest.approx(6 / 3)
+    assert s.acceptance_length_incl_bonus() == pytest.approx(1 + 6 / 3)
+    assert s.acceptance_length_incl_bonus(max_drafts=2) == pytest.approx(1 + 4 / 3)
+
+
+def test_dflash_decay_weights_and_weighted_ce():
+    assert (
+        dflash_decay_gamma(16) == 7.0 and dflash_decay_gamma(4) == 2.0 and dflash_decay_gamma(4, 3.0) == 3.0
+    )
+    w = slot_weights(4, 2.0, torch.device("cpu"))
+    assert w.tolist() == pytest.approx([0.0, 1.0, math.exp(-0.5), math.exp(-1.0)])
+    g = torch.Generator().manual_seed(0)
+    B, N, K, H, V = 2, 3, 4, 8, 11
+    hidden = torch.randn(B, N * K, H, generator=g)
+    W = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (B, N * K), generator=g)
+    labels[:, ::K] = IGNORE_INDEX
+    labels[1, 5] = IGNORE_INDEX
+    parts = dflash_loss(
+        hidden, W, labels, labels.clamp(min=0), torch.ones(B, N, dtype=torch.bool), block_size=K, gamma=2.0
+    )
+    ce = F.cross_entropy(
+        (hidden @ W.T).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    wt = w.repeat(N).repeat(B) * (labels.flatten() != IGNORE_INDEX)
+    assert float(parts.numerator) == pytest.approx(float((ce * wt).sum()), rel=1e-6)
+    assert float(parts.denominator) == pytest.approx(float(wt.sum()), rel=1e-6)
+    assert parts.pos_count.tolist() == [5, 6, 6]  # labels[1, 5] is block 1, slot 1
+
+
+def test_dspark_loss_terms_match_the_formula():
+    g = torch.Generator().manual_seed(1)
+    B, N, K, H, R, V = 1, 2, 3, 6, 2, 9
+    hidden = torch.randn(B, N * K, H, generator=g)
+    markov = torch.randn(B, N * K, R, generator=g)
+    W, W2 = torch.randn(V, H, generator=g), torch.randn(V, R, generator=g)
+    conf = torch.randn(B, N * K, generator=g)
+    tgt_W = torch.randn(V, H, generator=g)
+    rows = torch.randn(B, N * K, H, generator=g)
+    labels = torch.randint(0, V, (B, N * K), generator=g)
+    labels[:, ::K] = IGNORE_INDEX
+    parts = dspark_loss(
+        hidden,
+        markov,
+        W,
+        W2,
+        conf,
+        lambda r: r @ tgt_W.T,
+        rows,
+        labels,
+        torch.ones(B, N, dtype=torch.bool),
+        block_size=K,
+    )
+    logits = (hidden @ W.T + markov @ W2.T).flatten(0, 1)
+    p, q = logits.softmax(-1), (rows @ tgt_W.T).flatten(0, 1).softmax(-1)
+    l1 = (p - q).abs().sum(-1)
+    ce = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    bce = F.binary_cross_entropy_with_logits(conf.flatten(), 1 - 0.5 * l1, reduction="none")
+    k = torch.arange(K).repeat(N)
+    w = torch.where(k > 0, torch.exp(-(k - 1) / 4.0), torch.zeros(()))
+    per = 0.1 * ce + 0.9 * l1 + 1.0 * bce
+    assert float(parts.numerator) == pytest.approx(float((per * w).sum()), rel=1e-5)
+    assert float(parts.denominator) == pytest.approx(float(w.sum()), rel=1e-6)
+    assert float(parts.extras["l1"]) == pytest.approx(float((l1 * w).sum()), rel=1e-5)
+
+
+def test_eagle3_masks_positions_whose_target_argmax_is_outside_the_draft_vocab():
+    H, V = 4, 6
+    draft_ids = torch.tensor([0, 2, 4])
+    tgt_W = torch.eye(V, H) * 10  # row v peaks on hidden dim v (v < H)
+    rows = torch.zeros(3, H)
+    rows[0, 2] = 1  # target argmax 2: in the draft vocab
+    rows[1, 1] = 1  # target argmax 1: outside
+    rows[2, 0] = 1  # target argmax 0: in
+    hidden = torch.randn(3, H, requires_grad=True)
+    kl, match, sup = eagle3_step_loss(
+        hidden, torch.randn(3, H), lambda r: r @ tgt_W.T, rows, torch.ones(3, dtype=torch.bool), draft_ids
+    )
+    assert sup.tolist() == [True, False, True]
+    assert float(kl[1].detach()) == 0.0 and bool(match[1]) is False
+    kl.sum().backward()
+    assert hidden.grad[1].abs().sum() == 0
+
+
+def test_short_sample_is_zero_weighted_not_dropped():
+    src = SyntheticSamples(4, 512, 128, 3, lengths=[40, 10, 33, 24], seed=3)
+    samples = [src.sample(i) for i in range(4)]
+    batch = collate(samples, max_seq_len=64, min_loss_tokens=14)
+    assert batch.batch_size == 4 and batch.weight_B.tolist() == [1.0, 0.0, 1.0, 1.0]
+    tr = build_trainer(
+        f"{RECIPES}/tiny_dspark.json", resolve_target("builtin:tiny-qwen3"), TrainingConfig(num_anchors=4)
+    )
+    with_short = tr.run(batch, step=0)
+    without = tr.run(collate([samples[i] for i in (0, 2, 3)], max_seq_len=64, min_loss_tokens=14), step=0)
+    assert float(with_short.numerator) == pytest.approx(float(without.numerator), rel=1e-5)
+    assert float(with_short.denominator) == pytest.approx(float(without.denominator), rel=1e-6)
+
+
+def test_global_normalisation_is_split_invariant_in_process():
+    """sum(numerators) / sum(denominators) over any split of a batch equals the whole batch's.
+
+    The second sample is too short (zero-weighted), so the halves' denominators differ.
+    """
+    src = SyntheticSamples(4, 512, 128, 3, lengths=[40, 10, 33, 24], seed=5)
+    samples = [src.sample(i) for i in range(4)]
+    tr = build_trainer(
+        f"{RECIPES}/tiny_dspark.json", resolve_target("builtin:tiny-qwen3"), TrainingConfig(num_anchors=4)
+    )
+    whole = tr.run(collate(samples, max_seq_len=64, min_loss_tokens=14), step=3)
+    halves = [tr.run(collate(samples[i : i + 2], max_seq_len=64, min_loss_tokens=14), step=3) for i in (0, 2)]
+    glob = sum(float(h.numerator) for h in halves) / sum(float(h.denominator) for h in halves)
+    assert glob == pytest.approx(float(whole.numerator) / float(whole.denominator), rel=1e-5)
+    naive = sum(float(h.numerator) / float(h.denominator) for h in halves) / 2
+    assert abs(naive - glob) > 1e-4, "the split should make a per-rank mean differ, or the test has no teeth"
+
+
+def test_target_head_reads_only_head_tensors_and_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    target = resolve_target("builtin:tiny-qwen3")
+    head = TargetHead.from_pretrained(target)
+    assert tuple(head.lm_head_VH.shape) == (512, 128)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    grabbed = {}
+    model.model.norm.register_forward_hook(lambda m, a, o: grabbed.__setitem__("pre", a[0]))
+    ids = torch.tensor([[5, 17, 300, 42, 7]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    torch.testing.assert_close(
+        head.logits(grabbed["pre"][0], prenorm=True), out.logits[0], rtol=1e-4, atol=1e-3
+    )
+    torch.testing.assert_close(
+        head.logits(out.hidden_states[-1][0], prenorm=False), out.logits[0], rtol=1e-4, atol=1e-3
+    )
+
+
+def test_collate_rejects_mixed_capture_conventions():
+    from hpctoolkit.errors import DataIntegrityError
+
+    a = SyntheticSample("a", torch.zeros(4, dtype=torch.long), torch.zeros(1, 4, 8), torch.zeros(4, 8))
+    b = SyntheticSample(
+        "b",
+        torch.zeros(4, dtype=torch.long),
+        torch.zeros(1, 4, 8),
+        torch.zeros(4, 8),
+        manifest={"extra": {"last_hidden_states_prenorm": False}},
+    )
+    with pytest.raises(DataIntegrityError, match="prenorm"):
+        collate([a, b], max_seq_len=8, min_loss_tokens=1)
