@@ -1,0 +1,90 @@
+"""Checkpoint, stop, resume: the step counter continues and the next batch is the one that would have come.
+
+Two runs of the same 4-step job on synthetic samples (fp32, one in-process rank): one straight
+through, one interrupted after step 2 (its step-2 checkpoint) and resumed. They must read the
+same samples at every step and end with the same parameters (atol 1e-6) and loss (rel 1e-5).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.train.config import TrainingConfig
+from hpctoolkit.train.loop import TrainJob
+from hpctoolkit.train.run import launch
+from hpctoolkit.train.synthetic import SyntheticSamples
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _job(out: Path, *, stop_after: int | None = None, keep: int = 2) -> TrainJob:
+    cfg = TrainingConfig(
+        steps=4,
+        batch_size=2,
+        warmup_steps=1,
+        checkpoint_every=2,
+        keep_checkpoints=keep,
+        num_anchors=4,
+        max_seq_len=64,
+        lr=1e-3,
+        seed=3,
+    )
+    # 5 samples: the epoch boundary (step 3 reads sample 4 and then wraps) is inside the run.
+    src = SyntheticSamples(num_samples=5, vocab_size=512, hidden_size=128, num_aux=3, seed=7)
+    return TrainJob(
+        "recipes/draft_models/tiny_dflash.json",
+        str(resolve_target("builtin:tiny-qwen3")),
+        cfg,
+        src,
+        str(out),
+        show_progress=False,
+        stop_after=stop_after,
+    )
+
+
+def _order(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "data_order" / "rank0.jsonl").read_text().splitlines()]
+
+
+def test_resume_continues_step_and_data_order(tmp_path):
+    straight = launch(_job(tmp_path / "a"), 1)
+    first = launch(_job(tmp_path / "b", stop_after=2), 1)
+    assert first["steps_trained"] == 2 and first["stop_reason"] == "stop_after"
+    assert (tmp_path / "b" / "checkpoints" / "step-00000002" / "meta.json").is_file()
+    resumed = launch(_job(tmp_path / "b"), 1)
+
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["steps_this_run"] == 2 and resumed["steps_trained"] == 4
+    assert _order(tmp_path / "b") == _order(tmp_path / "a")
+    assert [r["keys"] for r in _order(tmp_path / "a")] == [
+        ["syn-0", "syn-1"],
+        ["syn-2", "syn-3"],
+        ["syn-4", "syn-0"],
+        ["syn-1", "syn-2"],
+    ]
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
+    a = load_file(str(tmp_path / "a" / "draft" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "draft" / "model.safetensors"))
+    for name, t in a.items():
+        torch.testing.assert_close(b[name], t, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_rotation_keeps_the_newest(tmp_path):
+    launch(_job(tmp_path, keep=1), 1)
+    dirs = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert dirs == ["step-00000004"]
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    from hpctoolkit.errors import ConfigError
+
+    launch(_job(tmp_path, stop_after=2), 1)
+    meta = tmp_path / "checkpoints" / "step-00000002" / "meta.json"
+    data = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**data, "world_size": 2}))
+    with pytest.raises(ConfigError, match="written by 2 ranks"):
+        launch(_job(tmp_path), 1)
