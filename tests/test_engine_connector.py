@@ -278,3 +278,30 @@ def test_engine_death_is_reported_as_the_writers_store_error(tmp_path):
     with pytest.raises(StoreError, match="earlier failure"):
         eng.capture([[1, 2, 3]])
     assert llm.calls == 1
+
+
+def test_worker_checks_reachability_at_start_and_builds_no_client(tmp_path, monkeypatch):
+    import socket
+
+    import hpctoolkit.engine.connector as conn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    extra = {
+        "run_prefix": "run-e0",
+        "store_address": f"127.0.0.1:{port}",
+        "connect_timeout_s": 2.0,
+        "fault_dir": str(tmp_path),
+    }
+    monkeypatch.setattr(conn.ExtraConfig, "from_dict", classmethod(lambda cls, d: cls(**extra)))
+    # The scheduler side never touches the store.
+    _connector(KVConnectorRole.SCHEDULER)
+    with pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
+        _connector(KVConnectorRole.WORKER)
+    assert read_faults(str(tmp_path))[0]["where"].startswith("worker start")
+
+
+def test_worker_store_client_is_lazy():
+    worker = _worker()
+    assert worker._store is None  # nothing registered while vLLM profiles memory

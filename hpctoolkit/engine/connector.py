@@ -229,8 +229,12 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self.num_published = 0
         if role == KVConnectorRole.WORKER and self._extra.store_address is not None:
             check = _load(self._extra.reachability_check)
-            # Raises StoreError naming the address; engine start fails with it.
-            check(self._extra.store_address, self._extra.connect_timeout_s)
+            try:
+                # Raises StoreError naming the address; engine start fails with it.
+                check(self._extra.store_address, self._extra.connect_timeout_s)
+            except BaseException as err:
+                write_fault(self._extra.fault_dir, "worker start: store reachability", err)
+                raise
 
     # ------------------------------------------------------------------ PP/TP and completion
 

@@ -301,12 +301,14 @@ class CaptureEngine:
             try:
                 with self._translate_faults():
                     (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-                    self._captured += 1
+                    raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
+                    if raw is not None:
+                        self._captured += 1
+                    # Even without a manifest: in-process, stepping is what frees the request.
                     self._drain(time.monotonic() + PUBLISH_WAIT_S)
             except BaseException as err:
                 self._broken = err
                 raise
-            raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
             if raw is None:
                 raise DataIntegrityError(
                     f"request {out.request_id} ({len(ids)} tokens) returned no manifest in kv_transfer_params"
