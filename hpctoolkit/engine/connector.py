@@ -23,6 +23,15 @@ Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worke
    in `finished_sending`.
 4. vLLM's `KVOutputAggregator` reports the request finished only once `get_finished_count()`
    workers did, i.e. once every PP stage published; then the scheduler frees the blocks.
+   `num_published` counts this worker's publishes; the engine reads it through the worker
+   extension (`worker_ext.py`) to know when a multiprocess engine has published a sample.
+
+Where things are decided: the stage is `get_pp_group().rank_in_group` and the TP rank
+`get_tensor_model_parallel_rank()` (read in `register_kv_caches`, after distributed init);
+`pp_size` is `parallel_config.pipeline_parallel_size`; the ids a stage owns are
+`owned_layers(capture_ids, L, pp_rank, pp_size)` (honouring `VLLM_PP_LAYER_PARTITION`). The
+cache-only layer may carry the global id list (stock vLLM) or only the stage's ids (a PP patch
+sizing it per stage); `rows.head_index_of` accepts both.
 
 Fail-closed rules:
 
@@ -31,10 +40,11 @@ Fail-closed rules:
   `StoreError` naming the address, within `connect_timeout_s`.
 * The store client itself is created lazily, at the first publish: creating a Mooncake client
   registers buffers, which perturbs vLLM's KV-cache memory profiling during engine start.
-* A failing publish raises `StoreError` out of the step (never a warning, never a dropped sample).
-  Before raising, the worker writes a one-line fault record into `fault_dir` (when configured),
-  so a caller whose worker runs in another process can still report the store error itself
-  rather than vLLM's generic engine-death error.
+* A failing publish raises `StoreError` out of the step (never a warning, never a dropped sample)
+  and the request is not reported sent. Before raising, the worker writes a one-line fault
+  record into `fault_dir` (when configured; it must be visible to the engine's caller, i.e. on a
+  shared filesystem for multi-node engines), so a caller whose worker runs in another process
+  reports the store error itself rather than vLLM's generic engine-death error.
 * Rows are copied out of the cache before the blocks are released; the layer's head count must
   match the manifest (`rows.head_index_of`), the dtype must match, or `DataIntegrityError`.
 
