@@ -1,0 +1,119 @@
+"""`run.train` end to end: offline shards in, checkpoints, tensorboard, plot, export and summary out."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctoolkit.capture.manifest import build_manifest
+from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.data.offline import ShardWriter
+from hpctoolkit.data.sample import Sample
+from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.train.hf_capture import recapture
+from hpctoolkit.train.run import train
+from hpctoolkit.train.synthetic import SyntheticSamples
+
+pytestmark = pytest.mark.timeout(180)
+NUM_LAYERS = 6
+
+
+def _recipe(draft: str, out: Path, **training) -> RecipeConfig:
+    cfg = RecipeConfig()
+    cfg.paths.target_model = "builtin:tiny-qwen3"
+    cfg.paths.output_dir = str(out)
+    cfg.draft.config = f"recipes/draft_models/{draft}.json"
+    t = cfg.training
+    t.steps, t.batch_size, t.warmup_steps, t.checkpoint_every = 4, 2, 1, 2
+    t.num_anchors, t.ttt_length, t.max_seq_len, t.lr = 4, 3, 64, 1e-3
+    for k, v in training.items():
+        setattr(t, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Six samples of the tiny target, captured with transformers, written as offline shards."""
+    out = tmp_path_factory.mktemp("shards")
+    target = resolve_target("builtin:tiny-qwen3")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (20, 24, 31, 17, 40, 22)]
+    aux_ids = [2, 3, 4]  # tiny_dflash reads target layers 1, 2, 3
+    with ShardWriter(out) as w:
+        for i, (seq, (aux, last)) in enumerate(zip(seqs, recapture(target, seqs, aux_ids), strict=True)):
+            m = build_manifest(
+                f"s{i}",
+                [*aux_ids, NUM_LAYERS],
+                len(seq),
+                128,
+                NUM_LAYERS,
+                1,
+                "bfloat16",
+                extra={"last_hidden_states_prenorm": True},
+            )
+            s = Sample.empty_for(m)
+            s.input_ids.copy_(torch.tensor(seq))
+            s.aux_hidden_states.copy_(aux.to(torch.bfloat16))
+            s.last_hidden_states.copy_(last.to(torch.bfloat16))
+            w.add(s)
+    return out
+
+
+def test_train_from_offline_shards_writes_everything(shards, tmp_path):
+    summary = train(_recipe("tiny_dflash", tmp_path), str(shards), tmp_path)
+    assert summary["steps_trained"] == 4 and summary["stop_reason"] == "completed"
+    assert summary["final_loss"] > 0 and summary["acceptance_length"] >= 1.0
+    m = summary["train_metrics"]
+    assert len(m["per_position_accuracy"]) == 3  # block_size 4 -> 3 drafted slots
+    assert m["acceptance_length_incl_bonus"] == pytest.approx(1 + m["simulated_acc_len_excl_bonus"])
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == [
+        "DFlashDraftModel"
+    ]
+    assert (tmp_path / "acceptance_per_position.png").stat().st_size > 0
+    assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert json.loads((tmp_path / "train_summary.json").read_text())["steps_trained"] == 4
+
+
+def test_two_spawned_ranks_share_the_shards(shards, tmp_path):
+    summary = train(_recipe("tiny_dflash", tmp_path, world_size=2, steps=2), str(shards), tmp_path)
+    assert summary["world_size"] == 2 and summary["steps_trained"] == 2
+    orders = [
+        [json.loads(x)["keys"] for x in (tmp_path / "data_order" / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    # Epoch 0 in stored order, split i % 2; epoch 1 is a seeded permutation, still disjoint.
+    assert [orders[0][0], orders[0][1][0]] == [["s0", "s2"], "s4"]
+    assert [orders[1][0], orders[1][1][0]] == [["s1", "s3"], "s5"]
+    assert orders[0][1][1] != orders[1][1][1]
+
+
+@pytest.mark.parametrize("draft", ["tiny_eagle3", "tiny_dspark", "tiny_k3_dspark_mla"])
+def test_each_family_trains_and_exports(tmp_path, draft):
+    src = SyntheticSamples(num_samples=8, vocab_size=512, hidden_size=128, num_aux=3, seed=2)
+    summary = train(_recipe(draft, tmp_path, steps=2, checkpoint_every=2), src, tmp_path)
+    assert summary["steps_trained"] == 2
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    if draft == "tiny_eagle3":
+        from safetensors.torch import load_file
+
+        d2t = load_file(str(tmp_path / "export" / "model.safetensors"))["d2t"]
+        assert d2t.numel() == 256  # the pruned vocabulary travels with the export
+        assert summary["train_metrics"]["per_position_accuracy"].__len__() == 3  # ttt_length
+    else:
+        assert "loss_l1" in summary["train_metrics"] and "loss_bce" in summary["train_metrics"]
+    assert exported["architectures"]
+
+
+def test_a_live_source_that_runs_dry_stops_every_rank_cleanly(tmp_path):
+    src = SyntheticSamples(num_samples=3, vocab_size=512, hidden_size=128, num_aux=3, seed=2)
+
+    def once(rank, world, epoch, skip):  # a live store is read once: nothing after epoch 0
+        return src(rank, world, epoch, skip) if epoch == 0 else iter(())
+
+    summary = train(_recipe("tiny_dflash", tmp_path, steps=5), once, tmp_path)
+    assert summary["steps_trained"] == 1
+    assert summary["stop_reason"].startswith("samples source exhausted")
+    assert (tmp_path / "export" / "model.safetensors").is_file()
