@@ -163,8 +163,13 @@ def build_llm_kwargs(
 class CaptureEngine:
     """One vLLM engine capturing hidden states into the store. Use as a context manager.
 
-    `capture` returns each sample's manifest (the sample metadata the trainer reads by). A
-    store failure surfaces from `capture` as `StoreError` carrying the writer's message.
+    `cfg.target_layer_ids` are the draft's 0-based layers; the target's layer count is read from
+    `model_dir/config.json`. `store_address` is the master's `host:port` (None only with a
+    `store_factory` that needs no master, as in unit tests); `store_cfg` a `StoreConfig` or its
+    dict. `run_id` + `engine_index` prefix every sample key, so they must be unique per engine
+    sharing a store. `capture` returns each sample's manifest (the sample metadata the trainer
+    reads by). A store failure surfaces from `capture` as `StoreError` carrying the writer's
+    message; after any failure the engine refuses further captures.
     """
 
     def __init__(
@@ -241,15 +246,16 @@ class CaptureEngine:
         """
         try:
             yield
-        except StoreError:
+        except (StoreError, DataIntegrityError):
             raise
-        except BaseException as err:
+        except Exception as err:
             from hpctoolkit.engine.connector import read_faults
 
             faults = read_faults(self._fault_dir)
             if faults:
                 last = faults[-1]
-                raise StoreError(
+                cls = DataIntegrityError if last["type"] == "DataIntegrityError" else StoreError
+                raise cls(
                     f"engine writer failed ({last['where']}): {last['type']}: {last['message']}"
                 ) from err
             raise
