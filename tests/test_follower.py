@@ -127,6 +127,7 @@ def _production_kwargs(model_dir: str, **extra: Any) -> dict[str, Any]:
 )
 def test_leader_and_follower_build_field_identical_configs(tiny_target, monkeypatch, extra):
     from hpctoolkit.engine.follower import build_vllm_config
+    from hpctoolkit.engine.pp_gates import capture_ids_of
 
     base = _production_kwargs(tiny_target, **extra)
     node = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 29555}
@@ -154,6 +155,7 @@ def test_leader_and_follower_build_field_identical_configs(tiny_target, monkeypa
     assert follower.kv_transfer_config.engine_id == ENGINE_ID
     assert type(follower.compilation_config).__name__ == "CompilationConfig"
     assert leader.compute_hash() == follower.compute_hash()
+    assert capture_ids_of(follower) == capture_ids_of(leader) == [1, 3, 5, 6]
 
 
 def test_usage_context_is_llms(tiny_target, monkeypatch):
@@ -163,6 +165,25 @@ def test_usage_context_is_llms(tiny_target, monkeypatch):
     base = {"model": tiny_target, "max_model_len": 512}
     leader = _leader_config(base, monkeypatch)
     assert build_vllm_config(base).scheduler_config == leader.scheduler_config
+
+
+def test_follower_runs_the_gates_before_spawning_workers(tiny_target):
+    import psutil
+
+    from hpctoolkit.engine.engine import build_llm_kwargs
+    from hpctoolkit.engine.follower import HeadlessFollower
+    from hpctoolkit.errors import ConfigError
+
+    # Capture ids that stop short of the target's 6 layers: the leader's preflight would refuse
+    # them, and so must the follower, before it starts a worker.
+    kwargs, _ = build_llm_kwargs(_engine_cfg(2), tiny_target, [1, 3, 5], None, None, "t", backend="cpu")
+    kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    f = HeadlessFollower(kwargs, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
+    with pytest.raises(ConfigError, match="final capture id 5 differs from the target's layer count 6"):
+        f.start()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert f.health_check() is False
 
 
 def test_follower_rejects_what_would_diverge_or_is_not_a_follower():

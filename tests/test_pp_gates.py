@@ -23,6 +23,7 @@ from hpctoolkit.engine.pp_gates import (
     k3_attnres_boundary_violations,
     k3_attnres_stream_active,
     preflight,
+    preflight_vllm_config,
     resolve_model_class,
 )
 from hpctoolkit.errors import ConfigError
@@ -297,3 +298,25 @@ def test_preflight_on_a_real_target(vllm_registry, tmp_path):
     assert mc.architectures == ["Qwen3ForCausalLM"]
     with pytest.raises(ConfigError, match="does not exist"):
         preflight(_pp2(), tmp_path / "missing", [1, 3, 5, 6])
+
+
+def test_preflight_from_a_built_vllm_config(vllm_registry):
+    """What a headless follower runs: the same gates, read off its `VllmConfig`."""
+    k3 = _fake_model_config(K3_NUM_LAYERS, "KimiK3ForConditionalGeneration", attn_res_block_size=4)
+
+    def vllm_config(method: str, ids: list[int]):
+        hf = types.SimpleNamespace(eagle_aux_hidden_state_layer_ids=ids)
+        spec = types.SimpleNamespace(method=method, draft_model_config=types.SimpleNamespace(hf_config=hf))
+        return types.SimpleNamespace(
+            speculative_config=spec,
+            model_config=k3,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=2),
+        )
+
+    with pytest.raises(ConfigError, match=r"capture ids \[16\]"):
+        preflight_vllm_config(vllm_config("extract_hidden_states", [3, 16, 32]), {K3_STREAM_ENV: "1"})
+    with pytest.raises(ConfigError, match="final capture id 31"):
+        preflight_vllm_config(vllm_config("extract_hidden_states", [3, 31]), {})
+    preflight_vllm_config(vllm_config("extract_hidden_states", [3, 17, 32]), {K3_STREAM_ENV: "1"})
+    preflight_vllm_config(vllm_config("eagle3", [3, 16, 32]), {K3_STREAM_ENV: "1"})  # not a capture engine
+    preflight_vllm_config(types.SimpleNamespace(speculative_config=None))

@@ -189,7 +189,11 @@ class HeadlessFollower:
             raise RuntimeError("HeadlessFollower.start() called twice")
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+        from hpctoolkit.engine.pp_gates import preflight_vllm_config
+
         self.vllm_config = build_vllm_config(self.engine_kwargs, headless=True)
+        # The leader runs the same gates; here they fail this node before it loads weights too.
+        preflight_vllm_config(self.vllm_config)
         parallel = self.vllm_config.parallel_config
         if parallel.node_rank_within_dp < 1:
             raise ConfigError(

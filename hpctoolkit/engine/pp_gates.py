@@ -287,11 +287,33 @@ def preflight(
         model_config = ModelConfig(
             model=str(model_dir), dtype=engine_cfg.dtype, max_model_len=engine_cfg.max_model_len
         )
+    run_gates(model_config, engine_cfg.pp_size, capture_ids, env)
+    return model_config
+
+
+def run_gates(
+    model_config: ModelConfig, pp_size: int, capture_ids: Sequence[int], env: Mapping[str, str] | None = None
+) -> None:
+    """The gates themselves, on a vLLM `ModelConfig` (what `preflight` and the follower share)."""
     check_layout_against_vllm(model_config, capture_ids)
-    check_per_stage_capture(model_config.architectures, engine_cfg.pp_size, model_config)
-    if engine_cfg.pp_size > 1 and k3_attnres_stream_active(model_config.hf_text_config, env):
+    check_per_stage_capture(model_config.architectures, pp_size, model_config)
+    if pp_size > 1 and k3_attnres_stream_active(model_config.hf_text_config, env):
         num_layers = model_config.get_total_num_hidden_layers()
         spec = (os.environ if env is None else env).get(PARTITION_ENV)
-        parts = pp_partition(num_layers, engine_cfg.pp_size, spec)
-        check_k3_attnres_boundary(capture_ids, num_layers, engine_cfg.pp_size, partition=parts)
-    return model_config
+        parts = pp_partition(num_layers, pp_size, spec)
+        check_k3_attnres_boundary(capture_ids, num_layers, pp_size, partition=parts)
+
+
+def capture_ids_of(vllm_config: Any) -> list[int] | None:
+    """The capture ids an `extract_hidden_states` engine config carries, or None for any other."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "extract_hidden_states":
+        return None
+    return [int(k) for k in spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids]
+
+
+def preflight_vllm_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> None:
+    """`preflight` for a node that holds only a built `VllmConfig` (a headless follower)."""
+    ids = capture_ids_of(vllm_config)
+    if ids is not None:
+        run_gates(vllm_config.model_config, vllm_config.parallel_config.pipeline_parallel_size, ids, env)
