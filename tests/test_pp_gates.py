@@ -79,6 +79,8 @@ def test_k3_boundary_semantics_are_the_ones_read():
     assert "if layer_idx + 1 < self.end_layer:" in src
     assert "elif get_pp_group().is_last_rank:" in src
     assert "crossed a PP boundary" in src
+    setter = inspect.getsource(model.KimiLinearModel._set_aux_hidden_state_layers)
+    assert "not pp.is_last_rank and self.end_layer in self.aux_hidden_state_layers" in setter
     fwd = inspect.getsource(model.KimiLinearModel.forward)
     assert "if (layer_idx + 1) in self.aux_hidden_state_layers:" in fwd
 

@@ -37,26 +37,31 @@ Layer layout (`check_layout_against_vllm`)
     must ascend; `hpctoolkit.capture.check_layer_layout` does the arithmetic.
 
 Kimi-K3 AttnRes boundary (`check_k3_attnres_boundary`)
-    Read from vllm 0.32 `vllm/models/kimi_k3/nvidia/model.py`, `KimiLinearModel`. Capture id `k` is
-    taken after layer `k - 1` ran. `_capture_aux_hidden_stream(layer_idx=k - 1, ...)` returns the raw
-    running prefix (`prefix_sum + pending_mlp_out`) unless both `VLLM_KIMI_K3_AUX_ATTN_RES_STREAM`
-    is set and the target uses AttnRes (`attn_res_block_size` is not None). With both, it returns
-    the AttnRes mixture that the *consumer* of the state would read:
+    Read from vllm 0.32 `vllm/models/kimi_k3/nvidia/model.py`, `KimiLinearModel` (our patch series
+    does not touch that file). Capture id `k` is taken after layer `k - 1` ran (`forward`, line
+    1352: `if (layer_idx + 1) in self.aux_hidden_state_layers`). `_capture_aux_hidden_stream`
+    (line 1246) returns the raw running prefix (`prefix_sum + pending_mlp_out`) unless both
+    `VLLM_KIMI_K3_AUX_ATTN_RES_STREAM` is set and the target uses AttnRes (`attn_res_block_size`
+    is not None). With both, it returns the AttnRes mixture that the *consumer* of that state reads:
 
-    * `k < end_layer` of the owning stage: the mixture with layer `k`'s `self_attention_res_norm` /
-      `self_attention_res_proj` over `prev_valid_blocks = ceil(k / attn_res_block_size)` blocks;
-    * `k == end_layer` of the last stage (`k == L`): the mixture with `output_attn_res_norm` /
+    * `k < end_layer` of the owning stage (line 1258): the mixture with layer `k`'s
+      `self_attention_res_norm` / `self_attention_res_proj` over its `prev_valid_blocks =
+      ceil(k / attn_res_block_size)` blocks (line 977);
+    * `k == end_layer` of the last stage, i.e. `k == L`: the mixture with `output_attn_res_norm` /
       `output_attn_res_proj`;
-    * `k == end_layer` of a non-last stage: layer `k` lives on the next stage, so this rank has no
-      consumer weights. Stock 0.32 raises there (`_set_aux_hidden_state_layers` rejects
-      `end_layer` on a non-final rank with a ValueError, after weights load;
-      `_capture_aux_hidden_stream` raises "crossed a PP boundary"), and the PP patch of the
-      specification falls back to the raw prefix, so the feature would differ from the PP=1
-      mixture for the same id.
-    * id 0 (the embeddings, first rank) is never mixed, at any `pp_size`.
+    * `k == end_layer` of a non-last stage: layer `k` lives on the next stage, so this rank builds
+      no consumer weights. Stock 0.32 raises (`_set_aux_hidden_state_layers`, line 1224: "cannot
+      end a non-final PP stage"; `_capture_aux_hidden_stream`, line 1268: "crossed a PP
+      boundary"). Our patch series hands each rank its local ids from `load_model`, so that
+      ValueError comes only after the weights loaded, from a worker; the specification's patch
+      instead fell back to the raw prefix, so the feature silently differed from the PP=1 mixture
+      for the same id (the Codex review comment).
+    * id 0 (the embeddings, first rank, line 1322) is appended unmixed at every `pp_size`.
 
     So the ids rejected are exactly the ends of the non-last stages,
-    `{sum(partition[:r + 1]) for r < pp_size - 1}`, whenever the flag and AttnRes are both on.
+    `{sum(partition[:r + 1]) for r < pp_size - 1}`, whenever the flag and AttnRes are both on;
+    rejecting them is simpler than computing the tap on the next stage, which would need the
+    pre-mixture prefix and block residuals to cross the pipe.
 """
 
 from __future__ import annotations
