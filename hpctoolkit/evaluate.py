@@ -16,13 +16,18 @@ Two numbers, on the same prompts and the same tokens:
   and the last layer before the final norm); the *exported* draft (loaded back from the
   serving checkpoint, with the target's embedding and head, as vLLM shares them) drafts
   `num_speculative_tokens` tokens from every generated position, and a draft counts as
-  accepted while it matches the target's greedy token.
+  accepted while it matches the target's greedy token. Two averages come out of those chains:
+  `simulated` replays vLLM's schedule (the first chain starts at the first generated token,
+  each next one right after the previous verification's bonus token), which is what the served
+  number measures; `simulated_uniform` averages over every start position, as the trainer's
+  running metric does. They differ when acceptance is uneven along a sequence: serving visits
+  hard stretches once per token and easy ones once per `k + 1` tokens.
 
 Convention: `*_incl_bonus` counts the target's bonus token per verification (EAGLE, vLLM);
 `*_excl_bonus` does not (TorchSpec's `simulated_acc_len`). Both are reported for both sides.
-The two sides should agree closely: served verifications start where the previous one stopped,
-simulated chains start everywhere, and bf16 kernels differ, which is noise of a few percent; a
-larger gap means the trainer and the server disagree about the draft, a bug to find.
+Served and (replayed) simulated should agree closely: they differ only by bf16 kernels
+(vLLM's CPU attention and GEMMs against transformers' and ours), a few percent; a larger gap
+means the trainer and the server disagree about the draft, a bug to find.
 
 vLLM's draft `load_weights` does not report missing weights, so every parameter of the served
 draft is set to NaN before loading and checked after the engine is up (after vLLM attached the
@@ -281,6 +286,31 @@ def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.Path
     return draft.eval(), head
 
 
+def replay_schedule(matches: torch.Tensor, first: int, last: int) -> list[int]:
+    """Accepted drafts per verification when chains are visited as vLLM does.
+
+    Start at chain `first`; a verification accepting `n` drafts plus the bonus token moves the
+    next chain `n + 1` positions on; stop past chain `last` (the last with every draft defined).
+    """
+    accepted = []
+    c = first
+    while c <= last:
+        n = int(torch.cumprod(matches[c].long(), 0).sum())
+        accepted.append(n)
+        c += n + 1
+    return accepted
+
+
+def _replay_summary(accepted: list[int], k: int) -> dict[str, Any]:
+    v = len(accepted)
+    return {
+        "verifications": v,
+        "acceptance_length_incl_bonus": 1.0 + sum(accepted) / v,
+        "acc_len_excl_bonus": sum(accepted) / v,
+        "acceptance_rate_per_pos": [sum(a > i for a in accepted) / v for i in range(k)],
+    }
+
+
 def simulate(
     export_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
@@ -293,7 +323,7 @@ def simulate(
     from hpctoolkit.config.couplings import draft_target_layer_ids
     from hpctoolkit.models import Eagle3Config
     from hpctoolkit.train.config import TrainingConfig
-    from hpctoolkit.train.hf_capture import recapture
+    from hpctoolkit.train.hf_capture import greedy_sequences, recapture
     from hpctoolkit.train.metrics import StepStats
     from hpctoolkit.train.trainers import trainer_class_for
 
@@ -302,51 +332,62 @@ def simulate(
     raw_cfg = json.loads((Path(export_dir) / "config.json").read_text())
     hf_indices = [i + 1 for i in draft_target_layer_ids(raw_cfg)]
     sequences = [p + o for p, o in zip(prompts_token_ids, outputs, strict=True)]
-    states = recapture(target_dir, sequences, hf_indices)
+    # vLLM keeps verifying until the request holds max_tokens, so its last chains reach up to k
+    # tokens past the output; extend each sequence greedily by k so those chains are defined.
+    extended = greedy_sequences(target_dir, sequences, k)
+    states = recapture(target_dir, extended, hf_indices)
     eagle = isinstance(draft.config, Eagle3Config)
     total = None
-    for prompt, seq, (aux, last) in zip(prompts_token_ids, sequences, states, strict=True):
-        P, L = len(prompt), len(seq)
+    replayed: list[int] = []
+    for prompt, out, seq, (aux, last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
+        # Served verifications are anchored at the bonus tokens P .. P + M - 2 (the request
+        # stops once its M-th token exists); Eagle3's chain for anchor a starts at t = a - 1.
+        P, M, L = len(prompt), len(out), len(seq)
+        if M < 2:
+            continue
         ids = torch.tensor([seq])
         context = aux.permute(1, 0, 2).reshape(1, L, -1)
         lengths = torch.tensor([L])
-        if eagle:
-            # Chain at t drafts tokens t+2.. from the features of t and the token at t+1; serving's
-            # first proposal after a verification ending at position n starts at t = n - 1.
-            trainer = trainer_class_for(draft.config)(draft, head, TrainingConfig(ttt_length=k))
-            mask = (torch.arange(L) >= P - 1).unsqueeze(0)
-            parts = trainer(ids, context, last.unsqueeze(0), mask, lengths, last_prenorm=True)
-        else:
-            anchors = torch.arange(P, L - k).unsqueeze(0)
-            if anchors.numel() == 0:
-                continue
-            trainer = trainer_class_for(draft.config)(
-                draft, head, TrainingConfig(num_anchors=anchors.shape[1], label_source="target")
-            )
-            trainer.block_size_override = k + 1
-            mask = torch.ones(1, L, dtype=torch.bool)
-            parts = trainer(
-                ids,
-                context,
-                last.unsqueeze(0),
-                mask,
-                lengths,
-                last_prenorm=True,
-                anchors_BN=anchors,
-                anchor_ok_BN=torch.ones_like(anchors, dtype=torch.bool),
-            )
+        with torch.no_grad():
+            if eagle:
+                trainer = trainer_class_for(draft.config)(draft, head, TrainingConfig(ttt_length=k))
+                t = torch.arange(L)
+                mask = ((t >= P - 1) & (t <= P + M - 3)).unsqueeze(0)
+                parts = trainer(ids, context, last.unsqueeze(0), mask, lengths, last_prenorm=True)
+                first, final = P - 1, P + M - 3
+            else:
+                anchors = torch.arange(P, P + M - 1).unsqueeze(0)
+                trainer = trainer_class_for(draft.config)(
+                    draft, head, TrainingConfig(num_anchors=anchors.shape[1], label_source="target")
+                )
+                trainer.block_size_override = k + 1
+                parts = trainer(
+                    ids,
+                    context,
+                    last.unsqueeze(0),
+                    torch.ones(1, L, dtype=torch.bool),
+                    lengths,
+                    last_prenorm=True,
+                    anchors_BN=anchors,
+                    anchor_ok_BN=torch.ones_like(anchors, dtype=torch.bool),
+                )
+                first, final = 0, anchors.shape[1] - 1
+        replayed += replay_schedule(parts.chain_matches, first, final)
         stats = StepStats(parts.pos_count.numel(), tuple(parts.extras), parts.stats_vector())
         total = stats if total is None else total + stats
-    if total is None or total.chains == 0:
+    if total is None or total.chains == 0 or not replayed:
         raise DataIntegrityError(
             f"no position of the served outputs leaves room for {k} drafts; raise max_tokens"
         )
     return {
-        "acceptance_length_incl_bonus": total.acceptance_length_incl_bonus(k),
-        "acc_len_excl_bonus": total.simulated_acc_len_excl_bonus(k),
-        "acceptance_rate_per_pos": total.acceptance_rate_per_pos()[:k],
-        "per_position_accuracy": total.pos_accuracy()[:k],
-        "chains": total.chains,
+        **_replay_summary(replayed, k),
+        "uniform": {
+            "acceptance_length_incl_bonus": total.acceptance_length_incl_bonus(k),
+            "acc_len_excl_bonus": total.simulated_acc_len_excl_bonus(k),
+            "acceptance_rate_per_pos": total.acceptance_rate_per_pos()[:k],
+            "per_position_accuracy": total.pos_accuracy()[:k],
+            "chains": total.chains,
+        },
     }
 
 
@@ -364,9 +405,10 @@ def evaluate(
 ) -> dict[str, Any]:
     """Served and simulated acceptance of the exported draft on `prompts_token_ids`.
 
-    Returns `served_acceptance_length` (incl. bonus), `simulated_acceptance_length` (incl.
-    bonus), the `convention`, `served` / `simulated` blocks with both conventions and
-    per-position rates, and `acceptance_length_gap` (served - simulated).
+    Returns `served_acceptance_length`, `simulated_acceptance_length` (vLLM's schedule replayed)
+    and `simulated_uniform_acceptance_length` (every start position), all incl. the bonus token;
+    the `convention`; `served` / `simulated` blocks with both conventions and per-position
+    rates; and `acceptance_length_gap` (served - simulated).
     """
     if not prompts_token_ids:
         raise ConfigError("evaluate needs at least one prompt")
@@ -384,6 +426,7 @@ def evaluate(
     result = {
         "served_acceptance_length": served["acceptance_length_incl_bonus"],
         "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
+        "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
         "acceptance_length_gap": served["acceptance_length_incl_bonus"]
         - simulated["acceptance_length_incl_bonus"],
         "convention": CONVENTION,
@@ -402,7 +445,7 @@ def evaluate(
             plot_acceptance(
                 Path(plot_path),
                 acceptance_rate_per_pos=simulated["acceptance_rate_per_pos"],
-                accuracy_per_pos=simulated["per_position_accuracy"],
+                accuracy_per_pos=simulated["uniform"]["per_position_accuracy"],
                 served_rate_per_pos=served["acceptance_rate_per_pos"],
                 title=(
                     f"served {result['served_acceptance_length']:.2f} vs simulated "

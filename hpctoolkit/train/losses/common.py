@@ -38,6 +38,9 @@ class LossParts:
     reach: torch.Tensor
     chains: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # `[num_chains, P]` greedy matches per chain, in chain order (DFlash: anchor order; Eagle3:
+    # start position), before masking; evaluation replays vLLM's verification schedule on them.
+    chain_matches: torch.Tensor | None = None
 
     def stats_vector(self) -> torch.Tensor:
         """Every no-graph statistic in one fp64 vector, for a single all-reduce."""

@@ -71,7 +71,9 @@ def dflash_loss(
     loss_sum, loss_w = per_position(slots(ce_N.view(B, T)), pos_mask)
     correct, count = per_position(slots(match_BT), pos_mask)
     reach, chains = acceptance_from_matches(slots(match_BT), chain_ok)
-    return LossParts(numerator, denominator, loss_sum, loss_w, correct, count, reach, chains)
+    return LossParts(
+        numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, chain_matches=slots(match_BT)
+    )
 
 
 def decay_table(block_size: int, gamma: float) -> list[float]:

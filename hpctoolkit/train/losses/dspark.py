@@ -83,4 +83,6 @@ def dspark_loss(
         "l1": (l1_BT.detach() * wd).sum(),
         "bce": (bce_BT.detach() * wd).sum(),
     }
-    return LossParts(numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, extras)
+    return LossParts(
+        numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, extras, slots(match_BT)
+    )

@@ -115,4 +115,6 @@ class Eagle3Trainer(FamilyTrainer):
         in_chain_NP = chain_ok_N.unsqueeze(1).expand_as(match_NP)
         correct, count = per_position(match_NP, in_chain_NP)
         reach, chains = acceptance_from_matches(match_NP, chain_ok_N)
-        return LossParts(numerator, denominator, loss_sum, loss_w, correct, count, reach, chains)
+        return LossParts(
+            numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, chain_matches=match_NP
+        )
