@@ -225,6 +225,15 @@ class CaptureEngine:
         )
         self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.pp_size = cfg.pp_size
+        if self.pp_size > 1:  # PP export (hpctoolkit/patches owner): the patch series targets V1
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "PP=%d export: VLLM_USE_V2_MODEL_RUNNER=%s (protected; the patch series targets the V1 "
+                "runner, V2 would relay aux hidden states through the pipe)",
+                self.pp_size,
+                env["VLLM_USE_V2_MODEL_RUNNER"],
+            )
         os.environ.update(env)
         try:
             with self._translate_faults():
@@ -276,10 +285,50 @@ class CaptureEngine:
             return
         # Multiprocess: EngineCore keeps stepping on its own; wait for every stage's report.
         want = self._captured * self.pp_size
-        while sum(llm.collective_rpc("hpctoolkit_published_count")) < want:
+        while self._published_total(deadline) < want:
             if time.monotonic() > deadline:
                 raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
             time.sleep(0.05)
+
+    # ---- PP barrier: a stage failing after the last rank sampled (hpctoolkit/patches owner) ----
+    def _published_total(self, deadline: float) -> int:
+        """Sum of every worker's published count, without hanging on a dead engine.
+
+        A stage whose put fails raises in its worker *after* the request was sampled, so
+        `generate()` has already returned; the EngineCore then dies, and a `collective_rpc`
+        issued to it is never answered (vLLM 0.32 leaves the utility future pending). The call
+        runs on a helper thread while this one watches the writers' fault records and the
+        client's engine-dead flag.
+        """
+        from hpctoolkit.engine.connector import read_faults
+
+        llm = self._llm
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box["counts"] = llm.collective_rpc("hpctoolkit_published_count")
+            except BaseException as err:  # noqa: BLE001  (re-raised on the calling thread)
+                box["error"] = err
+            finally:
+                done.set()
+
+        # A daemon thread: one left blocked on a dead engine must not hold up interpreter exit.
+        threading.Thread(target=call, name="hpctoolkit-drain", daemon=True).start()
+        resources = getattr(llm.llm_engine.engine_core, "resources", None)
+        while not done.wait(0.2):
+            faults = read_faults(self._fault_dir)
+            if faults or getattr(resources, "engine_dead", False) or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "the engine stopped answering while the stages published"
+                    + (f" ({len(faults)} writer fault record(s))" if faults else "")
+                )
+        if "error" in box:
+            raise box["error"]
+        return sum(box["counts"])
+
+    # ---- end PP barrier ----
 
     def capture(self, prompts_token_ids: Sequence[Sequence[int]]) -> list[Manifest]:
         """Prefill each prompt (one request per `generate()` call) and return its manifest.
