@@ -1,4 +1,3 @@
-
 """Loss math, normalisation, masking and the target head, on tiny CPU tensors (no processes)."""
 
 import math

@@ -117,3 +117,44 @@ def test_a_live_source_that_runs_dry_stops_every_rank_cleanly(tmp_path):
     assert summary["steps_trained"] == 1
     assert summary["stop_reason"].startswith("samples source exhausted")
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def test_bf16_mixed_precision_trains(tmp_path):
+    src = SyntheticSamples(num_samples=4, vocab_size=512, hidden_size=128, num_aux=3, seed=4)
+    summary = train(_recipe("tiny_dspark", tmp_path, steps=2, mixed_precision="bf16"), src, tmp_path)
+    assert summary["steps_trained"] == 2 and summary["final_loss"] > 0
+    # master weights stay fp32; the export is bf16, as vLLM serves it
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(str(tmp_path / "draft" / "model.safetensors")).values()} <= {
+        torch.float32,
+        torch.int64,
+        torch.bool,
+    }
+
+
+def test_options_without_effect_are_named(caplog):
+    from hpctoolkit.models import load_draft_config
+    from hpctoolkit.train.config import TrainingConfig
+    from hpctoolkit.train.trainers import warn_unused_options
+
+    eagle = load_draft_config("recipes/draft_models/tiny_eagle3.json")
+    assert warn_unused_options(eagle, TrainingConfig(num_anchors=3, label_source="data")) == [
+        "num_anchors",
+        "label_source",
+    ]
+    dflash = load_draft_config("recipes/draft_models/tiny_dflash.json")
+    assert warn_unused_options(dflash, TrainingConfig(ttt_length=2)) == ["ttt_length"]
+    assert "no effect" in caplog.text
+
+
+def test_train_and_evaluate_import_without_vllm_or_mooncake():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hpctoolkit.train.run, hpctoolkit.evaluate, hpctoolkit.models;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'mooncake')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -254,8 +254,8 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
                 acceptance_rate_per_pos=total.acceptance_rate_per_pos(),
                 accuracy_per_pos=total.pos_accuracy(),
                 title=(
-                    f"{trainer.family}: last {total.steps} steps, acceptance length "
-                    f"{total.acceptance_length_incl_bonus():.2f} incl. bonus"
+                    f"{trainer.family}: acceptance length {total.acceptance_length_incl_bonus():.2f} "
+                    f"(incl. bonus), last {total.steps} steps"
                 ),
             )
         )

@@ -22,9 +22,9 @@ def plot_acceptance(
 
     P = len(acceptance_rate_per_pos)
     xs = list(range(1, P + 1))
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * P + 2), 3.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.6 * P + 3), 3.4), dpi=120)
     width = 0.4 if served_rate_per_pos is None else 0.27
-    ax.bar([x - width / 2 for x in xs], acceptance_rate_per_pos, width, label="simulated acceptance")
+    ax.bar([x - width / 2 for x in xs], acceptance_rate_per_pos, width, label="P(first k drafts accepted)")
     ax.bar([x + width / 2 for x in xs], accuracy_per_pos, width, label="per-position accuracy")
     if served_rate_per_pos is not None:
         k = len(served_rate_per_pos)
@@ -33,7 +33,7 @@ def plot_acceptance(
     ax.set_ylabel("rate")
     ax.set_ylim(0, 1)
     ax.set_xticks(xs)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8, wrap=True)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

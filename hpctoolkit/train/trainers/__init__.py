@@ -7,6 +7,7 @@ DSpark and its Kimi-K3 MLA variant share `DSparkTrainer` (a `K3DSparkConfig` is 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from hpctoolkit.train.trainers.dflash import DFlashTrainer
 from hpctoolkit.train.trainers.dspark import DSparkTrainer
 from hpctoolkit.train.trainers.eagle3 import Eagle3Trainer, draft_vocab_from_counts
 
+log = logging.getLogger(__name__)
+
 _BY_CONFIG: tuple[tuple[type[DraftConfig], type[FamilyTrainer]], ...] = (
     (DSparkConfig, DSparkTrainer),
     (DFlashConfig, DFlashTrainer),
@@ -42,6 +45,27 @@ def trainer_class_for(config: DraftConfig) -> type[FamilyTrainer]:
             return trainer_cls
     known = ", ".join(c.__name__ for c, _ in _BY_CONFIG)
     raise ConfigError(f"no trainer for draft config {type(config).__name__}; known: {known}")
+
+
+def warn_unused_options(config: DraftConfig, cfg: TrainingConfig) -> list[str]:
+    """Training options that have no effect on this family, logged once (and returned)."""
+    default = TrainingConfig()
+    unused = []
+    if isinstance(config, Eagle3Config):
+        unused += [
+            n
+            for n in ("num_anchors", "dflash_decay_gamma", "label_source")
+            if getattr(cfg, n) != getattr(default, n)
+        ]
+    else:
+        unused += [n for n in ("ttt_length",) if getattr(cfg, n) != getattr(default, n)]
+        if isinstance(config, DSparkConfig) and cfg.dflash_decay_gamma != default.dflash_decay_gamma:
+            unused.append("dflash_decay_gamma")
+    for name in unused:
+        log.warning(
+            "training.%s=%r has no effect on a %s draft", name, getattr(cfg, name), type(config).__name__
+        )
+    return unused
 
 
 def check_draft_against_target(config: DraftConfig, head: TargetHead) -> None:
@@ -98,6 +122,7 @@ def build_trainer(
         head = TargetHead.from_pretrained(target)
         embed = read_target_tensor(Path(target), "embed_tokens.weight")
     check_draft_against_target(config, head)
+    warn_unused_options(config, cfg)
     draft = build_draft_model(config, device=device)
     head = head.to(device) if device is not None else head
     trainer_cls = trainer_class_for(config)
