@@ -260,6 +260,42 @@ def test_capability_means_non_last_stages_pack_their_aux_states(vllm_registry, a
         assert getattr(dec, CAPABILITY) is packs, dec.__qualname__
 
 
+def test_decoder_discovery_reads_methods_class_attributes_and_arch_names(vllm_registry):
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    ns: dict = {"EagleModelMixin": EagleModelMixin, "__name__": "fake_model_module"}
+    exec(  # functions defined here get `ns` as their globals, as a model module's would
+        "class Good(EagleModelMixin):\n"
+        "    supports_aux_hidden_states_over_pp = True\n"
+        "class Bad(EagleModelMixin):\n"
+        "    pass\n"
+        "class Unrelated:\n"
+        "    pass\n"
+        "class ByGlobal:\n"
+        "    def __init__(self):\n"
+        "        self.model = Good()\n"
+        "        self.other = Unrelated()\n"
+        "class ByLambda:\n"
+        "    def _init(self):\n"
+        "        return [(lambda: Bad())() for _ in range(1)]\n"
+        "class ByAttr:\n"
+        "    model_cls = Good\n"
+        "    def __init__(self):\n"
+        "        self.model = self.model_cls()\n"
+        "class ByAttrOverride(ByAttr):\n"
+        "    model_cls = Bad\n"
+        "class Wrapper:\n"
+        "    def __init__(self):\n"
+        "        self.language_model = build(architectures=['LlamaForCausalLM'])\n",
+        ns,
+    )
+    assert decoder_classes(ns["ByGlobal"]) == ({ns["Good"]}, set())
+    assert decoder_classes(ns["ByLambda"]) == ({ns["Bad"]}, set())
+    assert decoder_classes(ns["ByAttr"]) == ({ns["Good"]}, set())
+    assert decoder_classes(ns["ByAttrOverride"]) == ({ns["Bad"]}, set())  # the effective attribute
+    assert decoder_classes(ns["Wrapper"]) == (set(), {"LlamaForCausalLM"})
+
+
 # ------------------------------------------------------------------ preflight
 
 

@@ -24,9 +24,10 @@ Per-stage capture (`check_per_stage_capture`)
 
     The registry resolves `architectures` to the model class by importing its module only (no
     weights, no device). The decoder class is not a class attribute in vLLM; it is whatever the
-    class's own methods construct (`self.model = Qwen3Model(...)`, `LlamaForCausalLM._init_model`).
-    `decoder_classes` therefore reads the globals those methods name and keeps the
-    `EagleModelMixin` subclasses among them, and follows registered architecture names they
+    class's own methods construct (`self.model = Qwen3Model(...)`, `LlamaForCausalLM._init_model`,
+    or a `model_cls` class attribute as in DeepseekV4). `decoder_classes` therefore reads the
+    globals those methods name and the class attributes, keeps the `EagleModelMixin` subclasses
+    among them, and follows registered architecture names the methods
     mention (wrappers such as `KimiK3ForConditionalGeneration` build their language model through
     `init_vllm_registered_model(architectures=["KimiLinearForCausalLM"])`). The gate passes only if
     at least one decoder is found and every decoder found sets the flag, so an unresolvable or mixed
@@ -85,7 +86,7 @@ if TYPE_CHECKING:
 CAPABILITY = "supports_aux_hidden_states_over_pp"
 K3_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
 # Modules whose classes are interfaces or framework bases, not model code that builds a decoder.
-_SKIP_MODULE_PREFIXES = ("builtins", "typing", "torch.", "vllm.model_executor.models.interfaces")
+_SKIP_MODULE_PREFIXES = ("builtins", "typing", "abc", "torch.", "vllm.model_executor.models.interfaces")
 
 
 # --- per-stage capture -------------------------------------------------------------------------
@@ -111,9 +112,14 @@ def decoder_classes(model_cls: type) -> tuple[set[type], set[str]]:
     registered = ModelRegistry.get_supported_archs()
     decoders: set[type] = set()
     archs: set[str] = set()
-    for klass in model_cls.__mro__:
-        if klass.__module__ == "builtins" or klass.__module__.startswith(_SKIP_MODULE_PREFIXES):
-            continue
+    own = [k for k in model_cls.__mro__ if not k.__module__.startswith(_SKIP_MODULE_PREFIXES)]
+    # A decoder held as a class attribute and built as `self.model_cls(...)` (DeepseekV4): the
+    # effective attribute, so a subclass's override replaces its base's.
+    for name in {n for klass in own for n in vars(klass)}:
+        attr = inspect.getattr_static(model_cls, name)
+        if isinstance(attr, type) and issubclass(attr, EagleModelMixin):
+            decoders.add(attr)
+    for klass in own:
         for attr in vars(klass).values():
             fn = attr.__func__ if isinstance(attr, classmethod | staticmethod) else attr
             if not inspect.isfunction(fn):
