@@ -158,3 +158,25 @@ def test_train_and_evaluate_import_without_vllm_or_mooncake():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_live_source_follows_the_manifest_file_and_drains_the_store(tmp_path):
+    from hpctoolkit.store import fragments
+    from hpctoolkit.store.memory import MemoryStore
+    from hpctoolkit.train.source import LiveSource
+
+    store = MemoryStore()
+    lines = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        m = build_manifest(f"live{i}", [2, 3, 4, NUM_LAYERS], 20 + i, 128, NUM_LAYERS, 1, "bfloat16")
+        layers = {f.layer_id: torch.randn(20 + i, 128, generator=g).to(torch.bfloat16) for f in m.fragments}
+        fragments.publish_stage(store, m, 0, layers, torch.randint(0, 500, (20 + i,), generator=g))
+        lines.append(m.to_json())
+    (tmp_path / "manifests.jsonl").write_text("\n".join(lines) + "\n")
+    src = LiveSource(
+        str(tmp_path / "manifests.jsonl"), expected=4, store_factory=lambda: store, retry_max_wait_s=1
+    )
+    summary = train(_recipe("tiny_dflash", tmp_path, steps=3), src, tmp_path)
+    assert summary["steps_trained"] == 2 and summary["stop_reason"].startswith("samples source exhausted")
+    assert store.keys() == []  # every sample fetched once and removed

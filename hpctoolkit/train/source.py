@@ -8,9 +8,11 @@
 - **a factory** `factory(rank, world_size, epoch, skip) -> Iterable[Sample]`, called once per
   epoch on every rank. It must yield this rank's share only, start after its first `skip`
   samples, and give the same order for the same arguments. The live Mooncake path is such a
-  factory around `HiddenStateDataset(manifests, store, rank=rank, world_size=world_size,
-  skip=skip)`; a live source that is read once returns an empty iterable for `epoch >= 1`,
-  which ends training cleanly on every rank at the same step. With `world_size > 1` the
+  factory: `LiveSource` (below) around `HiddenStateDataset(manifests, store, rank=rank,
+  world_size=world_size, skip=skip)`; a live source that is read once returns an empty iterable
+  for `epoch >= 1`, which ends training cleanly on every rank at the same step. A pruned Eagle3
+  vocabulary is chosen from token counts of epoch 0 read once more before training, so a
+  factory used with one must tolerate that second read (offline shards do). With `world_size > 1` the
   factory is sent to spawned processes, so it must be picklable (a module-level function or a
   `functools.partial` of one, not a lambda).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +121,65 @@ class SampleStream:
                 return None
             out.append(item)
         return out
+
+
+def follow_jsonl(path: Path, expected: int, timeout_s: float, poll_s: float = 0.05) -> Iterator[str]:
+    """Yield the lines of a JSONL file as a writer appends them, until `expected` lines were seen."""
+    import time
+
+    seen = 0
+    deadline = time.monotonic() + timeout_s
+    while seen < expected:
+        lines = path.read_text().splitlines() if path.exists() else []
+        complete = [x for x in lines[seen:] if x.strip()]
+        for line in complete:
+            seen += 1
+            yield line
+            if seen >= expected:
+                return
+        if time.monotonic() > deadline:
+            from hpctoolkit.errors import DataIntegrityError
+
+            raise DataIntegrityError(
+                f"{path}: {seen} of {expected} manifests appeared within {timeout_s:.0f}s"
+            )
+        time.sleep(poll_s)
+
+
+@dataclass
+class LiveSource:
+    """The live path: manifests appended to a JSONL file by the capture, samples from the store.
+
+    `store_factory()` opens this rank's store client (e.g. `functools.partial(MooncakeStore,
+    address, store_cfg, role="reader")`; picklable, so spawned ranks can open their own). Each
+    rank wraps `HiddenStateDataset(manifests, store, rank=rank, world_size=world_size,
+    skip=skip)`, so it fetches (and removes) only its own share. The store hands each sample out
+    once: epochs after the first are empty, and training ends cleanly when the first one does.
+    """
+
+    manifests_path: str
+    expected: int
+    store_factory: Callable[[], Any]
+    retry_max_wait_s: float = 60.0
+    follow_timeout_s: float = 1800.0
+
+    def __call__(self, rank: int, world_size: int, epoch: int, skip: int) -> Iterator[Any]:
+        if epoch > 0:
+            return
+        from hpctoolkit.data.dataset import HiddenStateDataset
+
+        store = self.store_factory()
+        try:
+            manifests = follow_jsonl(Path(self.manifests_path), self.expected, self.follow_timeout_s)
+            yield from HiddenStateDataset(
+                manifests,
+                store,
+                retry_max_wait_s=self.retry_max_wait_s,
+                rank=rank,
+                world_size=world_size,
+                skip=skip,
+            )
+        finally:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
