@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -227,9 +228,13 @@ def test_health_check_reads_workers_and_probes_the_leader():
         proc.is_alive = lambda: False
         assert not f.health_check()
         proc.is_alive = lambda: True
+        stop = threading.Event()
+        stop.set()
+        assert f.wait(stop, poll_s=0.01) is True  # asked to stop while healthy
     # The leader's endpoint is gone: the workers alone do not make a healthy follower.
     assert not f.health_check()
     assert f.health_check(probe_leader=False)
+    assert f.wait(poll_s=0.01) is False  # returns on its own once unhealthy
 
 
 # ------------------------------------------------------------------ the node processes
@@ -365,9 +370,15 @@ def node_follower(args: dict[str, Any]) -> dict[str, Any]:
     healthy_while_serving = follower.health_check()
     children_before = _worker_children()
     (work / "follower-checked").touch()
-    _wait_for(work / "leader-down", 120)
     # vLLM gives a follower no signal that its leader left (the worker stays alive, blocked on
-    # the leader's queue); health_check's leader probe must notice.
+    # the leader's queue): wait() must return on its own, through health_check's leader probe.
+    stop = threading.Event()
+    timer = threading.Timer(120, stop.set)
+    timer.start()
+    t_wait = time.monotonic()
+    wait_returned_unhealthy = follower.wait(stop, poll_s=0.5) is False
+    timer.cancel()
+    wait_s = time.monotonic() - t_wait
     healthy_after_leader_down = follower.health_check()
     t1 = time.monotonic()
     follower.shutdown()
@@ -379,6 +390,8 @@ def node_follower(args: dict[str, Any]) -> dict[str, Any]:
         "healthy_at_start": healthy_at_start,
         "healthy_while_serving": healthy_while_serving,
         "healthy_after_leader_down": healthy_after_leader_down,
+        "wait_returned_unhealthy": wait_returned_unhealthy,
+        "wait_s": wait_s,
         "healthy_after_shutdown": follower.health_check(),
         "children_before_shutdown": children_before,
         "children_after_shutdown": _worker_children(),
@@ -468,6 +481,8 @@ def check(res: dict[str, Any]) -> list[str]:
     f = res["follower"]
     if not (f["healthy_at_start"] and f["healthy_while_serving"]):
         bad.append(f"a live follower reported unhealthy: {f}")
+    if not f["wait_returned_unhealthy"]:
+        bad.append("HeadlessFollower.wait() did not return when the leader left")
     if f["healthy_after_leader_down"]:
         bad.append("a follower whose leader left reported healthy")
     if f["healthy_after_shutdown"]:

@@ -17,6 +17,8 @@ Contract of `HeadlessFollower`:
   worker process is alive, and the leader's rendezvous endpoint still accepts connections (a
   follower whose leader left keeps its workers alive, blocked on the leader's queue). vLLM's own
   `check_health` is an RPC over the broadcast queue, which only the leader owns.
+* `wait()` blocks while `health_check()` holds (what a node's step does between start and
+  shutdown), and returns once the leader left or a worker died.
 * `shutdown()` tears down the executor and waits for its worker processes; it is idempotent, and
   afterwards no worker process of this follower remains. Once the leader has left, a worker
   blocked on the leader's queue ignores the death pipe and SIGTERM, so vLLM's escalation ends it
@@ -25,10 +27,14 @@ Contract of `HeadlessFollower`:
 Leader and followers must build field-identical `VllmConfig`s, or they disagree about the model,
 the KV layout and the capture path. The leader builds its config inside `LLM.__init__`, which
 turns dict-valued arguments into config objects before `EngineArgs` sees them; the headless path
-bypasses `LLM.__init__`, so `build_vllm_config` redoes that conversion and also takes `LLM`'s own
-signature defaults (which differ from `EngineArgs`' for e.g. `gpu_memory_utilization` and `seed`)
-and `LLM`'s usage context (which picks the default `max_num_batched_tokens`).
-`tests/test_follower.py` checks the result against the config a real `LLM.__init__` builds.
+bypasses `LLM.__init__`, so `build_vllm_config` redoes that conversion (`kv_transfer_config`,
+`compilation_config` as a dict or a mode int, and the other dict-valued configs), applies `LLM`'s
+own defaults (its signature's, read at run time so they cannot drift, and `disable_log_stats=True`)
+and `LLM`'s usage context, which picks the default batch limits where `run_headless`'s would not.
+`tests/test_follower.py` checks the result against the config a real `LLM.__init__` builds. The
+shared kwargs must pin `kv_transfer_config["engine_id"]` (`check_node_invariant`): unpinned, each
+node draws its own random id. `start()` also runs the preflight gates (`pp_gates`) on the config it
+built, so a follower fails before its workers load weights, as the leader does.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import dataclasses
 import inspect
 import logging
 import socket
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -238,6 +245,19 @@ class HeadlessFollower:
                     pass
             except OSError:
                 return False
+        return True
+
+    def wait(self, stop: threading.Event | None = None, poll_s: float = 5.0) -> bool:
+        """Block while this follower is healthy; True if `stop` was set, False once it is not healthy.
+
+        What a node's step does between `start()` and `shutdown()`: it returns when the leader has
+        left or a local worker died, so the step ends instead of holding its node.
+        """
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            if not self.health_check():
+                return False
+            stop.wait(poll_s)
         return True
 
     def worker_pids(self) -> list[int]:
