@@ -358,3 +358,29 @@ def test_preflight_from_a_built_vllm_config(vllm_registry):
     preflight_vllm_config(vllm_config("extract_hidden_states", [3, 17, 32]), {K3_STREAM_ENV: "1"})
     preflight_vllm_config(vllm_config("eagle3", [3, 16, 32]), {K3_STREAM_ENV: "1"})  # not a capture engine
     preflight_vllm_config(types.SimpleNamespace(speculative_config=None))
+
+
+def test_preflight_rejects_a_real_moe_target_from_its_config_alone(vllm_registry, tmp_path):
+    """A Qwen3-MoE target (decoder without the capability) with no weights on disk at all: the gate
+    needs only config.json. Measured without the gate on this patch series (vLLM-CPU, PP=2, eager):
+    the engine loads and starts (~80 s), then the first request kills it with EngineDeadError after
+    the stage-0 worker finds 0 aux states for its capture ids."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .* builds decoder\(s\) \['Qwen3MoeModel'\]"):
+        preflight(_pp2(), tmp_path, [1, 3, 5, 6])
+    assert not list(tmp_path.glob("*.safetensors"))
+    preflight(EngineConfig(target_layer_ids=[0, 2, 4]), tmp_path, [1, 3, 5, 6])  # PP=1 needs no capability
