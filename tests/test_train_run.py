@@ -180,3 +180,17 @@ def test_live_source_follows_the_manifest_file_and_drains_the_store(tmp_path):
     summary = train(_recipe("tiny_dflash", tmp_path, steps=3), src, tmp_path)
     assert summary["steps_trained"] == 2 and summary["stop_reason"].startswith("samples source exhausted")
     assert store.keys() == []  # every sample fetched once and removed
+
+
+def test_an_unservable_draft_is_kept_and_the_refusal_reported(tmp_path):
+    import json as _json
+
+    cfg_path = tmp_path / "k3_fc_norm.json"
+    data = _json.loads(Path("recipes/draft_models/tiny_k3_dspark_mla.json").read_text())
+    cfg_path.write_text(_json.dumps({**data, "fc_norm": True}))  # vLLM 0.32 has no fc_norm
+    src = SyntheticSamples(num_samples=4, vocab_size=512, hidden_size=128, num_aux=3, seed=2)
+    recipe = _recipe("tiny_k3_dspark_mla", tmp_path, steps=1)
+    recipe.draft.config = str(cfg_path)
+    summary = train(recipe, src, tmp_path)
+    assert "fc_norm" in summary["export_error"] and "export_dir" not in summary
+    assert (tmp_path / "draft" / "model.safetensors").is_file()

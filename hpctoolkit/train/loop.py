@@ -217,11 +217,17 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
             meta={"family": trainer.family},
         )
 
-    export_dir = None
+    export_dir, export_error = None, None
     if cfg.export and stop_reason != "stop_after":
         state = _full_draft_state(trainer)
         if ctx.is_main:
-            export_dir = _export(trainer, state, out)
+            cpu_draft = _save_training_format(trainer, state, out)
+            try:
+                export_dir = _export(cpu_draft, out)
+            except ConfigError as err:
+                # The trained draft is kept (out/draft, checkpoints); only vLLM cannot serve it.
+                export_error = str(err)
+                log.error("export to %s refused: %s", out / "export", err)
     ctx.barrier()
     if not ctx.is_main:
         return None
@@ -240,7 +246,7 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         "stop_reason": stop_reason or "completed",
         "samples_position": stream.position,
         "checkpoint_dir": str(ckpt.latest()) if ckpt.latest() else None,
-        "export_dir": str(export_dir) if export_dir else None,
+        "draft_dir": str(out / "draft") if (out / "draft").is_dir() else None,
         "tensorboard_dir": str(out / "tensorboard"),
     }
     if total is not None:
@@ -259,21 +265,32 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
                 ),
             )
         )
+    if export_dir is not None:
+        summary["export_dir"] = str(export_dir)
+    if export_error is not None:
+        summary["export_error"] = export_error
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _export(trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path) -> Path:
-    """Save the training-format draft (`out/draft`) and the vLLM serving export (`out/export`)."""
-    from hpctoolkit.export import export_draft
+def _save_training_format(
+    trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path
+) -> torch.nn.Module:
+    """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
     from hpctoolkit.models import build_draft_model, save_draft
 
-    draft = trainer.draft
-    cpu_model = build_draft_model(draft.config)
+    cpu_model = build_draft_model(trainer.draft.config)
     missing, unexpected = cpu_model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(
             f"gathered draft state does not match the model: missing {missing}, unexpected {unexpected}"
         )
     save_draft(cpu_model, out / "draft")
-    return export_draft(cpu_model, draft.config, out / "export")
+    return cpu_model
+
+
+def _export(cpu_draft: torch.nn.Module, out: Path) -> Path:
+    """`out/export`: the vLLM serving checkpoint, through the models' `export_draft`."""
+    from hpctoolkit.export import export_draft
+
+    return export_draft(cpu_draft, cpu_draft.config, out / "export")
