@@ -447,6 +447,8 @@ def evaluate(
                 acceptance_rate_per_pos=simulated["acceptance_rate_per_pos"],
                 accuracy_per_pos=simulated["uniform"]["per_position_accuracy"],
                 served_rate_per_pos=served["acceptance_rate_per_pos"],
+                rate_label="simulated, vLLM schedule replayed",
+                accuracy_label="simulated accuracy, every start",
                 title=(
                     f"served {result['served_acceptance_length']:.2f} vs simulated "
                     f"{result['simulated_acceptance_length']:.2f} (incl. bonus, k={num_speculative_tokens})"

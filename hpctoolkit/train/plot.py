@@ -13,6 +13,8 @@ def plot_acceptance(
     accuracy_per_pos: list[float],
     title: str,
     served_rate_per_pos: list[float] | None = None,
+    rate_label: str = "P(first k drafts accepted)",
+    accuracy_label: str = "per-position accuracy",
 ) -> Path:
     """Bar chart of P(first k+1 drafts accepted) and per-position accuracy (plus served, if given)."""
     import matplotlib
@@ -24,8 +26,8 @@ def plot_acceptance(
     xs = list(range(1, P + 1))
     fig, ax = plt.subplots(figsize=(max(5.5, 0.6 * P + 3), 3.4), dpi=120)
     width = 0.4 if served_rate_per_pos is None else 0.27
-    ax.bar([x - width / 2 for x in xs], acceptance_rate_per_pos, width, label="P(first k drafts accepted)")
-    ax.bar([x + width / 2 for x in xs], accuracy_per_pos, width, label="per-position accuracy")
+    ax.bar([x - width / 2 for x in xs], acceptance_rate_per_pos, width, label=rate_label)
+    ax.bar([x + width / 2 for x in xs], accuracy_per_pos, width, label=accuracy_label)
     if served_rate_per_pos is not None:
         k = len(served_rate_per_pos)
         ax.bar([x + 1.5 * width for x in xs[:k]], served_rate_per_pos, width, label="served (vLLM)")
