@@ -7,10 +7,12 @@ classes through vLLM's registry (code only, no weights); they skip where vLLM is
 from __future__ import annotations
 
 import inspect
+import os
 import types
 
 import pytest
 
+from hpctoolkit import envs
 from hpctoolkit.capture import pp_range
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.pp_gates import (
@@ -384,3 +386,37 @@ def test_preflight_rejects_a_real_moe_target_from_its_config_alone(vllm_registry
         preflight(_pp2(), tmp_path, [1, 3, 5, 6])
     assert not list(tmp_path.glob("*.safetensors"))
     preflight(EngineConfig(target_layer_ids=[0, 2, 4]), tmp_path, [1, 3, 5, 6])  # PP=1 needs no capability
+
+
+def test_capture_engine_refuses_an_incapable_target_before_building_vllm(
+    vllm_registry, tmp_path, monkeypatch
+):
+    """`CaptureEngine` runs the gates itself: a PP=2 Qwen3-MoE target is refused before `vllm.LLM`."""
+    transformers = pytest.importorskip("transformers")
+    import vllm
+
+    from hpctoolkit.engine.engine import CaptureEngine
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw))
+    monkeypatch.setenv("HPCTOOLKIT_ENGINE_BACKEND", "cpu")
+    for name in envs.ENGINE_ENV_KEYS:
+        # CaptureEngine sets them in os.environ; setenv records the old value (or its absence).
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .* builds decoder\(s\) \['Qwen3MoeModel'\]"):
+        CaptureEngine(_pp2(), tmp_path, None, None, "gate-test")
+    assert built == []

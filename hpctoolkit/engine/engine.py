@@ -236,6 +236,11 @@ class CaptureEngine:
             )
         os.environ.update(env)
         try:
+            # After the environment is applied (the gates read what the workers inherit, e.g.
+            # VLLM_PP_LAYER_PARTITION) and inside `try`, so a refusal still runs `shutdown()`.
+            from hpctoolkit.engine.pp_gates import preflight
+
+            preflight(cfg, model_dir, self.capture_ids)
             with self._translate_faults():
                 from vllm import LLM
 
