@@ -130,9 +130,68 @@ def test_env_registry():
         envs.get("HPCTOOLKIT_NOPE")
 
 
-def test_multinode_not_silently_accepted():
-    with pytest.raises(ConfigError, match="nnodes"):
-        _build(EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2))
+def _two_nodes(**kw):
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2)
+    node = {"master_addr": "node2", "master_port": 29600, **kw}
+    return _build(cfg, **node)
+
+
+def test_multinode_needs_the_rendezvous_and_a_valid_rank():
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2)
+    with pytest.raises(ConfigError, match="master_addr"):
+        _build(cfg)
+    with pytest.raises(ConfigError, match="node_rank=2"):
+        _two_nodes(node_rank=2)
+    with pytest.raises(ConfigError, match="one-node engine"):
+        _build(node_rank=1)
+
+
+def test_multinode_nodes_differ_only_in_node_keys():
+    from hpctoolkit.engine.follower import NODE_KEYS, check_node_invariant
+
+    leader, lenv = _two_nodes(node_rank=0, cores=[1])
+    follower, fenv = _two_nodes(node_rank=1, cores=[0])
+    assert (leader["nnodes"], leader["node_rank"], follower["node_rank"]) == (2, 0, 1)
+    assert leader["master_addr"] == follower["master_addr"] == "node2"
+    assert leader["master_port"] == follower["master_port"] == 29600
+    assert leader["distributed_executor_backend"] == "mp"
+    shared = {k: v for k, v in leader.items() if k not in NODE_KEYS}
+    assert shared == {k: v for k, v in follower.items() if k not in NODE_KEYS}
+    # Pinned, so every node's KVTransferConfig agrees (vLLM draws a random id otherwise).
+    assert (
+        leader["kv_transfer_config"]["engine_id"] == follower["kv_transfer_config"]["engine_id"] == "run1-e0"
+    )
+    check_node_invariant(shared)
+    # One binding entry per local worker, over this node's own cores.
+    assert (lenv["VLLM_CPU_OMP_THREADS_BIND"], fenv["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "0")
+    assert {k: v for k, v in lenv.items() if k != "VLLM_CPU_OMP_THREADS_BIND"} == {
+        k: v for k, v in fenv.items() if k != "VLLM_CPU_OMP_THREADS_BIND"
+    }
+
+
+def test_node_binding_splits_the_nodes_cores_over_its_local_workers():
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=2, pp_size=2)
+    _, env = _build(cfg, master_addr="h", master_port=1, node_rank=1, cores=[4, 5, 6, 7])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "4-5|6-7"
+    assert envs.cpu_bind_spec(1, [3]) == "3"
+    assert envs.cpu_bind_spec(2, [0, 2, 4, 6]) == "0,2|4,6"
+    with pytest.raises(ValueError, match="cores"):
+        _build(cfg, master_addr="h", master_port=1, cores=[0])
+    # An in-process engine keeps vLLM's own binding unless the node's cores are given.
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in _build()[1]
+    assert _build(cores=[1])[1]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_host_ip_is_the_nodes_address():
+    _, env = _two_nodes(host_ip="10.0.0.7", cores=[0])
+    assert env["VLLM_HOST_IP"] == "10.0.0.7"
+    assert "GLOO_SOCKET_IFNAME" not in env  # lo only for a loopback address
+
+
+def test_fault_dir_is_on_the_output_directory():
+    from hpctoolkit.engine.engine import fault_dir_for
+
+    assert fault_dir_for("/scratch/run", 3) == "/scratch/run/faults/engine3"
 
 
 def test_run_prefix_is_store_safe_and_engine_unique():

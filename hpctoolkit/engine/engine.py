@@ -82,11 +82,23 @@ def build_llm_kwargs(
     store_factory: str | None = None,
     reachability_check: str | None = None,
     num_cores: int | None = None,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    host_ip: str = "127.0.0.1",
+    cores: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Keyword arguments for `vllm.LLM` and the environment to set before importing vLLM.
 
     Pure. `capture_ids` are capture ids (already shifted, final layer appended). Protected keys
     (`PROTECTED_ENGINE_KEYS`) are derived here and may not come from `cfg.extra_args`.
+
+    A multi-node engine (`cfg.nnodes > 1`) needs this node's `node_rank` and the engine's
+    rendezvous (`master_addr`: the leader's host, `master_port`); the kwargs then carry vLLM's
+    per-node keys (`follower.NODE_KEYS`), and everything else is identical on every node, so a
+    follower strips those keys and hands the rest to `HeadlessFollower`. `host_ip` is this node's
+    address (vLLM and gloo bind it); `cores` the cores this node's workers split (default: the
+    process's affinity for worker processes).
     """
     cfg.validate()
     ids = [int(i) for i in capture_ids]
@@ -95,10 +107,16 @@ def build_llm_kwargs(
     clash = sorted(PROTECTED_ENGINE_KEYS & set(cfg.extra_args))
     if clash:
         raise ConfigError(f"engine.extra_args may not set {clash}: hpctoolkit derives them")
-    if cfg.nnodes != 1:
-        raise ConfigError(
-            f"engine.nnodes={cfg.nnodes}: multi-node engines are not wired into CaptureEngine yet"
-        )
+    if cfg.nnodes > 1:
+        if not master_addr or not master_port:
+            raise ConfigError(
+                f"engine.nnodes={cfg.nnodes}: a multi-node engine needs the leader's rendezvous "
+                f"(master_addr={master_addr!r}, master_port={master_port!r}; the plan's engine rendezvous)"
+            )
+        if not 0 <= node_rank < cfg.nnodes:
+            raise ConfigError(f"node_rank={node_rank} is not a node of a {cfg.nnodes}-node engine")
+    elif node_rank != 0:
+        raise ConfigError(f"node_rank={node_rank} given for a one-node engine (engine.nnodes=1)")
     world = cfg.world_size
     tp, pp = cfg.tp_size, cfg.pp_size
     if tp * pp != world:
@@ -150,14 +168,43 @@ def build_llm_kwargs(
         },
     }
     kwargs.update(cfg.extra_args)
+    if cfg.nnodes > 1:
+        kwargs.update(
+            nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=int(master_port)
+        )
     env = envs.engine_env(
         backend,
         in_process=in_process,
         world_size=world,
         cpu_kvcache_space_gb=cfg.cpu_kvcache_space_gb,
+        host_ip=host_ip,
         num_cores=num_cores,
+        local_world_size=cfg.gpus_per_node,
+        cores=cores,
     )
     return kwargs, env
+
+
+def fault_dir_for(output_dir: str | os.PathLike, engine_index: int) -> str:
+    """Engine `engine_index`'s fault directory on the run's shared output directory."""
+    return str(Path(output_dir) / "faults" / f"engine{engine_index}")
+
+
+def engine_llm_kwargs(
+    cfg: EngineConfig,
+    model_dir: str | os.PathLike,
+    store_address: str | None,
+    store_cfg: Any,
+    run_id: str,
+    **kw: Any,
+) -> tuple[list[int], dict[str, Any], dict[str, str]]:
+    """(capture ids, `LLM` kwargs, env) of one engine node: what `CaptureEngine` builds on the
+    leader and what a headless follower must start with (`kw` as for `build_llm_kwargs`)."""
+    num_layers = target_num_layers(model_dir)
+    capture_ids = capture_ids_for(cfg.target_layer_ids, num_layers)
+    check_layer_layout(capture_ids, num_layers)
+    kwargs, env = build_llm_kwargs(cfg, model_dir, capture_ids, store_address, store_cfg, run_id, **kw)
+    return capture_ids, kwargs, env
 
 
 class CaptureEngine:
@@ -170,6 +217,13 @@ class CaptureEngine:
     sharing a store. `capture` returns each sample's manifest (the sample metadata the trainer
     reads by). A store failure surfaces from `capture` as `StoreError` carrying the writer's
     message; after any failure the engine refuses further captures.
+
+    `node` holds the multi-node keywords of `build_llm_kwargs` (`node_rank`, `master_addr`,
+    `master_port`, `host_ip`, `cores`); a follower node builds its kwargs through the same
+    `build_llm_kwargs` call (`engine_llm_kwargs`). Workers record a store error in the fault
+    directory: with `output_dir` (the run's, shared by every node) `fault_dir_for(output_dir,
+    engine_index)`, emptied at start and kept afterwards, so a follower's error reaches the leader;
+    without, a private tempdir removed at shutdown.
     """
 
     def __init__(
@@ -183,8 +237,11 @@ class CaptureEngine:
         engine_index: int = 0,
         store_factory: str | None = None,
         reachability_check: str | None = None,
+        output_dir: str | os.PathLike | None = None,
+        **node: Any,
     ):
         self._llm: Any = None
+        self._own_fault_dir = output_dir is None
         self._fault_dir: str | None = None
         self._broken: BaseException | None = None
         # Command lines of processes vLLM's shutdown left and `shutdown` had to end itself.
@@ -208,12 +265,17 @@ class CaptureEngine:
         import psutil
 
         self._baseline_children = {p.pid for p in psutil.Process().children(recursive=True)}
-        self._fault_dir = tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
+        if output_dir is None:
+            self._fault_dir = tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
+        else:
+            # A record left by an earlier run in the same output directory is not this run's.
+            self._fault_dir = fault_dir_for(output_dir, engine_index)
+            shutil.rmtree(self._fault_dir, ignore_errors=True)
+            Path(self._fault_dir).mkdir(parents=True)
         self.backend = envs.detect_backend()
-        kwargs, env = build_llm_kwargs(
+        _, kwargs, env = engine_llm_kwargs(
             cfg,
             model_dir,
-            self.capture_ids,
             store_address,
             store_d,
             run_id,
@@ -222,6 +284,7 @@ class CaptureEngine:
             fault_dir=self._fault_dir,
             store_factory=store_factory,
             reachability_check=reachability_check,
+            **node,
         )
         self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.pp_size = cfg.pp_size
@@ -404,7 +467,7 @@ class CaptureEngine:
             del llm
             gc.collect()
         self._reap_children(timeout_s)
-        if self._fault_dir is not None:
+        if self._fault_dir is not None and self._own_fault_dir:
             shutil.rmtree(self._fault_dir, ignore_errors=True)
             self._fault_dir = None
 
