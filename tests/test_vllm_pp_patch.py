@@ -117,3 +117,31 @@ def test_engine_config_with_extract_hidden_states_and_pp_is_accepted(pp, monkeyp
     # The patch targets the V1 runner; the engine pins it, and this is what the pin selects.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert config.use_v2_model_runner is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extract", "max_tokens", "kept"), [(True, 1, False), (True, 5, True), (False, 1, True)]
+)
+def test_prefill_only_extract_request_gets_no_draft(extract, max_tokens, kept):
+    """A max_tokens=1 capture request must not be scheduled for a verify step after its prefill."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+
+    req = SimpleNamespace(
+        num_output_tokens=0,  # the pending step's token is not processed yet (PP batch queue)
+        max_tokens=max_tokens,
+        is_prefill_chunk=False,
+        spec_token_ids=[],
+        is_finished=lambda: False,
+    )
+    validated = []
+    fake = SimpleNamespace(
+        extract_hidden_states=extract,
+        requests={"r": req},
+        structured_output_manager=SimpleNamespace(
+            validate_tokens=lambda r, t: validated.append(t) or list(t)
+        ),
+    )
+    Scheduler.update_draft_token_ids(fake, DraftTokenIds(req_ids=["r"], draft_token_ids=[[42]]))  # type: ignore[arg-type]
+    assert req.spec_token_ids == ([42] if kept else [])
