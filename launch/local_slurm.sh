@@ -12,7 +12,8 @@
 #
 # Knobs: HPCTOOLKIT_SLURM_STATE (state folder), HPCTOOLKIT_SLURM_CPUS [16] CPUs declared per node
 # (may exceed the real cores), HPCTOOLKIT_SLURM_GPUS [8] fake GPUs per node, HPCTOOLKIT_SLURM_RESET=1
-# wipes controller state and accounting (job ids restart at 1).
+# wipes controller state and accounting (job ids restart at 1), HPCTOOLKIT_SLURM_PIN [1] pins node i
+# (its slurmd and so its job steps) to host core (i-1) mod the usable cores; 0 leaves every node all cores.
 # munged and mariadb are system services shared with the host: started when down, never stopped.
 # Needs root (slurmd runs jobs as their users) and the packages of launch/system_deps.sh.
 set -euo pipefail
@@ -23,6 +24,7 @@ STATE=${HPCTOOLKIT_SLURM_STATE:-/tmp/hpctoolkit-slurm}
 CPUS=${HPCTOOLKIT_SLURM_CPUS:-16}
 GPUS=${HPCTOOLKIT_SLURM_GPUS:-8}
 RESET=${HPCTOOLKIT_SLURM_RESET:-0}
+PIN=${HPCTOOLKIT_SLURM_PIN:-1}
 MEM=16000
 CLUSTER=hpctoolkit
 CTLD_PORT=6817
@@ -202,7 +204,18 @@ say "slurmdbd up"
 slurmctld
 wait_for 20 ctld_up || die "slurmctld did not answer (see $STATE/log/slurmctld.log)"
 say "slurmctld up"
-for ((i = 1; i <= NNODES; i++)); do slurmd -N "node$i"; done
+# Each emulated node owns a slice of this host's cores, as a real node owns its own: node i's
+# slurmd is pinned to host core (i-1) mod the cores this script may use, and its job steps inherit
+# the mask (TaskPlugin=task/none leaves affinity alone), so two engine nodes never bind the same core.
+mapfile -t CORES < <(taskset -pc $$ | sed 's/.*: //' | tr ',' '\n' |
+  awk -F- '{ if (NF == 2) { for (c = $1; c <= $2; c++) print c } else print $1 }')
+for ((i = 1; i <= NNODES; i++)); do
+  if [[ $PIN == 1 ]]; then
+    taskset -c "${CORES[$(((i - 1) % ${#CORES[@]}))]}" slurmd -N "node$i"
+  else
+    slurmd -N "node$i"
+  fi
+done
 
 idle=0
 states=""
