@@ -155,6 +155,13 @@ class LiveSource:
     rank wraps `HiddenStateDataset(manifests, store, rank=rank, world_size=world_size,
     skip=skip)`, so it fetches (and removes) only its own share. The store hands each sample out
     once: epochs after the first are empty, and training ends cleanly when the first one does.
+
+    `follow`, when set, replaces following `manifests_path`: a picklable callable returning the
+    manifests in one order every rank agrees on (a Slurm run passes `ManifestQueues`, all engines'
+    queues). `spool_dir`, when set, keeps this rank's samples as offline shards under
+    `spool_dir/rank<r>` while the first pass reads them, and later epochs replay them from there
+    (as the local pipeline trains from its shards); `spool_dir/read-rank<r>.json` tracks
+    `{"samples", "bytes", "complete"}` of the first pass, for the run's accounting.
     """
 
     manifests_path: str
@@ -162,16 +169,28 @@ class LiveSource:
     store_factory: Callable[[], Any]
     retry_max_wait_s: float = 60.0
     follow_timeout_s: float = 1800.0
+    follow: Callable[[], Iterable[Any]] | None = None
+    spool_dir: str | None = None
 
     def __call__(self, rank: int, world_size: int, epoch: int, skip: int) -> Iterator[Any]:
         if epoch > 0:
+            if self.spool_dir is not None:
+                yield from self._replay(rank, skip)
             return
         from hpctoolkit.data.dataset import HiddenStateDataset
 
+        if self.spool_dir is not None and skip:
+            raise ConfigError(
+                f"a live source cannot resume rank {rank} after {skip} samples of its first pass: "
+                "the store handed them out already"
+            )
         store = self.store_factory()
         try:
-            manifests = follow_jsonl(Path(self.manifests_path), self.expected, self.follow_timeout_s)
-            yield from HiddenStateDataset(
+            if self.follow is not None:
+                manifests = self.follow()
+            else:
+                manifests = follow_jsonl(Path(self.manifests_path), self.expected, self.follow_timeout_s)
+            samples = HiddenStateDataset(
                 manifests,
                 store,
                 retry_max_wait_s=self.retry_max_wait_s,
@@ -179,7 +198,72 @@ class LiveSource:
                 world_size=world_size,
                 skip=skip,
             )
+            if self.spool_dir is None:
+                yield from samples
+            else:
+                yield from self._spool(samples, rank)
         finally:
             close = getattr(store, "close", None)
             if close is not None:
                 close()
+
+    def read_record(self, rank: int) -> Path:
+        return Path(self.spool_dir or ".") / f"read-rank{rank}.json"
+
+    def _spool(self, samples: Iterable[Any], rank: int) -> Iterator[Any]:
+        import json
+        import shutil
+
+        from hpctoolkit.data.offline import ShardWriter
+
+        shard_dir = Path(self.spool_dir) / f"rank{rank}"
+        shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
+        shard_dir.parent.mkdir(parents=True, exist_ok=True)
+        record = self.read_record(rank)
+        n = nbytes = 0
+
+        def note(complete: bool) -> None:
+            tmp = record.with_name(f".{record.name}.tmp")
+            tmp.write_text(json.dumps({"samples": n, "bytes": nbytes, "complete": complete}))
+            tmp.replace(record)
+
+        note(False)
+        # Flushed per sample: a shard is the replay's copy, and the run may stop at any step.
+        with ShardWriter(shard_dir, max_shard_bytes=1) as writer:
+            for sample in samples:
+                writer.add(sample)
+                writer.flush()
+                n += 1
+                nbytes += sample.manifest.nbytes
+                note(False)
+                yield sample
+        note(True)
+
+    def _replay(self, rank: int, skip: int) -> Iterator[Any]:
+        import json
+
+        from hpctoolkit.data.offline import ShardReader
+
+        record = self.read_record(rank)
+        if not record.exists() or not json.loads(record.read_text()).get("complete"):
+            return  # the first pass did not finish: nothing complete to replay
+        reader = ShardReader(Path(self.spool_dir) / f"rank{rank}")
+        for i in range(skip, len(reader)):
+            yield reader[i]
+
+
+@dataclass
+class ManifestQueues:
+    """Picklable `LiveSource.follow` over every engine's manifest queue (`capture.queue`)."""
+
+    output_dir: str
+    run_prefixes: tuple[str, ...]
+    expected: tuple[int, ...] | None = None
+    stall_timeout_s: float = 1800.0
+
+    def __call__(self) -> Iterator[str]:
+        from hpctoolkit.capture.queue import follow_queues
+
+        return follow_queues(
+            self.output_dir, self.run_prefixes, expected=self.expected, stall_timeout_s=self.stall_timeout_s
+        )
