@@ -206,11 +206,16 @@ def test_nodes_message_says_what_to_set():
         make_plan(slurm_cfg(nodes=8))
 
 
-def test_slurm_trainers_need_cuda():
+def test_slurm_cpu_trainers_take_no_gpus():
     cfg = slurm_cfg()
     cfg.training.device = "cpu"
-    with pytest.raises(ConfigError, match=r"training\.device"):
-        make_plan(cfg)
+    plan = make_plan(cfg)
+    assert plan.trainer_gpus == 0
+    assert all(r.gpu is None for r in plan.trainer.ranks)
+    assert all(p.gpus == () for p in plan.processes() if p.role == "trainer")
+    # Not bounded by the node's GPUs: gloo ranks, as many per node as the recipe asks.
+    cfg.training.world_size = 3 * cfg.cluster.gpus_per_node * cfg.cluster.trainer_nodes
+    assert make_plan(cfg).trainer.ranks_per_node == 3 * cfg.cluster.gpus_per_node
 
 
 def test_external_master_runs_no_master_process():

@@ -345,17 +345,16 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             f"engine.gpus_per_node={e.gpus_per_node} exceeds cluster.gpus_per_node={gpn}: "
             "an engine node runs on one Slurm node"
         )
-    if t.device != "cuda":
-        raise ConfigError(
-            f"training.device={t.device!r} on the slurm backend; trainers own GPUs there (set cuda)"
-        )
+    # training.device=cpu: gloo ranks that take no GPU (a CPU-only site, or the emulated cluster
+    # of launch/local_slurm.sh); they still run per_node to a trainer node.
+    on_gpu = t.device == "cuda"
     if t.world_size % c.trainer_nodes:
         raise ConfigError(
             f"training.world_size={t.world_size} must be a multiple of cluster.trainer_nodes={c.trainer_nodes} "
             "(every trainer node runs the same number of FSDP ranks)"
         )
     per_node = t.world_size // c.trainer_nodes
-    if per_node > gpn:
+    if on_gpu and per_node > gpn:
         raise ConfigError(
             f"training.world_size={t.world_size} needs {per_node} GPUs on each of cluster.trainer_nodes="
             f"{c.trainer_nodes} node(s), but cluster.gpus_per_node={gpn}; raise cluster.trainer_nodes"
@@ -370,7 +369,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
 
     trainer_nodes = tuple(range(c.trainer_nodes))
     ranks = tuple(
-        TrainerRank(rank=r, node=r // per_node, local_rank=r % per_node, gpu=r % per_node)
+        TrainerRank(rank=r, node=r // per_node, local_rank=r % per_node, gpu=r % per_node if on_gpu else None)
         for r in range(t.world_size)
     )
     trainer = TrainerPlacement(

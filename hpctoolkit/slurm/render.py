@@ -229,7 +229,8 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         ),
         nodes=t.nodes,
         ntasks=t.world_size,
-        gpus_per_node=t.ranks_per_node,
+        # CPU (gloo) trainers take no GPU.
+        gpus_per_node=t.ranks_per_node if t.device == "cuda" else 0,
         role=ROLE_TRAINER,
         name="trainer",
         var="trainer_pid",
