@@ -142,15 +142,57 @@ def test_run_task_picks_by_local_id(monkeypatch, capsys):
     assert node.run_task(plan, RECIPE, [], True) is None  # spare task on an engine node
 
 
-def test_real_roles_say_what_is_missing(monkeypatch):
+def test_run_id_and_engine_shares(monkeypatch):
     on_node(monkeypatch, "node5")
-    ctx = node.load_context(RECIPE, [])
-    with pytest.raises(NotImplementedError, match=r"build_llm_kwargs refuses engine\.nnodes>1"):
-        node.run_process(ctx, node.select_process(ctx, "engine-leader"), dry=False)
-    on_node(monkeypatch, "node4")
-    ctx = node.load_context(RECIPE, [])
-    with pytest.raises(NotImplementedError, match="live"):
-        node.run_process(ctx, node.select_process(ctx, "trainer"), dry=False)
+    assert node.run_id(node.load_context(RECIPE, [])) == "emulated-3node-j42"
+    assert [node.engine_share(12, 3, e) for e in range(3)] == [4, 4, 4]
+    assert [node.engine_share(10, 3, e) for e in range(3)] == [4, 3, 3]
+    assert sum(node.engine_share(7, 2, e) for e in range(2)) == 7
+
+
+def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
+    """Both engine roles call `engine_llm_kwargs` with `engine_node_args`: only the node keys differ."""
+    import json
+
+    from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
+    from hpctoolkit.engine.follower import NODE_KEYS, check_node_invariant
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    addresses = {"node4": "10.0.0.4", "node5": "10.0.0.5", "node6": "10.0.0.6"}
+    monkeypatch.setattr(node.socket, "gethostbyname", lambda h: addresses[h])
+    monkeypatch.setattr(node.envs, "available_cores", lambda: [2, 3])
+    built = {}
+    for name, role in (("node5", "engine-leader"), ("node6", "engine-follower")):
+        on_node(monkeypatch, name)
+        ctx = node.load_context(RECIPE, [])
+        args = node.engine_node_args(ctx, node.select_process(ctx, role))
+        _, kwargs, env = engine_llm_kwargs(
+            ctx.cfg.engine,
+            tmp_path,
+            node.store_address(ctx),
+            ctx.cfg.store,
+            node.run_id(ctx),
+            backend="cpu",
+            fault_dir=fault_dir_for(ctx.cfg.paths.output_dir, 0),
+            **args,
+        )
+        built[role] = (args, kwargs, env)
+    (la, lk, le), (fa, fk, fe) = built["engine-leader"], built["engine-follower"]
+    assert (la["node_rank"], fa["node_rank"]) == (0, 1)
+    assert la["master_addr"] == fa["master_addr"] == "10.0.0.5"  # the leader's node
+    assert la["master_port"] == fa["master_port"] == 29600
+    assert (le["VLLM_HOST_IP"], fe["VLLM_HOST_IP"]) == ("10.0.0.5", "10.0.0.6")
+    assert le["VLLM_CPU_OMP_THREADS_BIND"] == fe["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"  # 2 workers a node
+
+    def shared(kw):
+        return {k: v for k, v in kw.items() if k not in NODE_KEYS}
+
+    assert shared(lk) == shared(fk)
+    check_node_invariant(shared(fk))
+    assert lk["kv_transfer_config"]["engine_id"] == "emulated-3node-j42-e0"
+    extra = fk["kv_transfer_config"]["kv_connector_extra_config"]["hpctoolkit"]
+    assert extra["fault_dir"] == str(Path(ctx.cfg.paths.output_dir) / "faults" / "engine0")
+    assert extra["store_address"] == "10.0.0.4:50051"
 
 
 def test_dry_roles_parsing():
