@@ -76,6 +76,12 @@ def _follow(path: Path, child: Child, expected: int, timeout_s: float):
         time.sleep(0.05)
 
 
+def _regenerate_phase(target_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from hpctoolkit.pipeline.regenerate import regenerate
+
+    return regenerate(target_dir, prompts, max_new_tokens)
+
+
 def _train_phase(cfg: RecipeConfig, shards: str, run_dir: str) -> dict:
     from hpctoolkit.train.run import train
 
@@ -118,6 +124,15 @@ def run_local(cfg: RecipeConfig, out: Path) -> dict[str, Any]:
         shutil.rmtree(stale, ignore_errors=True)
     capture_dir = out / "capture"
     capture_dir.mkdir(parents=True)
+
+    if cfg.data.regenerate_tokens:
+        say(
+            f"regenerating: the target continues each prompt by up to {cfg.data.regenerate_tokens} tokens ..."
+        )
+        prompts = Child(
+            "regenerate", _regenerate_phase, (str(target_dir), prompts, cfg.data.regenerate_tokens), out
+        ).result()
+        say(f"  {sum(map(len, prompts))} tokens in {len(prompts)} prompt + response sequences")
 
     with resolve_master(cfg.store, out / "logs") as master:
         say(f"Mooncake master {'launched' if master.launched else 'reached'} at {master.address}")
