@@ -49,9 +49,13 @@ def prompts() -> list[list[int]]:
     return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def round_robin_bind(world_size: int, num_cores: int) -> str:
-    """`VLLM_CPU_OMP_THREADS_BIND` with one core per worker, reusing cores when there are fewer."""
-    return "|".join(str(r % num_cores) for r in range(world_size))
+def round_robin_bind(world_size: int, cores: int | list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` with one core per worker, reusing cores when there are fewer.
+
+    Same signature as `hpctoolkit.envs.cpu_bind_spec` (`cores`: a count or the core ids).
+    """
+    ids = list(range(cores)) if isinstance(cores, int) else sorted(int(c) for c in cores)
+    return "|".join(str(ids[r % len(ids)]) for r in range(world_size))
 
 
 # ------------------------------------------------------------------------------------ one arm
