@@ -336,9 +336,11 @@ def _run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             # The fragments live in this engine's store segments: keep them until read.
             wait_drained(out, rid, DRAIN_TIMEOUT_S, stop)
             say(f"engine {e.index}: the trainers drained every sample; shutting down")
+            t1 = time.monotonic()
     except BaseException as err:
         queue.failed(f"{type(err).__name__}: {err}")
         raise
+    say(f"engine {e.index} shut down in {time.monotonic() - t1:.1f}s")
     return 0
 
 

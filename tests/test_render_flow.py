@@ -1,6 +1,7 @@
 """The rendered batch script's control flow, run by bash with fake `srun`/`scontrol` and a fake
 interpreter (no Slurm): every role starts once, SIGUSR2 on the batch shell reaches the trainers, the
-script exits with the trainers' status and ends the services, and a failed check starts nothing."""
+script exits with the trainers' status and ends the services (after a clean run the engines leave
+by themselves and the master is ended last), and a failed check starts nothing."""
 
 from __future__ import annotations
 
@@ -41,11 +42,18 @@ case $role in
   trainer)
     trap 'echo usr2 >> "$FLOW_DIR/trainer-usr2"; exit "${FLOW_TRAINER_RC:-0}"' USR2
     touch "$FLOW_DIR/trainer-up"
+    if [[ ${FLOW_TRAINER_FINISHES:-0} == 1 ]]; then sleep 0.5; touch "$FLOW_DIR/drained"; exit 0; fi
     for _ in $(seq 1 300); do sleep 0.1; done
     exit 99 ;;
   *)
     trap 'echo "$role" >> "$FLOW_DIR/terminated"; exit 0' TERM
-    for _ in $(seq 1 300); do sleep 0.1; done
+    for _ in $(seq 1 300); do
+      # Engines leave by themselves once drained, a little after the trainers (as the real ones).
+      if [[ $role == engine-* && -e $FLOW_DIR/drained ]]; then
+        sleep 1; echo "$role" >> "$FLOW_DIR/left"; exit 0
+      fi
+      sleep 0.1
+    done
     exit 98 ;;
 esac
 """
@@ -111,6 +119,17 @@ def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc):
     ]
     assert all(f" {RECIPE} paths.output_dir={tmp}" in line for line in steps)
     assert sorted((tmp / "terminated").read_text().split()) == ["engine-follower", "engine-leader", "master"]
+
+
+def test_after_a_clean_run_engines_leave_by_themselves_and_the_master_goes_last(flow):
+    tmp, script, env = flow
+    env["FLOW_TRAINER_FINISHES"] = "1"
+    out = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted((tmp / "left").read_text().split()) == ["engine-follower", "engine-leader"]
+    assert (tmp / "terminated").read_text().split() == ["master"]
 
 
 def test_failed_check_starts_no_step(flow):

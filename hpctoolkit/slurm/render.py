@@ -29,6 +29,9 @@ from hpctoolkit.plan.placement import (
 # Stands in for a `???` value while rendering; the value must come as an sbatch argument.
 DEFERRED = "<given-at-submission>"
 NODE_MODULE = "hpctoolkit.node"
+# After the trainers exit 0, how long the batch shell waits for the engine steps to end by
+# themselves (a headless follower notices its leader left within seconds, then stops its workers).
+ENGINE_EXIT_GRACE_S = 120
 
 
 def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, list[str]]:
@@ -187,7 +190,7 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         f'"${{RUN[@]}}" -m {NODE_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
         "",
     ]
-    service_vars: list[str] = []
+    engine_vars: list[str] = []
     if plan.master is not None:
         m = plan.master
         body += _step(
@@ -200,7 +203,6 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
             var="master_pid",
             extra=["--overlap"],
         )
-        service_vars.append("master_pid")
         body.append("")
     for e in plan.engines:
         for n in e.nodes:
@@ -218,7 +220,7 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
                 name=f"engine{e.index}-{n.node_rank}",
                 var=var,
             )
-            service_vars.append(var)
+            engine_vars.append(var)
             body.append("")
     t = plan.trainer
     body += _step(
@@ -240,9 +242,11 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         "",
         "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
         "usr2=0",
+        "late=0",
         "# shellcheck disable=SC2317  # invoked by the trap below",
         "on_usr2() {",
         "  usr2=1",
+        "  late=1",
         '  echo "SIGUSR2: asking the trainers to checkpoint" >&2',
         '  kill -USR2 "$trainer_pid" 2>/dev/null || true',
         "}",
@@ -255,10 +259,28 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         '  wait "$trainer_pid" && rc=0 || rc=$?',
         "  ((usr2)) || break",
         "done",
+        "# The engines leave by themselves once the trainers drained them: after a clean run that is",
+        f"# not up against the time limit, wait for that (at most {ENGINE_EXIT_GRACE_S} s) before ending them.",
+        "# The master goes last: the engines unmount their store segments from it on the way out.",
         "# srun turns SIGTERM into a step cancel: tasks get SIGTERM, then SIGKILL after KillWait.",
-        "services=(" + " ".join(f'"${v}"' for v in service_vars) + ")",
-        'for pid in "${services[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
-        'wait "${services[@]}" 2>/dev/null || true',
+        "engines=(" + " ".join(f'"${v}"' for v in engine_vars) + ")",
+        "if ((rc == 0 && !late)); then",
+        f"  for _ in $(seq 1 {ENGINE_EXIT_GRACE_S}); do",
+        "    alive=0",
+        '    for pid in "${engines[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
+        "    ((alive)) || break",
+        "    sleep 1",
+        "  done",
+        "fi",
+        'for pid in "${engines[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
+        'wait "${engines[@]}" 2>/dev/null || true',
+    ]
+    if plan.master is not None:
+        body += [
+            'kill -TERM "$master_pid" 2>/dev/null || true',
+            'wait "$master_pid" 2>/dev/null || true',
+        ]
+    body += [
         'echo "trainers exited with status $rc"',
         'exit "$rc"',
     ]
