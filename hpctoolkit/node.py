@@ -64,7 +64,8 @@ from hpctoolkit.plan.placement import (
 from hpctoolkit.slurm.env import SlurmEnvironment
 
 ROLE_CHECK = "check"
-# A dry role waits at most this long for a real master (which imports torch and spawns the binary).
+# A role waits at most this long for the master, started by a step of its own at the same time
+# (it imports torch and spawns the binary).
 DRY_REACH_TIMEOUT_S = 90.0
 # Bounds of the real roles' waits (each failure names what it waited for).
 MASTER_RECORD_TIMEOUT_S = 120.0  # trainers: the master's address record of this run
@@ -302,6 +303,9 @@ def _run_engine_leader(ctx: NodeContext, proc: Process) -> int:
     queue.reset()
     stop = _term_event()
     try:
+        # The master's step starts with this one: wait for it rather than fail the engine's own
+        # reachability check (which bounds a master that went away, not one still starting).
+        wait_reachable(store_address(ctx), DRY_REACH_TIMEOUT_S)
         target_dir = resolve_target(cfg.paths.target_model)
         tok = AutoTokenizer.from_pretrained(target_dir)
         prompts = load_prompt_ids(cfg.data.prompts, tok, cfg.data.num_samples, cfg.data.max_prompt_tokens)
@@ -351,6 +355,7 @@ def _run_engine_follower(ctx: NodeContext, proc: Process) -> int:
 
     cfg = ctx.cfg
     e = ctx.plan.engines[proc.engine]
+    wait_reachable(store_address(ctx), DRY_REACH_TIMEOUT_S)  # its workers connect at start
     target_dir = resolve_target(cfg.paths.target_model)
     # The leader's CaptureEngine makes this same call; only the node keys differ.
     _, kwargs, env = engine_llm_kwargs(
@@ -473,6 +478,7 @@ def _train_live(ctx: NodeContext, proc: Process, train: Any) -> int:
         spool_dir=str(out / "spool"),
     )
     rank0 = proc.node_rank == 0
+    wait_reachable(store_address(ctx), DRY_REACH_TIMEOUT_S)
     metrics = _master_metrics_address(ctx, rid) if rank0 else None
     drained: dict[str, Any] = {}
     stop = threading.Event()
