@@ -464,6 +464,22 @@ def _train_live(ctx: NodeContext, proc: Process, train: Any) -> int:
     t0 = time.monotonic()
     cfg = ctx.cfg
     out = Path(cfg.paths.output_dir)
+    stale = sorted((out / "train" / "checkpoints").glob("step-*"))
+    if stale:
+        # Resuming would skip this job's samples (the store hands each out once, to this job).
+        raise ConfigError(
+            f"{out / 'train' / 'checkpoints'} holds checkpoints of an earlier run ({stale[-1].name}); "
+            "a live run starts from the store, not from a checkpoint: give it a fresh paths.output_dir"
+        )
+    if proc.node_rank == 0:
+        if cfg.data.offline_dir:
+            say(
+                f"WARNING: data.offline_dir has no effect on a live Slurm run; each rank spools to {out / 'spool'}"
+            )
+        if cfg.evaluate.enabled:
+            say(
+                "WARNING: evaluate.enabled has no effect on the slurm backend; evaluate the export separately"
+            )
     rid = run_id(ctx)
     n = cfg.engine.num_engines
     prefixes = tuple(run_prefix(rid, i) for i in range(n))

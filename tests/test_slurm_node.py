@@ -226,3 +226,15 @@ def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys):
         monkeypatch.setattr(node.socket, "gethostbyname", lambda h: "127.0.0.1")
         line = node.run_process(ctx, node.select_process(ctx, "engine-leader"))
     assert f" store=127.0.0.1:{port} reached_after_s=" in line
+
+
+def test_live_trainer_refuses_an_earlier_runs_checkpoints(monkeypatch, tmp_path):
+    on_node(monkeypatch, "node4", procid=0, localid=0)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # the role sets them; restored after the test
+    (tmp_path / "train" / "checkpoints" / "step-00000005").mkdir(parents=True)
+    ctx = node.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
+    with pytest.raises(
+        ConfigError, match=r"checkpoints of an earlier run \(step-00000005\).*fresh paths.output_dir"
+    ):
+        node.run_process(ctx, node.select_process(ctx, "trainer"), dry=False)
