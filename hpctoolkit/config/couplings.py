@@ -111,7 +111,8 @@ def check_couplings(cfg: RecipeConfig) -> None:
             raise ConfigError(
                 f"engine.gpus_per_node={e.gpus_per_node} exceeds cluster.gpus_per_node={c.gpus_per_node}"
             )
-        if cfg.training.world_size > c.trainer_nodes * c.gpus_per_node:
+        # CPU (gloo) trainers take no GPU; CUDA ranks one each.
+        if cfg.training.device == "cuda" and cfg.training.world_size > c.trainer_nodes * c.gpus_per_node:
             raise ConfigError(
                 f"training.world_size={cfg.training.world_size} exceeds the trainer GPUs "
                 f"(cluster.trainer_nodes x cluster.gpus_per_node = {c.trainer_nodes * c.gpus_per_node})"
