@@ -7,6 +7,8 @@ reads them back, trains the tiny DFlash draft for 10 steps and exports it. The s
 (slurm_e2e_pp2.yaml) splits the engine PP=2 over two nodes: a leader and a headless follower.
 Each emulated node is pinned to its own host core (local_slurm.sh), and each engine node binds
 its one worker to that core. Needs root and Debian's Slurm packages (launch/system_deps.sh).
+The emulated cluster's daemons listen on fixed ports: a second cluster started on this host while
+the test runs (e.g. test_slurm_real from another session) takes them over and the job is lost.
 """
 
 from __future__ import annotations
@@ -96,18 +98,23 @@ def _node_core(node_index: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "pp"),
-    [("tests/recipes/slurm_e2e.yaml", 1), ("tests/recipes/slurm_e2e_pp2.yaml", 2)],
-    ids=["pp1-one-node", "pp2-leader-and-follower"],
+    ("recipe", "pp", "extra"),
+    [
+        ("tests/recipes/slurm_e2e.yaml", 1, []),
+        # Two gloo ranks on the trainer node: each fetches (and spools) its own half.
+        ("tests/recipes/slurm_e2e.yaml", 1, ["training.world_size=2", "training.batch_size=1"]),
+        ("tests/recipes/slurm_e2e_pp2.yaml", 2, []),
+    ],
+    ids=["pp1-one-node", "pp1-two-trainer-ranks", "pp2-leader-and-follower"],
 )
-def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp):
+def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp, extra):
     from hpctoolkit.testing.tiny_target import resolve_target
 
     resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
     out = tmp_path / "run"
     out.mkdir()  # sbatch writes the job's log there (submit_job creates it the same way)
     # A free master port: the fixed default may be taken by another master on this host.
-    overrides = [f"paths.output_dir={out}", f"store.master_port={_free_port()}"]
+    overrides = [f"paths.output_dir={out}", f"store.master_port={_free_port()}", *extra]
     cfg = load_recipe(ROOT / recipe, overrides)
     plan = make_plan(cfg)
     text = render_sbatch(cfg, plan, recipe_path=recipe, overrides=overrides)
@@ -119,7 +126,7 @@ def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp):
     wall = time.monotonic() - t0
     log = (out / f"slurm-{job}.out").read_text(errors="replace")
     ours = "\n".join(x for x in log.splitlines() if x.startswith(("[hpctoolkit", "trainers exited", "plan ")))
-    print(f"\n[measure] {recipe}: job {job} {state} {wall:.1f}s after submission\n{ours}")
+    print(f"\n[measure] {recipe} {extra}: job {job} {state} {wall:.1f}s after submission\n{ours}")
     assert state == "COMPLETED", log[-6000:]
     assert "trainers exited with status 0" in log
 
@@ -127,6 +134,9 @@ def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp):
     assert summary["samples_published"] == cfg.data.num_samples == 12
     assert summary["samples_read"] == summary["samples_published"]
     assert summary["bytes_moved"] > 0
+    world = cfg.training.world_size
+    reads = [json.loads((out / "spool" / f"read-rank{r}.json").read_text()) for r in range(world)]
+    assert [r["samples"] for r in reads] == [12 // world] * world and all(r["complete"] for r in reads)
     assert summary["keys_left_in_store"] == 0
     assert summary["steps_trained"] == cfg.training.steps == 10
     assert summary["final_loss"] is not None and summary["final_loss"] > 0
