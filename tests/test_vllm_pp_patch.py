@@ -145,3 +145,26 @@ def test_prefill_only_extract_request_gets_no_draft(extract, max_tokens, kept):
     )
     Scheduler.update_draft_token_ids(fake, DraftTokenIds(req_ids=["r"], draft_token_ids=[[42]]))  # type: ignore[arg-type]
     assert req.spec_token_ids == ([42] if kept else [])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extract", "max_tokens", "taken"), [(True, 1, False), (True, 5, True), (False, 1, True)]
+)
+def test_prefill_only_extract_batch_skips_the_blocking_draft_rpc(extract, max_tokens, taken):
+    """Taking drafts waits for the last PP rank; for prefill-only capture it would serialize the pipe."""
+    from vllm.v1.engine.core import EngineCore
+
+    calls = []
+    fake = SimpleNamespace(
+        check_for_draft_tokens=True,
+        async_scheduling=False,
+        scheduler=SimpleNamespace(
+            extract_hidden_states=extract,
+            running=[SimpleNamespace(max_tokens=max_tokens)],
+            update_draft_token_ids=lambda d: None,
+        ),
+        model_executor=SimpleNamespace(take_draft_token_ids=lambda: calls.append(1)),
+    )
+    EngineCore.post_step(fake, model_executed=True)  # type: ignore[arg-type]
+    assert bool(calls) is taken
