@@ -68,7 +68,9 @@ def main(argv: list[str]) -> int:
         from hpctoolkit.slurm.render import load_for_render, render_sbatch
 
         cfg, _ = load_for_render(args.recipe, args.overrides)
-        sys.stdout.write(render_sbatch(cfg, make_plan(cfg), recipe_path=args.recipe, overrides=args.overrides))
+        sys.stdout.write(
+            render_sbatch(cfg, make_plan(cfg), recipe_path=args.recipe, overrides=args.overrides)
+        )
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
     plan = _plan(cfg)
