@@ -97,3 +97,17 @@ def test_capture_ids_shift_and_append():
     assert capture_ids_for([0, 2, 4], 6) == [1, 3, 5, 6]
     with pytest.raises(ConfigError, match=r"must lie in \[0, 4\]"):
         capture_ids_for([0, 5], 6)
+
+
+def test_stage_without_capture_is_named():
+    from hpctoolkit.capture import check_every_stage_captures, stages_without_capture
+
+    # 12 layers over 3 stages: [0,4) [4,8) [8,12); ids 1, 2 and the final 12 leave stage 1 idle.
+    assert stages_without_capture([1, 2, 12], 12, 3) == [1]
+    with pytest.raises(ConfigError, match=r"stage\(s\) \[1\].*stage 1 owns layers \[4, 8\)"):
+        check_every_stage_captures([1, 2, 12], 12, 3)
+    check_every_stage_captures([1, 5, 12], 12, 3)
+    for num_layers in range(2, 40):
+        for pp in range(1, min(8, num_layers) + 1):
+            ids = list(range(1, num_layers + 1))
+            assert stages_without_capture(ids, num_layers, pp) == []

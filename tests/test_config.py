@@ -202,3 +202,12 @@ def test_required_marker_over_a_schema_default(capsys, recipe):
     assert "data.prompts is required" in _fail(capsys, [p])
     cfg = load_recipe(p, ["data.prompts=builtin:tiny"])
     assert cfg.data.prompts == "builtin:tiny"
+
+
+def test_pp_stage_with_nothing_to_capture(capsys, recipe, draft_json):
+    d = draft_json(dflash_config={"mask_token_id": 4, "target_layer_ids": [0]})
+    line = _fail(
+        capsys,
+        [recipe(draft={"config": d}, engine={"target_layer_ids": [0], "gpus_per_node": 3, "pp_size": 3})],
+    )
+    assert "leave PP stage(s) [1]" in line

@@ -12,11 +12,13 @@ Conventions (vLLM's, kept everywhere in this package):
 
 from hpctoolkit.capture.layout import (
     capture_ids_for,
+    check_every_stage_captures,
     check_layer_layout,
     owned_layers,
     pp_partition,
     pp_range,
     stage_of,
+    stages_without_capture,
 )
 from hpctoolkit.capture.manifest import (
     MANIFEST_SCHEMA_VERSION,
@@ -34,6 +36,7 @@ __all__ = [
     "Manifest",
     "build_manifest",
     "capture_ids_for",
+    "check_every_stage_captures",
     "check_layer_layout",
     "fragment_key",
     "input_ids_key",
@@ -42,4 +45,5 @@ __all__ = [
     "pp_range",
     "sanitize_key",
     "stage_of",
+    "stages_without_capture",
 ]

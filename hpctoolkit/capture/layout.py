@@ -93,6 +93,31 @@ def owned_layers(
     return [k for k in layer_ids if start < k <= end or (k == 0 and pp_rank == 0)]
 
 
+def stages_without_capture(
+    layer_ids: Sequence[int], num_layers: int, pp_size: int, partition: object = _FROM_ENV
+) -> list[int]:
+    """Stages that own none of `layer_ids`.
+
+    Each stage's connector binds exactly one cache-only layer, sized to the ids it owns, so a
+    stage owning none has nothing to bind and the engine could not start; this names it first.
+    """
+    parts = pp_partition(num_layers, pp_size, partition)
+    return [r for r in range(pp_size) if not owned_layers(layer_ids, num_layers, r, pp_size, parts)]
+
+
+def check_every_stage_captures(
+    layer_ids: Sequence[int], num_layers: int, pp_size: int, partition: object = _FROM_ENV
+) -> None:
+    parts = pp_partition(num_layers, pp_size, partition)
+    idle = stages_without_capture(layer_ids, num_layers, pp_size, parts)
+    if idle:
+        ranges = ", ".join(f"stage {r} owns layers [{sum(parts[:r])}, {sum(parts[: r + 1])})" for r in idle)
+        raise ConfigError(
+            f"capture ids {list(layer_ids)} leave PP stage(s) {idle} with nothing to capture ({ranges}); "
+            f"choose target_layer_ids so that every stage owns one, or move the split with {PARTITION_ENV}"
+        )
+
+
 def check_layer_layout(layer_ids: Sequence[int], num_layers: int) -> None:
     """Reject a capture-id list that would make the exported layout depend on the pipeline size.
 

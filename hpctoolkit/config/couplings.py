@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctoolkit.capture.layout import capture_ids_for
+from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
 from hpctoolkit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ def check_couplings(cfg: RecipeConfig) -> None:
             f"{draft_ids} in {cfg.draft.config}; the engine must capture exactly the layers the draft reads"
         )
     try:
-        capture_ids_for(e.target_layer_ids, num_layers)
+        capture = capture_ids_for(e.target_layer_ids, num_layers)
+        if e.pp_size > 1:
+            check_every_stage_captures(capture, num_layers, e.pp_size)
     except ConfigError as err:
         raise ConfigError(f"engine.target_layer_ids: {err}") from err
 

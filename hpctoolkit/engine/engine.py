@@ -353,10 +353,14 @@ class CaptureEngine:
             return
         # Multiprocess: EngineCore keeps stepping on its own; wait for every stage's report.
         want = self._captured * self.pp_size
+        # The publish usually lands within a step or two of generate() returning: poll tightly
+        # first, then back off, so a capture does not pay a fixed sleep per sample.
+        pause = 0.002
         while self._published_total(deadline) < want:
             if time.monotonic() > deadline:
                 raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     # ---- PP barrier: a stage failing after the last rank sampled (hpctoolkit/patches owner) ----
     def _published_total(self, deadline: float) -> int:

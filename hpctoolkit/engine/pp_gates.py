@@ -74,7 +74,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctoolkit.capture import check_layer_layout, pp_partition
+from hpctoolkit.capture import check_every_stage_captures, check_layer_layout, pp_partition
 from hpctoolkit.capture.layout import PARTITION_ENV
 from hpctoolkit.errors import ConfigError
 
@@ -307,6 +307,8 @@ def run_gates(
 ) -> None:
     """The gates themselves, on a vLLM `ModelConfig` (what `preflight` and the follower share)."""
     check_layout_against_vllm(model_config, capture_ids)
+    if pp_size > 1:
+        check_every_stage_captures(capture_ids, model_config.get_total_num_hidden_layers(), pp_size)
     check_per_stage_capture(model_config.architectures, pp_size, model_config)
     if pp_size > 1 and k3_attnres_stream_active(model_config.hf_text_config, env):
         num_layers = model_config.get_total_num_hidden_layers()
