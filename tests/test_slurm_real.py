@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from slurm_fixtures import emulated_cluster, wait_done, why_not
 
 from hpctoolkit.config import load_recipe
 from hpctoolkit.plan.placement import ROLE_TRAINER, Plan, make_plan
@@ -22,57 +22,26 @@ from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch, submit_submitit
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "launch" / "local_slurm.sh"
 NODES = 8
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "the emulated cluster runs slurmd, which needs root"
-    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
-    need = ("slurmctld", "slurmd", "slurmdbd", "munged", "mysql", "sbatch", "sacct")
-    missing = [b for b in need if not shutil.which(b, path=path)]
-    if missing:
-        return f"Slurm packages missing ({missing}); run launch/system_deps.sh"
-    return None
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = _why_not()
+    why = why_not()
     if why:
         pytest.skip(why)
-    state = tmp_path_factory.mktemp("slurm-state")
-    env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
-    t0 = time.monotonic()
-    shell.run(["bash", str(SCRIPT), "start", str(NODES)], env=env, timeout_s=120)
-    print(f"cluster up in {time.monotonic() - t0:.1f}s")
-    conf = str(state / "etc" / "slurm.conf")
-    saved = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf  # submitit's own sbatch/sacct calls read it
-    try:
-        yield {**os.environ, "SLURM_CONF": conf}
-    finally:
-        if saved is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = saved
-        shell.run(["bash", str(SCRIPT), "stop"], env=env, timeout_s=60)
-
-
-def wait_done(job: str, env: dict[str, str], timeout_s: float = 150) -> str:
-    """Poll sacct until the job leaves PENDING/RUNNING; return its final state."""
-    deadline = time.monotonic() + timeout_s
-    state = ""
-    while time.monotonic() < deadline:
-        out = shell.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env).strip()
-        state = out.splitlines()[0].split()[0] if out else ""
-        if state and state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):
-            return state
-        time.sleep(0.5)
-    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s")
+    with emulated_cluster(tmp_path_factory.mktemp("slurm-state"), NODES) as (_, conf):
+        saved = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = conf  # submitit's own sbatch/sacct calls read it
+        try:
+            yield {**os.environ, "SLURM_CONF": conf}
+        finally:
+            if saved is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = saved
 
 
 def parse_lines(lines: list[str]) -> list[dict[str, str]]:
