@@ -198,9 +198,12 @@ def spawn(args: dict[str, Any], log_dir: Path, preload: str | None, rep: int = 0
         # shares the cores. Both arms get the same runtime, so the ratio compares like with like.
         env["LD_PRELOAD"] = preload
     load_before = os.getloadavg()[0]
+    # The arm's arguments (its prompts included) go through a file: argv has a size limit.
+    arm_file = log.with_suffix(".args.json")
+    arm_file.write_text(json.dumps(args))
     with log.open("w") as f:
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--arm", json.dumps(args)],
+            [sys.executable, str(Path(__file__).resolve()), "--arm", str(arm_file)],
             stdout=f,
             stderr=subprocess.STDOUT,
             env=env,
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gomp", action="store_true", help="keep GNU OpenMP instead of preloading libiomp5")
     a = ap.parse_args(argv)
     if a.arm:
-        print("ARM-RESULT " + json.dumps(run_arm(json.loads(a.arm))), flush=True)
+        print("ARM-RESULT " + json.dumps(run_arm(json.loads(Path(a.arm).read_text()))), flush=True)
         return 0
 
     from hpctoolkit.store.config import StoreConfig
