@@ -129,8 +129,8 @@ def run_arm(a: dict[str, Any]) -> dict[str, Any]:
 
         eng._drain = timed_drain  # type: ignore[method-assign]
 
-        def one(ids: list[int]) -> None:
-            eng.capture([ids])
+        def run(batch: list[list[int]]) -> None:
+            eng.capture(batch)
 
         close = eng.shutdown
     else:
@@ -144,22 +144,24 @@ def run_arm(a: dict[str, Any]) -> dict[str, Any]:
         llm = LLM(**kwargs)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
-        def one(ids: list[int]) -> None:
-            llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        def run(batch: list[list[int]]) -> None:
+            for ids in batch:
+                llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
 
         def close() -> None:
             llm.llm_engine.engine_core.shutdown()
 
     start_s = time.monotonic() - t0
     try:
-        one(prompts[0])  # warm-up, not timed
+        run(prompts[:1])  # warm-up, not timed
         llm.collective_rpc(_install_pipe_counter)
         rounds, round_waits = [], []
+        timed, batch = prompts[1:], int(a["batch"])
         for _ in range(int(a["rounds"])):
             waits.clear()
             t1 = time.monotonic()
-            for ids in prompts[1:]:
-                one(ids)
+            for i in range(0, len(timed), batch):
+                run(timed[i : i + batch])
             rounds.append(time.monotonic() - t1)
             round_waits.append(sum(waits))
         pipe = llm.collective_rpc(_read_pipe_counter)
@@ -272,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="prompts per capture() call (default: engine.capture_batch, as the production callers)",
+    )
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--gomp", action="store_true", help="keep GNU OpenMP instead of preloading libiomp5")
     a = ap.parse_args(argv)
@@ -279,16 +287,25 @@ def main(argv: list[str] | None = None) -> int:
         print("ARM-RESULT " + json.dumps(run_arm(json.loads(Path(a.arm).read_text()))), flush=True)
         return 0
 
+    from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
     from hpctoolkit.testing.tiny_target import resolve_target
+
+    batch = a.batch if a.batch is not None else EngineConfig().capture_batch
+    if batch < 1:
+        raise SystemExit(f"--batch must be >= 1, got {batch}")
 
     model_dir = str(resolve_target("builtin:tiny-qwen3"))
     prompts = make_prompts(a.prompts, a.tokens)
     work = Path(tempfile.mkdtemp(prefix="hpctoolkit-bench-pp-export-"))
     results: dict[tuple[int, str], dict[str, Any]] = {}
     preload = None if a.gomp else intel_openmp()
-    print(f"[bench] OpenMP runtime: {preload or 'GNU (torch libgomp)'}; cores {os.cpu_count()}", flush=True)
+    print(
+        f"[bench] OpenMP runtime: {preload or 'GNU (torch libgomp)'}; cores {os.cpu_count()}; "
+        f"{batch} prompts per capture()",
+        flush=True,
+    )
     with launch_master(StoreConfig(), work / "master-logs") as master:
         for pp in a.pp:
             # Alternate the modes (plain, export, plain, export, ...) so a change in the machine's
@@ -304,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                         "chunk": a.chunk,
                         "max_len": a.tokens + 64,
                         "rounds": a.rounds,
+                        "batch": batch,
                     }
                     r = spawn(args, work, preload, rep)
                     print(

@@ -326,13 +326,15 @@ def _run_engine_leader(ctx: NodeContext, proc: Process) -> int:
                 f"engine {e.index} node_rank 0 up in {started:.1f}s on {ctx.nodename} (cpu bind {bind}); "
                 f"capturing {len(mine)} prompts"
             )
-            for ids in mine:
+            batch = cfg.engine.capture_batch
+            for i in range(0, len(mine), batch):
                 if stop.is_set():
                     raise DataIntegrityError(
                         f"engine {e.index} stopped after {queue.published} of {len(mine)} samples"
                     )
-                (m,) = eng.capture([ids])
-                queue.append(m.to_json())
+                # A batch's manifests come back once all of its fragments are published.
+                for m in eng.capture(mine[i : i + batch]):
+                    queue.append(m.to_json())
             queue.done()
             say(
                 f"engine {e.index} published {queue.published} samples in {time.monotonic() - t0 - started:.1f}s"

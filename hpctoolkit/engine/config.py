@@ -43,6 +43,11 @@ class EngineConfig:
     # Prefill chunk: prompts longer than this are prefilled over several steps.
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
+    # Prompts per `CaptureEngine.capture()` call in the callers that capture a prompt list
+    # (`make run`, the Slurm leader): still one request per `generate()`, but the wait for the
+    # stages' publish reports is paid once per batch, not per sample. The manifests of a batch
+    # are handed on when the whole batch is published; a failure fails the whole batch.
+    capture_batch: int = 16
     # None: decided per backend (eager for a single CPU process; compiled for CPU PP, which
     # needs the compile warm-up to allocate its intermediate-tensor buffers).
     enforce_eager: bool | None = None
@@ -70,6 +75,7 @@ class EngineConfig:
             "max_model_len",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "capture_batch",
             "cpu_kvcache_space_gb",
         )
         one_of(self, "dtype", ("bfloat16", "float16", "float32"))

@@ -340,7 +340,10 @@ class CaptureEngine:
     # ------------------------------------------------------------------ capture
 
     def _drain(self, deadline: float) -> None:
-        """Step the engine until the connector published every finished request."""
+        """Step the engine until the connector published every finished request.
+
+        `deadline` bounds the whole wait; the error names what was still outstanding.
+        """
         llm = self._llm
         if self.in_process:
             # No busy loop in-process: the publish happens in the step after the request
@@ -348,17 +351,23 @@ class CaptureEngine:
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler
             while scheduler.has_requests():
                 if time.monotonic() > deadline:
-                    raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
+                    raise DataIntegrityError(
+                        f"the connector did not publish the {self._captured} captured sample(s) "
+                        f"within {PUBLISH_WAIT_S} s: the engine still holds unfinished requests"
+                    )
                 llm.llm_engine.step()
             return
         # Multiprocess: EngineCore keeps stepping on its own; wait for every stage's report.
         want = self._captured * self.pp_size
-        # The publish usually lands within a step or two of generate() returning: poll tightly
-        # first, then back off, so a capture does not pay a fixed sleep per sample.
+        # The last publish usually lands within a step or two of generate() returning: poll
+        # tightly first, then back off, so a capture does not pay a fixed sleep.
         pause = 0.002
-        while self._published_total(deadline) < want:
+        while (have := self._published_total(deadline)) < want:
             if time.monotonic() > deadline:
-                raise DataIntegrityError(f"the connector did not publish within {PUBLISH_WAIT_S} s")
+                raise DataIntegrityError(
+                    f"the connector did not publish within {PUBLISH_WAIT_S} s: {have} of {want} "
+                    f"stage publishes reported ({self._captured} samples x {self.pp_size} stages)"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
 
@@ -403,10 +412,18 @@ class CaptureEngine:
     # ---- end PP barrier ----
 
     def capture(self, prompts_token_ids: Sequence[Sequence[int]]) -> list[Manifest]:
-        """Prefill each prompt (one request per `generate()` call) and return its manifest.
+        """Prefill each prompt (one request per `generate()` call) and return their manifests, in order.
 
-        Returns only after the fragments are published. Raises `StoreError` if the writer
-        failed, `DataIntegrityError` if a request comes back without a manifest.
+        Returns only after every fragment of every returned manifest is published. The connector
+        publishes a finished request in a later engine step, which the next prompt's first step
+        usually is, so the wait for the stages' reports (`_drain`) runs once, after the last
+        prompt, bounded by `PUBLISH_WAIT_S` from then: capturing prompts in batches pays it once
+        per batch rather than per sample. All prompts are checked before the first is run.
+
+        Raises `StoreError` if a writer failed on any sample of the call (the writer's message),
+        `DataIntegrityError` if a request comes back without a manifest or the publish reports do
+        not arrive in time. Any failure returns no manifest of the call and leaves the engine
+        refusing further captures (the call's earlier samples may be in the store unreported).
         """
         if self._broken is not None:
             raise StoreError(f"engine is unusable after an earlier failure: {self._broken}") from self._broken
@@ -415,37 +432,39 @@ class CaptureEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        manifests = []
-        for prompt in prompts_token_ids:
-            ids = [int(t) for t in prompt]
+        batch = [[int(t) for t in prompt] for prompt in prompts_token_ids]
+        for i, ids in enumerate(batch):
             if not ids:
-                raise ConfigError("cannot capture an empty prompt")
+                raise ConfigError(f"cannot capture an empty prompt (prompt {i} of {len(batch)})")
             if len(ids) >= self.cfg.max_model_len:
                 raise ConfigError(
-                    f"prompt of {len(ids)} tokens does not fit engine.max_model_len={self.cfg.max_model_len}"
+                    f"prompt {i} of {len(batch)} has {len(ids)} tokens and does not fit "
+                    f"engine.max_model_len={self.cfg.max_model_len}"
                 )
-            try:
-                with self._translate_faults():
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        manifests = []
+        try:
+            with self._translate_faults():
+                for ids in batch:
                     (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
                     raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
-                    if raw is not None:
-                        self._captured += 1
-                    # Even without a manifest: in-process, stepping is what frees the request.
-                    self._drain(time.monotonic() + PUBLISH_WAIT_S)
-            except BaseException as err:
-                self._broken = err
-                raise
-            if raw is None:
-                raise DataIntegrityError(
-                    f"request {out.request_id} ({len(ids)} tokens) returned no manifest in kv_transfer_params"
-                )
-            manifest = Manifest.from_dict(raw)
-            if manifest.num_tokens != len(ids):
-                raise DataIntegrityError(
-                    f"sample {manifest.sample_key}: manifest says {manifest.num_tokens} tokens, prompt has {len(ids)}"
-                )
-            manifests.append(manifest)
+                    if raw is None:
+                        raise DataIntegrityError(
+                            f"request {out.request_id} ({len(ids)} tokens) returned no manifest in "
+                            "kv_transfer_params"
+                        )
+                    self._captured += 1
+                    manifest = Manifest.from_dict(raw)
+                    if manifest.num_tokens != len(ids):
+                        raise DataIntegrityError(
+                            f"sample {manifest.sample_key}: manifest says {manifest.num_tokens} tokens, "
+                            f"prompt has {len(ids)}"
+                        )
+                    manifests.append(manifest)
+                self._drain(time.monotonic() + PUBLISH_WAIT_S)
+        except BaseException as err:
+            self._broken = err
+            raise
         return manifests
 
     # ------------------------------------------------------------------ lifetime

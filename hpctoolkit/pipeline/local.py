@@ -42,10 +42,12 @@ def _capture_phase(
         cfg.engine, target_dir, address, cfg.store, run_id=work.parent.name + "-" + uuid.uuid4().hex[:6]
     ) as eng:
         started = time.monotonic() - t0
+        batch = cfg.engine.capture_batch
         with manifests.open("a") as f:
-            for ids in prompts:
-                (m,) = eng.capture([ids])
-                f.write(m.to_json() + "\n")
+            for i in range(0, len(prompts), batch):
+                # A batch's manifests come back once all of its fragments are published.
+                for m in eng.capture(prompts[i : i + batch]):
+                    f.write(m.to_json() + "\n")
                 f.flush()
         captured = time.monotonic() - t0 - started
         # The fragments live in this process's store segment: wait for the reader.
