@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctoolkit.models import build_draft_model, load_draft_config
+from hpctoolkit.models.common.attention import flex_kernel_options
 from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
 from hpctoolkit.models.dspark import dspark_loss
 
@@ -205,6 +206,12 @@ def main() -> None:
         "step_model_tflop": flops / 1e12,
         "peak_flops_assumed": H200_BF16_PEAK_FLOPS,
         "matmul_8k_measured_tflops": (peak / 1e12) if (peak := matmul_peak(device, dtype)) else None,
+        "flex_kernel_options": flex_kernel_options(
+            torch.empty(
+                1, 1, 1, config.qk_nope_head_dim + config.qk_rope_head_dim, device=device, dtype=dtype
+            ),
+            torch.empty(1, 1, 1, config.v_head_dim, device=device, dtype=dtype),
+        ),
         "variants": {},
     }
     fns = {"ours": run_ours, "naive": run_naive}

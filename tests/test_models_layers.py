@@ -189,3 +189,24 @@ def test_fused_cross_entropy_matches_materialised_logits(with_extra):
     for g, t in zip(got, leaves, strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(hit, logits.argmax(-1) == labels)
+
+
+def test_fused_cross_entropy_never_computes_ignored_rows():
+    """Ignored rows are dropped before the GEMMs: a NaN there reaches neither loss nor gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 6, dtype=torch.float64)
+    labels = torch.randint(0, 9, (10,))
+    labels[[0, 7]] = -100
+    poisoned = hidden.clone()
+    poisoned[[0, 7]] = float("nan")
+    weight = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for rows in (hidden, poisoned):
+        h = rows.clone().requires_grad_()
+        loss, _ = fused_linear_cross_entropy(h, weight, labels, chunk_size=4)
+        loss.backward()
+        grads.append((loss.detach(), h.grad, weight.grad.clone()))
+        weight.grad = None
+    (l0, gh0, gw0), (l1, gh1, gw1) = grads
+    assert torch.isfinite(l1) and torch.equal(l0, l1) and torch.equal(gw0, gw1)
+    assert torch.equal(gh0, gh1) and not gh1[[0, 7]].any()

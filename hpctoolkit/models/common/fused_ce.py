@@ -5,7 +5,9 @@ Logits are `hidden_NH @ w_VH.T (+ extra_NR @ w_extra_VR.T)`; DSpark passes its m
 as the extra term. The forward walks row chunks, and for each one computes the loss and, at
 once, the gradients (softmax minus one-hot), so backward only rescales stored gradients: no
 `[N, V]` tensor is ever alive, and no chunk's logits are recomputed. Weight gradients are formed
-only for weights that require them (the frozen `lm_head` costs nothing there).
+only for weights that require them (the frozen `lm_head` costs nothing there). Rows labelled
+`IGNORE_INDEX` are dropped before the first GEMM (one device sync to count them): DFlash's slot 0
+alone is 1/block_size of the rows, and masked prompt tokens can be most of a real batch.
 """
 
 import torch
@@ -39,16 +41,37 @@ def _ce_rows_fn(compiled: bool):
     return _compiled_ce_rows
 
 
+def _expand_rows(t: torch.Tensor | None, rows: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Scatter per-kept-row values back to all `n` rows (zeros / False elsewhere)."""
+    if t is None:
+        return None
+    out = t.new_zeros((n, *t.shape[1:]))
+    return out.index_copy_(0, rows, t)
+
+
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, w_VH, extra_NR, w_extra_VR, labels_N, chunk_size, compiled):
-        n = hidden_NH.shape[0]
+        full_n = hidden_NH.shape[0]
         valid_N = labels_N != IGNORE_INDEX
         count = valid_N.sum().clamp(min=1)
-        g_hidden = torch.zeros_like(hidden_NH) if hidden_NH.requires_grad else None
+        # Ignored rows (DFlash's slot 0, masked prompt tokens, padding) contribute neither loss nor
+        # gradient: drop them before the vocabulary GEMMs instead of multiplying them by zero.
+        rows = valid_N.nonzero().squeeze(1)
+        compact = rows.numel() < full_n
+        grad_hidden = hidden_NH.requires_grad
+        grad_extra = extra_NR is not None and extra_NR.requires_grad
+        if compact:
+            hidden_NH = hidden_NH.index_select(0, rows)
+            labels_N = labels_N.index_select(0, rows)
+            valid_N = valid_N.index_select(0, rows)
+            if extra_NR is not None:
+                extra_NR = extra_NR.index_select(0, rows)
+        n = hidden_NH.shape[0]
+        g_hidden = torch.zeros_like(hidden_NH) if grad_hidden else None
         g_w = torch.zeros_like(w_VH, dtype=torch.float32) if w_VH.requires_grad else None
         has_extra = extra_NR is not None
-        g_extra = torch.zeros_like(extra_NR) if has_extra and extra_NR.requires_grad else None
+        g_extra = torch.zeros_like(extra_NR) if grad_extra else None
         g_w_extra = (
             torch.zeros_like(w_extra_VR, dtype=torch.float32)
             if has_extra and w_extra_VR.requires_grad
@@ -72,6 +95,9 @@ class _FusedLinearCE(torch.autograd.Function):
                 g_extra[sl] = grad @ w_extra_VR
             if g_w_extra is not None:
                 g_w_extra += (grad.t() @ extra_NR[sl]).float()
+        if compact:
+            g_hidden, g_extra = (_expand_rows(g, rows, full_n) for g in (g_hidden, g_extra))
+            hit_N = _expand_rows(hit_N, rows, full_n)
         ctx.save_for_backward(count)
         ctx.grads = (g_hidden, g_w, g_extra, g_w_extra)
         ctx.dtypes = (w_VH.dtype, w_extra_VR.dtype if has_extra else None)
