@@ -19,7 +19,10 @@ attention, bf16 compute, fp32 master weights, FSDP2 full_shard over one rank:
 
 | draft                        | step (median of 6) | context tok/s/GPU | draft tok/s/GPU |
 |------------------------------|--------------------|-------------------|-----------------|
-| K3 DSpark MLA, 5 layers      | 368 ms             | 11.1k             | 9.7k            |
+| K3 DSpark MLA, 5 layers      | 354 ms             | 11.6k             | 10.1k           |
+
+(368 ms before the tuned FlexAttention options of `flex_kernel_options`; the two-GPU figures
+below predate them.)
 
 Memory: peak allocated 64.9 GiB (reserved 82.2 GiB) against a static 53.1 GiB: 2.83 B trainable
 parameters as fp32 master (10.5 GiB) + fp32 gradients (10.5 GiB) + AdamW moments (21.1 GiB), the

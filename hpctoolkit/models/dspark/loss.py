@@ -41,8 +41,15 @@ def dspark_loss(
     )
     valid_N = labels_N != IGNORE_INDEX
     hit_N = hit_N & valid_N
+    count = valid_N.sum().clamp(min=1)
     conf = ce.new_zeros(())
     if out.confidence_BT is not None:
+        # Mean over labelled slots as a weighted sum: no boolean indexing, so no device sync.
         conf_N = out.confidence_BT.flatten()
-        conf = F.binary_cross_entropy_with_logits(conf_N[valid_N], hit_N[valid_N].float())
-    return DSparkLoss(ce + confidence_weight * conf, ce, conf, hit_N.sum() / valid_N.sum().clamp(min=1))
+        conf = (
+            F.binary_cross_entropy_with_logits(
+                conf_N, hit_N.to(conf_N.dtype), weight=valid_N.to(conf_N.dtype), reduction="sum"
+            )
+            / count
+        )
+    return DSparkLoss(ce + confidence_weight * conf, ce, conf, hit_N.sum() / count)
