@@ -157,3 +157,63 @@ def test_eagle3_forward_and_vocab_maps():
     with torch.no_grad():
         a, b = model(aux, ids).hidden_BSH, model(aux2, ids).hidden_BSH
     torch.testing.assert_close(a[:, :5], b[:, :5])
+
+
+def _ttt_unroll(model, hidden0, ids, steps, cache_cls):
+    """The Eagle3 trainer's unroll (production `shift_left`), returning each step's prenorm."""
+    from hpctoolkit.train.trainers.eagle3 import shift_left
+
+    B, S = ids.shape
+    pos = torch.arange(S).expand(B, S)
+    cache = cache_cls() if cache_cls else None
+    hidden, outs = hidden0, []
+    for i in range(steps):
+        out = model(None, shift_left(ids, i + 1), pos + i, hidden_BSH=hidden, kv_cache=cache)
+        outs.append(out.prenorm_BSH)
+        hidden = out.prenorm_BSH
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_eagle3_ttt_unroll_matches_serving_order(backend):
+    """Step `i` at index `t` of the training unroll equals what the served drafter computes for
+    position `t + i`: a causal forward over the context entries `0..t` (target states) followed by
+    the drafted entries `1..i` (the draft's own outputs), in float64. The step-isolated unroll
+    (no shared cache) does not, so the check is not vacuous."""
+    from hpctoolkit.models.eagle3.model import KVCache
+
+    torch.manual_seed(0)
+    config = load_draft_config(RECIPES / "tiny_eagle3.json")
+    model = build_draft_model(config).double()
+    for m in model.modules():
+        if hasattr(m, "backend"):
+            m.backend = backend
+    B, S, P = 2, 10, 4
+    ids = torch.randint(0, config.vocab_size, (B, S))
+    with torch.no_grad():
+        hidden0 = model.project_aux(torch.randn(B, S, 3 * config.target_hidden_size, dtype=torch.float64))
+        unrolled = _ttt_unroll(model, hidden0, ids, P, KVCache)
+        isolated = _ttt_unroll(model, hidden0, ids, P, None)
+        worst_isolated = 0.0
+        for t in range(S - P):
+            # Serving order: context entries 0..t carry (token k+1, target state k, position k).
+            toks = [ids[:, k + 1] for k in range(t + 1)]
+            hid = [hidden0[:, k] for k in range(t + 1)]
+            poss = list(range(t + 1))
+            prev = None
+            for i in range(P):
+                if i > 0:  # drafted entry i: (token t+1+i, previous draft output, position t+i)
+                    toks.append(ids[:, t + 1 + i])
+                    hid.append(prev)
+                    poss.append(t + i)
+                out = model(
+                    None,
+                    torch.stack(toks, dim=1),
+                    torch.tensor(poss).expand(B, -1),
+                    hidden_BSH=torch.stack(hid, dim=1),
+                )
+                prev = out.prenorm_BSH[:, -1]
+                torch.testing.assert_close(unrolled[i][:, t], prev, rtol=0, atol=1e-10)
+                worst_isolated = max(worst_isolated, float((isolated[i][:, t] - prev).abs().max()))
+    assert worst_isolated > 1e-3

@@ -206,6 +206,27 @@ class GQAAttention(nn.Module):
             attention_bias=getattr(c, "attention_bias", False),
         )
 
+    def project(
+        self, x_BQD: torch.Tensor, kv_BKD: torch.Tensor, rope_q: RopePair, rope_k: RopePair
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated `q_BHQD` and `k_BGKD`, and `v_BGKD`, in the layout `attend` takes."""
+        B, Q, _ = x_BQD.shape
+        K = kv_BKD.shape[1]
+        q_BQHD = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.num_heads, self.head_dim))
+        k_BKGD = self.k_norm(self.k_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim))
+        v_BKGD = self.v_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim)
+        q_BQHD = apply_rotary(q_BQHD, *rope_q)
+        k_BKGD = apply_rotary(k_BKGD, *rope_k)
+        return q_BQHD.transpose(1, 2), k_BKGD.transpose(1, 2), v_BKGD.transpose(1, 2)
+
+    def attend_projected(
+        self, q_BHQD: torch.Tensor, k_BGKD: torch.Tensor, v_BGKD: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Attention over already projected keys/values (e.g. a cache), then `o_proj`."""
+        B, _, Q, _ = q_BHQD.shape
+        out_BHQD = attend(q_BHQD, k_BGKD, v_BGKD, mask, scale=self.head_dim**-0.5, backend=self.backend)
+        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))
+
     def forward(
         self,
         x_BQD: torch.Tensor,
@@ -214,19 +235,4 @@ class GQAAttention(nn.Module):
         rope_k: RopePair,
         mask: AttentionMask,
     ) -> torch.Tensor:
-        B, Q, _ = x_BQD.shape
-        K = kv_BKD.shape[1]
-        q_BQHD = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.num_heads, self.head_dim))
-        k_BKGD = self.k_norm(self.k_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim))
-        v_BKGD = self.v_proj(kv_BKD).view(B, K, self.num_kv_heads, self.head_dim)
-        q_BQHD = apply_rotary(q_BQHD, *rope_q)
-        k_BKGD = apply_rotary(k_BKGD, *rope_k)
-        out_BHQD = attend(
-            q_BQHD.transpose(1, 2),
-            k_BKGD.transpose(1, 2),
-            v_BKGD.transpose(1, 2),
-            mask,
-            scale=self.head_dim**-0.5,
-            backend=self.backend,
-        )
-        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))
+        return self.attend_projected(*self.project(x_BQD, kv_BKD, rope_q, rope_k), mask)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models.common.attention import GQAAttention, RopePair, causal_mask
+from hpctoolkit.models.common.attention import AttentionMask, GQAAttention, RopePair, causal_mask
 from hpctoolkit.models.common.mlp import GatedMLP
 from hpctoolkit.models.common.norm import RMSNorm
 from hpctoolkit.models.common.rope import RopeSpec, RotaryEmbedding
@@ -23,8 +23,51 @@ class Eagle3Output:
     logits_BSV: torch.Tensor | None = None
 
 
+class KVCache:
+    """Keys and values of the test-time-training steps so far, kept by the caller across steps.
+
+    A plain class, not a list: FSDP's and `torch.utils._pytree`'s argument handling rebuild
+    containers (lists, tuples, dicts) on the way into a wrapped module, so a list's appends
+    would land in a copy; an unregistered class passes through as a leaf.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def append(self, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys/values; returns every step's, concatenated along the sequence."""
+        self.steps.append((k_BGSD, v_BGSD))
+        return torch.cat([k for k, _ in self.steps], dim=2), torch.cat([v for _, v in self.steps], dim=2)
+
+
+def ttt_mask(batch: int, seq_len: int, steps: int, device: torch.device) -> AttentionMask:
+    """Visibility for test-time-training step `steps - 1` over the keys of steps `0 .. steps - 1`.
+
+    Keys are laid out step after step (`S` each). Query index `t` of any step stands for the
+    draft token at position `t + step`; at serving time the drafter's cache then holds the
+    context keys at positions `<= t` (step 0, from target states) and one key per earlier draft
+    step at the same index `t` (positions `t + 1 ..`). So: step-0 keys causally, later steps'
+    keys on the diagonal only. With `steps == 1` this is the causal mask.
+    """
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        step = kv // seq_len
+        idx = kv - step * seq_len
+        return ((step == 0) & (idx <= q)) | ((step > 0) & (idx == q))
+
+    return AttentionMask(mask_mod, batch, seq_len, steps * seq_len, device)
+
+
 class Eagle3DecoderLayer(nn.Module):
-    """vLLM's `Qwen3Eagle3DecoderLayer`: attention reads `cat(norm(embed), norm(hidden))`, 2H wide."""
+    """vLLM's `Qwen3Eagle3DecoderLayer`: attention reads `cat(norm(embed), norm(hidden))`, 2H wide.
+
+    `kv_cache` (test-time training): a `KVCache` the caller keeps across the unrolled steps; each call
+    appends its own keys/values and attends over every step's so far with `ttt_mask`, as the
+    served drafter attends over its KV cache. Without it, plain causal self-attention.
+    """
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -35,10 +78,23 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, embeds_BSH: torch.Tensor, hidden_BSH: torch.Tensor, rope: RopePair) -> torch.Tensor:
+    def forward(
+        self,
+        embeds_BSH: torch.Tensor,
+        hidden_BSH: torch.Tensor,
+        rope: RopePair,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         x_BSD = torch.cat([self.input_layernorm(embeds_BSH), self.hidden_norm(hidden_BSH)], dim=-1)
         B, S, _ = x_BSD.shape
-        h_BSH = hidden_BSH + self.self_attn(x_BSD, x_BSD, rope, rope, causal_mask(B, S, x_BSD.device))
+        if kv_cache is None:
+            attn_BSH = self.self_attn(x_BSD, x_BSD, rope, rope, causal_mask(B, S, x_BSD.device))
+        else:
+            q_BHSD, k_BGSD, v_BGSD = self.self_attn.project(x_BSD, x_BSD, rope, rope)
+            k_all, v_all = kv_cache.append(k_BGSD, v_BGSD)
+            mask = ttt_mask(B, S, len(kv_cache), x_BSD.device)
+            attn_BSH = self.self_attn.attend_projected(q_BHSD, k_all, v_all, mask)
+        h_BSH = hidden_BSH + attn_BSH
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
@@ -50,6 +106,8 @@ class Eagle3DraftModel(nn.Module):
                    `eagle_aux_hidden_state_layer_ids` order; ignored when `hidden_BSH` is given;
       input_ids_BS [B, S] int64, the token at each position (shifted by the trainer as usual);
       hidden_BSH   [B, S, hidden_size], the previous step's `prenorm_BSH` for test-time training;
+      kv_cache     a `KVCache` shared by the steps of one test-time-training unroll (see
+                   `Eagle3DecoderLayer`); None for plain causal attention;
       returns      `Eagle3Output`; logits over the draft vocabulary via `compute_logits`.
     Draft-vocabulary maps: `d2t[i] = target_id(i) - i` and `t2d[target_id]` (bool), as vLLM reads them.
     """
@@ -109,6 +167,7 @@ class Eagle3DraftModel(nn.Module):
         position_ids_BS: torch.Tensor | None = None,
         *,
         hidden_BSH: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
         return_logits: bool = False,
     ) -> Eagle3Output:
         if hidden_BSH is None:
@@ -119,6 +178,6 @@ class Eagle3DraftModel(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         embeds_BSH = self.embed_tokens(input_ids_BS).to(hidden_BSH.dtype)
-        prenorm_BSH = self.midlayer(embeds_BSH, hidden_BSH, self.rotary_emb(position_ids_BS))
+        prenorm_BSH = self.midlayer(embeds_BSH, hidden_BSH, self.rotary_emb(position_ids_BS), kv_cache)
         hidden = self.norm(prenorm_BSH)
         return Eagle3Output(hidden, prenorm_BSH, self.compute_logits(hidden) if return_logits else None)

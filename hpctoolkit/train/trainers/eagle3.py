@@ -4,9 +4,11 @@
 Step 0 reads the projected target aux states at position `t` and the token at `t + 1`; step `i`
 reads the draft's own pre-norm output of step `i - 1` and the token at `t + 1 + i`, at position
 `t + i`. Every step is scored against the target distribution at `t + 1 + i` (its lm_head over
-`last_hidden_states[t + 1 + i]`), i.e. the token at `t + 2 + i`. Each step attends causally over
-its own step's states (the draft model has no cross-step KV cache), a simplification of the
-serving-time cache that the evaluate module's served-vs-simulated comparison keeps honest.
+`last_hidden_states[t + 1 + i]`), i.e. the token at `t + 2 + i`. The steps share one KV cache:
+step `i` at index `t` attends to step 0's keys at indices `<= t` (computed from target states)
+and to steps `1 .. i` at index `t` only, which is what the served drafter's cache holds when it
+drafts position `t + i` (`models.eagle3.model.ttt_mask`; tested against a token-by-token
+serving-order forward).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.eagle3.model import KVCache
 from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
 from hpctoolkit.train.losses.common import per_position
 from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows
@@ -86,6 +89,7 @@ class Eagle3Trainer(FamilyTrainer):
         numerator = lm_head.new_zeros((), dtype=torch.float32)
         denominator = torch.zeros((), dtype=torch.float64, device=input_ids_BS.device)
         kls, matches, sups = [], [], []
+        kv_cache = KVCache()
         for i in range(P):
             in_range_BS = (pos_BS + 1 + i < lengths_B.unsqueeze(1)) & loss_mask_BS
             out = self.draft(
@@ -93,6 +97,7 @@ class Eagle3Trainer(FamilyTrainer):
                 shift_left(input_ids_BS, i + 1),
                 pos_BS + i,
                 hidden_BSH=hidden_BSH,
+                kv_cache=kv_cache,
             )
             kl_N, match_N, sup_N = eagle3_step_loss(
                 out.hidden_BSH.flatten(0, 1),
