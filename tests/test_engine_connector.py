@@ -1,13 +1,17 @@
 """`HpcHiddenStatesConnector` driven directly, without an engine: lifecycle, PP stages, faults.
 
 The connector is built from a stand-in `VllmConfig` and bound to a hand-made cache-only layer, so
-every rule is checked in seconds: no partial sample, TP rank 0 only, each PP stage publishes
-exactly its own fragments, `finished_sending` only after a successful publish, a failing put
-raises (and leaves a fault record), `get_finished_count() == pp_size`.
+every rule is checked in seconds: the scheduler side follows prompts and blocks through the
+scheduler outputs and hands a sample out with the step after its last prompt token, once; no
+partial or aborted sample; TP rank 0 only; each PP stage publishes exactly its own fragments,
+before the step's forward; `finished_sending` only after a successful publish; a failing put
+raises (and leaves a fault record); `get_finished_count() == pp_size`.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -88,9 +92,27 @@ def _cache(num_heads=None, blocks=8, dtype=torch.float32):
     return torch.randn(blocks, num_heads, BLOCK, HIDDEN).to(dtype)
 
 
+def _sched_out(new=(), cached=(), resumed=()):
+    """A scheduler output: `new` = (req_id, prompt, blocks, computed, scheduled) per new request,
+    `cached` = (req_id, new_blocks or None, computed, scheduled) per running one."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, prompt_token_ids=p, block_ids=(list(b),), num_computed_tokens=c)
+            for r, p, b, c, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached],
+            resumed_req_ids=set(resumed),
+            new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached],
+        ),
+        num_scheduled_tokens={r: n for r, *_, n in list(new) + list(cached)},
+    )
+
+
 def _finish(sched, req):
     delay, params = sched.request_finished(req, [5, 2])
-    meta = sched.build_connector_meta(SimpleNamespace())
+    meta = sched.build_connector_meta(_sched_out())
     return delay, params, meta
 
 
@@ -107,7 +129,7 @@ def test_finished_request_yields_manifest_and_pending_save():
     assert [p.req_id for p in meta.pending] == ["r1"]
     assert meta.pending[0].block_ids == [5, 2]
     # Handed over once: the next step carries nothing.
-    assert sched.build_connector_meta(SimpleNamespace()).pending == []
+    assert sched.build_connector_meta(_sched_out()).pending == []
 
 
 @pytest.mark.parametrize(
@@ -123,6 +145,83 @@ def test_partial_or_aborted_request_is_never_published(req):
     delay, params, meta = _finish(sched, req)
     assert (delay, params) == (False, None)
     assert meta.pending == []
+
+
+def _chunks(sched, req_id="r1", n=10, chunk=4):
+    """Schedule an n-token prompt in chunks of `chunk` tokens (block size 4: one new block each)."""
+    prompt = list(range(100, 100 + n))
+    metas, blocks = [], [5, 2, 7, 1, 9][: -(-n // BLOCK)]
+    for step, start in enumerate(range(0, n, chunk)):
+        todo = min(chunk, n - start)
+        step_blocks = blocks[start // BLOCK : (start + todo + BLOCK - 1) // BLOCK]
+        if step == 0:
+            out = _sched_out(new=[(req_id, prompt, step_blocks, 0, todo)])
+        else:
+            out = _sched_out(cached=[(req_id, step_blocks, start, todo)])
+        metas.append(sched.build_connector_meta(out))
+    return prompt, blocks, metas
+
+
+def test_sample_is_handed_out_with_the_step_after_its_last_prompt_token():
+    """PP > 1: the next step is scheduled while the last chunk is still in flight."""
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    prompt, blocks, metas = _chunks(sched)
+    assert [m.pending for m in metas] == [[], [], []]  # chunk 3 completes the prompt
+    (sample,) = sched.build_connector_meta(_sched_out()).pending  # the next (here empty) step
+    assert (sample.req_id, sample.block_ids, sample.token_ids) == ("r1", blocks, prompt)
+    m = Manifest.from_dict(sample.manifest)
+    assert m.num_tokens == 10 and m.pp_size == 2
+    # The request's output is processed afterwards: the manifest it returns is the one handed out.
+    delay, params = sched.request_finished(_request(n=10), blocks)
+    assert delay is True and params == {MANIFEST_PARAM: sample.manifest}
+    assert sched.build_connector_meta(_sched_out()).pending == []  # once
+
+
+def test_pp1_request_finishes_before_its_sample_is_handed_out():
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, blocks, _ = _chunks(sched)
+    delay, params = sched.request_finished(_request(n=10), blocks)
+    assert delay is True
+    (sample,) = sched.build_connector_meta(_sched_out()).pending
+    assert params == {MANIFEST_PARAM: sample.manifest}
+    assert sched.build_connector_meta(_sched_out()).pending == []
+
+
+def test_aborted_request_is_published_only_if_already_handed_out():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _, blocks, _ = _chunks(sched)
+    aborted = _request(n=10, status=RequestStatus.FINISHED_ABORTED)
+    assert sched.request_finished(aborted, blocks) == (False, None)  # not handed out yet
+    assert sched.build_connector_meta(_sched_out()).pending == []
+    _, blocks, _ = _chunks(sched, "r2")
+    assert len(sched.build_connector_meta(_sched_out()).pending) == 1  # the stages publish it
+    aborted2 = SimpleNamespace(**{**vars(aborted), "request_id": "r2"})
+    # Blocks held until every stage reported; no manifest goes to the client.
+    assert sched.request_finished(aborted2, blocks) == (True, None)
+
+
+def test_blocks_that_differ_from_the_ones_handed_out_fail_closed(tmp_path):
+    from hpctoolkit.errors import DataIntegrityError
+
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2, fault_dir=str(tmp_path))
+    _chunks(sched)
+    sched.build_connector_meta(_sched_out())
+    with pytest.raises(DataIntegrityError, match=r"handed out with blocks \[5, 2, 7\]"):
+        sched.request_finished(_request(n=10), [5, 2, 8])
+    assert read_faults(str(tmp_path))[0]["where"] == "engine core, finishing request r1"
+
+
+def test_resumed_request_replaces_its_blocks_and_is_handed_out_once():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    prompt = list(range(100, 110))
+    sched.build_connector_meta(_sched_out(new=[("r1", prompt, [5], 0, 4)]))
+    # Preempted and resumed from scratch in other blocks.
+    sched.build_connector_meta(_sched_out(cached=[("r1", [3, 4, 6], 0, 10)], resumed=["r1"]))
+    (sample,) = sched.build_connector_meta(_sched_out()).pending
+    assert sample.block_ids == [3, 4, 6]
+    # Seen again as a new request after its sample was handed out: not a second sample.
+    sched.build_connector_meta(_sched_out(new=[("r1", prompt, [8, 9, 10], 0, 10)]))
+    assert sched.build_connector_meta(_sched_out()).pending == []
 
 
 def test_never_scheduled_request_has_no_group_blocks():
@@ -161,6 +260,19 @@ def test_worker_publishes_rows_then_reports_sent():
     assert engine_helpers.MEMORY_STORE.keys() == []  # fetch removed what it read
 
 
+def test_worker_publishes_before_the_steps_forward():
+    """The publish happens when the step's metadata is bound, before vLLM runs the forward."""
+    sched = _connector(KVConnectorRole.SCHEDULER)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    worker = _worker()
+    worker.bind_connector_metadata(meta)
+    assert sorted(engine_helpers.MEMORY_STORE.keys()) == sorted(f.key for f in m.all_objects)
+    assert worker.num_published == 1
+    assert worker.get_finished(set())[0] is None  # reported once vLLM lists it finished
+    worker.clear_connector_metadata()
+
+
 def test_sent_reported_only_once_finished_ids_arrive():
     sched = _connector(KVConnectorRole.SCHEDULER)
     _, _, meta = _finish(sched, _request())
@@ -189,7 +301,9 @@ def test_pp_stages_publish_their_own_fragments(layout):
         heads = len(CAPTURE_IDS) if layout == "global-heads" else len(owned)
         kv = _cache(num_heads=heads)
         worker = _worker(pp_rank=stage, pp_size=2, kv=kv)
-        reports.append(_step(worker, meta, {"r1"}))
+        worker.bind_connector_metadata(meta)
+        _settle(worker)
+        reports.append(worker.get_finished({"r1"})[0])
         objs = {f.key for f in m.fragments_of_stage(stage)}
         assert objs <= set(engine_helpers.MEMORY_STORE.keys())
     assert reports == [{"r1"}, {"r1"}]
@@ -305,3 +419,84 @@ def test_worker_checks_reachability_at_start_and_builds_no_client(tmp_path, monk
 def test_worker_store_client_is_lazy():
     worker = _worker()
     assert worker._store is None  # nothing registered while vLLM profiles memory
+
+
+# ------------------------------------------------------------------ PP > 1: the publisher thread
+
+
+def _settle(worker, timeout_s=10.0):
+    """Wait until the worker's publisher thread ran every job handed to it (or stopped)."""
+    pub = worker._publisher
+    deadline = time.monotonic() + timeout_s
+    while pub is not None and pub._done.qsize() < pub.in_flight and pub._thread.is_alive():
+        assert time.monotonic() < deadline, "the publisher thread did not finish its jobs"
+        time.sleep(0.001)
+
+
+class _GatedStore:
+    """Wraps the test store; every put waits until the test opens the gate."""
+
+    def __init__(self, inner):
+        self.inner, self.gate, self.entered = inner, threading.Event(), threading.Event()
+
+    def put_many(self, items):
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        self.inner.put_many(items)
+
+    def close(self):
+        pass
+
+
+def test_pp_stage_publishes_on_its_thread_and_reports_once_complete():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    worker = _worker(pp_rank=1, pp_size=2, kv=_cache())
+    store = _GatedStore(engine_helpers.MEMORY_STORE)
+    worker._store = store
+    t0 = time.monotonic()
+    assert _step(worker, meta, {"r1"}) is None  # the step does not wait for the put
+    assert store.entered.wait(10) and time.monotonic() - t0 < 5
+    assert _step(worker, HpcConnectorMetadata(), set()) is None
+    assert worker.num_published == 0
+    store.gate.set()
+    _settle(worker)
+    assert worker.num_published == 0  # counted by the step that collects it, with its report
+    assert _step(worker, HpcConnectorMetadata(), set()) == {"r1"}
+    assert worker.num_published == 1
+    stage1 = {f.key for f in m.fragments_of_stage(1)}
+    assert stage1 == set(engine_helpers.MEMORY_STORE.keys())
+    assert _step(worker, HpcConnectorMetadata(), set()) is None  # reported once
+
+
+def test_pp_stage_failure_is_raised_by_the_next_step_and_stops_its_thread(tmp_path):
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    _, params2, meta2 = _finish(sched, _request("r2"))
+    m2 = Manifest.from_dict(params2[MANIFEST_PARAM])
+    engine_helpers.MEMORY_STORE.fail_puts_for = {m.last.key}
+    worker = _worker(pp_rank=1, pp_size=2, fault_dir=str(tmp_path))
+    worker.bind_connector_metadata(HpcConnectorMetadata(pending=meta.pending + meta2.pending))
+    _settle(worker)
+    with pytest.raises(StoreError, match="injected"):
+        worker.get_finished({"r1", "r2"})
+    (fault,) = read_faults(str(tmp_path))
+    assert fault["where"] == "stage 1 publish of r1" and "injected" in fault["message"]
+    # Nothing reported; the sample queued behind the failure is never published.
+    assert _step(worker, HpcConnectorMetadata(), set()) is None
+    assert worker.num_published == 0
+    assert not {f.key for f in m2.all_objects} & set(engine_helpers.MEMORY_STORE.keys())
+
+
+def test_shutdown_lets_the_queued_publishes_finish():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _, params, meta = _finish(sched, _request())
+    m = Manifest.from_dict(params[MANIFEST_PARAM])
+    worker = _worker(pp_rank=0, pp_size=2)
+    worker.bind_connector_metadata(meta)
+    worker.clear_connector_metadata()
+    worker.shutdown()
+    assert {f.key for f in m.fragments_of_stage(0)} == set(engine_helpers.MEMORY_STORE.keys())
+    assert worker._publisher is None

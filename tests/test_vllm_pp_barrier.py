@@ -12,7 +12,9 @@ after whichever stage reported first.)
 
 Two tests: the aggregator itself, fed stage outputs directly (fast); and a PP=2 engine whose stage-1
 store client fails every put (a test-only store factory, passed through `CaptureEngine`'s
-`store_factory`): `capture()` must raise the store error naming stage 1 and return no manifest.
+`store_factory`): `capture()` must raise the store error naming stage 1 and return no manifest,
+whether the call captures that one prompt or it is the first of three in one call (the wait for
+the stages' reports then comes once, after the third).
 """
 
 from __future__ import annotations
@@ -153,7 +155,10 @@ def run_faulty(args: dict[str, Any]) -> dict[str, Any]:
         result["engine_start_s"] = time.monotonic() - t0
         t1 = time.monotonic()
         try:
-            result["manifests"] = len(eng.capture([list(range(5, 45))]))
+            # The first prompt's stage-1 put fails; with several prompts in one call the failure
+            # surfaces while later prompts run or during the call's final wait.
+            batch = [list(range(5 + i, 45 + 7 * i)) for i in range(int(args.get("prompts", 1)))]
+            result["manifests"] = len(eng.capture(batch))
         except Exception as err:
             result.update(
                 error_type=type(err).__name__, message=str(err)[:2000], seconds_to_error=time.monotonic() - t1
@@ -164,7 +169,8 @@ def run_faulty(args: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_failed_put_on_one_stage_fails_the_sample(tmp_path):
+@pytest.mark.parametrize("num_prompts", [1, 3], ids=["one-prompt", "first-of-three"])
+def test_failed_put_on_one_stage_fails_the_sample(tmp_path, num_prompts):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
@@ -173,7 +179,7 @@ def test_failed_put_on_one_stage_fails_the_sample(tmp_path):
     model_dir = str(resolve_target("builtin:tiny-qwen3"))
     log = tmp_path / "engine.log"
     with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
-        args = {"model_dir": model_dir, "address": master.address}
+        args = {"model_dir": model_dir, "address": master.address, "prompts": num_prompts}
         # The workers import the factory by module name: this folder goes on their path.
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", PYTHONUNBUFFERED="1")
         with log.open("w") as f:
@@ -190,7 +196,7 @@ def test_failed_put_on_one_stage_fails_the_sample(tmp_path):
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}; log tail:\n{tail}"
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    print(f"\n[measure] PP=2, stage {FAIL_STAGE} put fails: {json.dumps(result)}")
+    print(f"\n[measure] PP=2, stage {FAIL_STAGE} put fails, {num_prompts} prompt(s): {json.dumps(result)}")
     assert result["manifests"] == 0, "a sample missing stage 1's fragments was reported complete"
     assert result["error_type"] == "StoreError", result
     assert INJECTED in result["message"] and f"stage {FAIL_STAGE}" in result["message"], result

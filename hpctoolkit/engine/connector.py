@@ -9,22 +9,36 @@ them to the object store in the universal fragment layout of `hpctoolkit.capture
 
 Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worker-role instance):
 
-1. Step N (the request's last prefill chunk): target forward; the drafter writes the chunk's rows
-   into the cache-only layer; the single sampled token (`max_tokens=1`) finishes the request.
-2. `S.request_finished_all_groups` (same step): if the whole prompt was computed, build the
-   manifest with `hpctoolkit.capture.build_manifest`, queue a `PendingSample` (block ids of the
-   hidden-state KV group, prompt ids, manifest), return `(True, {"hpctoolkit_manifest": ...})`:
-   blocks stay allocated, and the manifest travels to the client in `kv_transfer_params`.
-   A request finished before its prefill completed (abort, preemption) is never published.
-3. Step N+1: `S.build_connector_meta` hands the pending samples to every worker.
-   `W.get_finished` (each PP stage, each TP rank): TP rank 0 of stage `pp_rank` gathers the rows
-   of the capture ids it owns (`owned_layers`), and publishes them with `publish_stage`
-   (stage 0 also publishes `input_ids`) **synchronously**; only then does it report the request
-   in `finished_sending`.
-4. vLLM's `KVOutputAggregator` reports the request finished only once `get_finished_count()`
-   workers did, i.e. once every PP stage published; then the scheduler frees the blocks.
-   `num_published` counts this worker's publishes; the engine reads it through the worker
-   extension (`worker_ext.py`) to know when a multiprocess engine has published a sample.
+1. Step N (the step that computes the request's last prompt token): `S.build_connector_meta`
+   tracks every request's prompt, block ids and computed tokens from the scheduler output, and
+   notes that this one completes in step N: it builds the manifest
+   (`hpctoolkit.capture.build_manifest`). The target forward runs; the drafter writes the
+   chunk's rows into the cache-only layer; the single sampled token (`max_tokens=1`) finishes
+   the request.
+2. Step N+1, the next step scheduled: `S.build_connector_meta` hands the sample (block ids of the
+   hidden-state KV group, prompt ids, manifest) to every worker. Each worker runs its steps in
+   order, so by then it has cached its rows of step N. `W.bind_connector_metadata` (before the
+   step's forward): TP rank 0 of stage `pp_rank` gathers the rows of the capture ids it owns
+   (`owned_layers`) and publishes them with `publish_stage` (stage 0 also publishes
+   `input_ids`). One stage (PP=1) does it synchronously, there and then. With pipeline
+   parallelism step N+1 is scheduled while step N is still on the later stages, so each stage
+   publishes where it would otherwise wait: a non-last stage while the later stages finish the
+   request's last chunk, the last stage until the next request's activations arrive. There the
+   put runs on the stage's publisher thread (`_Publisher`), so the step returns at once and the
+   engine core, which waits for every stage's step, is not held up by a put.
+3. `S.request_finished_all_groups` (when step N's output is processed; at PP=1 before step N+1
+   is scheduled): returns `(True, {"hpctoolkit_manifest": ...})`: blocks stay allocated, and
+   the manifest travels to the client in `kv_transfer_params`. It checks that the block ids the
+   sample was handed out with are the request's. A request finished before its prefill
+   completed (abort, preemption) is never published; one aborted after its sample was handed
+   out keeps its blocks until the stages reported and returns no manifest (its fragments stay
+   in the store unreferenced, with a warning).
+4. `W.get_finished` collects the publishes its thread completed (PP > 1) and reports a
+   published request in `finished_sending` once vLLM lists it among the finished ones. vLLM's
+   `KVOutputAggregator` reports it finished only once `get_finished_count()` workers did, i.e.
+   once every PP stage published; then the scheduler frees the blocks. `num_published` counts
+   this worker's completed publishes; the engine reads it through the worker extension
+   (`worker_ext.py`) to know when a multiprocess engine has published a sample.
 
 Where things are decided: the stage is `get_pp_group().rank_in_group` and the TP rank
 `get_tensor_model_parallel_rank()` (read in `register_kv_caches`, after distributed init);
@@ -40,8 +54,10 @@ Fail-closed rules:
   `StoreError` naming the address, within `connect_timeout_s`.
 * The store client itself is created lazily, at the first publish: creating a Mooncake client
   registers buffers, which perturbs vLLM's KV-cache memory profiling during engine start.
-* A failing publish raises `StoreError` out of the step (never a warning, never a dropped sample)
-  and the request is not reported sent. Before raising, the worker writes a one-line fault
+* A failing publish raises `StoreError` out of the step that runs it, or (publisher thread)
+  out of the next step that collects it (never a warning, never a dropped sample), and the
+  request is not reported sent; a publisher thread runs nothing after a failure. Before raising,
+  the worker (or, for a scheduler-side check, the engine core) writes a one-line fault
   record into `fault_dir` (when configured; it must be visible to the engine's caller, i.e. on a
   shared filesystem for multi-node engines), so a caller whose worker runs in another process
   reports the store error itself rather than vLLM's generic engine-death error.
@@ -53,10 +69,14 @@ Settings arrive through `kv_connector_extra_config` (JSON-able; see `ExtraConfig
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +115,8 @@ EXTRA_CONFIG_KEY = "hpctoolkit"
 LAST_HIDDEN_STATES_PRENORM = True
 DEFAULT_STORE_FACTORY = "hpctoolkit.store.mooncake:MooncakeStore"
 DEFAULT_REACHABILITY_CHECK = "hpctoolkit.store.mooncake:check_reachable"
+# How long a worker's shutdown waits for the publishes still queued on its publisher thread.
+PUBLISHER_CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -177,6 +199,55 @@ def read_faults(fault_dir: str | None) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r.get("time", 0))
 
 
+class _Publisher:
+    """One daemon thread that runs a worker's publishes, in submission order.
+
+    Threading: `submit`, `completed` and `close` are called from the worker's step thread only;
+    the jobs run on the publisher thread, which is the only user of the store client while it
+    runs (the connector creates the client inside the first job). After a job raises, the thread
+    runs no further job: the failure is reported once, by `completed`, and the samples queued
+    behind it are never reported published. A daemon thread, so a put stuck on a dead master
+    cannot hold up the worker's exit; `close` waits for the queued jobs, bounded.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
+        self.in_flight = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, job: Callable[[], None]) -> None:
+        self.in_flight += 1
+        self._jobs.put((req_id, job))
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            req_id, job = item
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001  (handed to the step thread, which raises it)
+                self._done.put((req_id, err))
+                return
+            self._done.put((req_id, None))
+
+    def completed(self) -> list[tuple[str, BaseException | None]]:
+        """(request id, error or None) of every job that ended since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                self.in_flight -= len(out)
+                return out
+
+    def close(self, timeout_s: float) -> bool:
+        """Let the queued jobs finish, then stop; False if the thread is still busy after `timeout_s`."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
 @dataclass
 class PendingSample:
     """Scheduler → worker: one finished request to publish. Plain data (it is pickled to workers)."""
@@ -190,6 +261,14 @@ class PendingSample:
 @dataclass
 class HpcConnectorMetadata(KVConnectorMetadata):
     pending: list[PendingSample] = field(default_factory=list)
+
+
+@dataclass
+class _Prompt:
+    """Scheduler side: a request whose prompt is being computed, as the scheduler outputs show it."""
+
+    token_ids: list[int]
+    block_ids: list[int]  # of the hidden-state KV group, in order
 
 
 class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -224,8 +303,11 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, kv_cache_config, self._cache_gid
         )
 
-        # Scheduler side.
-        self._pending: dict[str, PendingSample] = {}
+        # Scheduler side: prompts being computed; samples whose last prompt token was scheduled in
+        # the step built last (handed out with the next); samples handed out, request unfinished.
+        self._prompts: dict[str, _Prompt] = {}
+        self._completing: dict[str, PendingSample] = {}
+        self._handed: dict[str, PendingSample] = {}
 
         # Worker side (rank facts are known only after distributed init: register_kv_caches).
         self._kv_cache: torch.Tensor | None = None
@@ -234,6 +316,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._owned: list[int] = []
         self._heads: dict[int, int] = {}
         self._store: Any = None
+        self._publisher: _Publisher | None = None
         self._published: set[str] = set()
         self._finished_seen: set[str] = set()
         self.num_published = 0
@@ -306,7 +389,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def wait_for_save(self) -> None:
-        return  # publishing is synchronous, in get_finished
+        return  # publishing starts in bind_connector_metadata; get_finished reports it
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -338,20 +421,38 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         layers = {k: rows_tnh[:, self._heads[k]].contiguous() for k in self._owned}
         input_ids = torch.tensor(pending.token_ids, dtype=torch.long) if self._pp_rank == 0 else None
         publish_stage(self._get_store(), manifest, self._pp_rank, layers, input_ids)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before this step's forward (module docstring, step 2).
+        if not isinstance(connector_metadata, HpcConnectorMetadata) or self._tp_rank != 0:
+            return
+        for pending in connector_metadata.pending:
+            if self._pp_size > 1:
+                if self._publisher is None:
+                    self._publisher = _Publisher(f"hpctoolkit-publish-pp{self._pp_rank}")
+                self._publisher.submit(pending.req_id, functools.partial(self._publish, pending))
+                continue
+            try:
+                self._publish(pending)
+            except BaseException as err:
+                self._record_fault(pending.req_id, err)
+                raise
+            self._count_published(pending.req_id)
+
+    def _record_fault(self, req_id: str, err: BaseException) -> None:
+        write_fault(self._extra.fault_dir, f"stage {self._pp_rank} publish of {req_id}", err)
+
+    def _count_published(self, req_id: str) -> None:
+        self._published.add(req_id)
         self.num_published += 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, HpcConnectorMetadata) and self._tp_rank == 0:
-            for pending in meta.pending:
-                try:
-                    self._publish(pending)
-                except BaseException as err:
-                    write_fault(
-                        self._extra.fault_dir, f"stage {self._pp_rank} publish of {pending.req_id}", err
-                    )
-                    raise
-                self._published.add(pending.req_id)
+        for req_id, err in self._publisher.completed() if self._publisher is not None else ():
+            if err is not None:
+                self._record_fault(req_id, err)
+                raise err
+            self._count_published(req_id)
         # vLLM requires a reported id to have been among finished_req_ids, in this or an
         # earlier call; both normally arrive in the same step.
         self._finished_seen |= finished_req_ids
@@ -364,6 +465,13 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return (done or None), None
 
     def shutdown(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None and not publisher.close(PUBLISHER_CLOSE_TIMEOUT_S):
+            logger.warning(
+                "hpctoolkit connector: stage %d's publisher was still busy %g s after shutdown began",
+                self._pp_rank,
+                PUBLISHER_CLOSE_TIMEOUT_S,
+            )
         store, self._store = self._store, None
         if store is not None:
             store.close()
@@ -382,23 +490,49 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise AssertionError("HpcHiddenStatesConnector never loads KV")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = HpcConnectorMetadata(pending=list(self._pending.values()))
-        self._pending.clear()
+        # Samples whose last prompt token was scheduled in the step built before this one.
+        meta = HpcConnectorMetadata(pending=list(self._completing.values()))
+        self._handed.update(self._completing)
+        self._completing = {}
+        self._track(scheduler_output)
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
+    def _track(self, scheduler_output: SchedulerOutput) -> None:
+        """Follow each request's prompt and blocks through the scheduler output of one step.
 
-        prompt = request.prompt_token_ids
-        if prompt is None:
-            raise DataIntegrityError(f"request {request.request_id} has no prompt token ids (embeds only)")
-        num_tokens = len(prompt)
-        # Never publish a partial sample: a request aborted (or finished) before its last
-        # prefill chunk ran has no complete set of rows.
-        if request.status == RequestStatus.FINISHED_ABORTED or request.num_computed_tokens < num_tokens:
-            return False, None
+        The same bookkeeping as the model runner's: a new request brings its prompt and block
+        table, a running one appends its new blocks, a resumed (preempted) one replaces them.
+        A request whose computed tokens reach its prompt length in this step completes.
+        """
+        gid = self._cache_gid
+        scheduled = scheduler_output.num_scheduled_tokens
+        progress: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is None or new.req_id in self._completing or new.req_id in self._handed:
+                continue  # embeds only (request_finished refuses it), or its sample is out already
+            self._prompts[new.req_id] = _Prompt(list(new.prompt_token_ids), list(new.block_ids[gid]))
+            progress.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self._prompts.get(req_id)
+            if prompt is None:
+                continue  # completed already, or untracked
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                prompt.block_ids = list(new_blocks[gid]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                prompt.block_ids.extend(new_blocks[gid])
+            progress.append((req_id, cached.num_computed_tokens[i]))
+        for req_id, computed in progress:
+            prompt = self._prompts[req_id]
+            if computed + scheduled.get(req_id, 0) >= len(prompt.token_ids):
+                del self._prompts[req_id]
+                self._completing[req_id] = self._sample(req_id, prompt.token_ids, prompt.block_ids)
+
+    def _sample(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> PendingSample:
+        num_tokens = len(token_ids)
         manifest = build_manifest(
-            sample_key=sample_key_for(self._extra.run_prefix, request.request_id),
+            sample_key=sample_key_for(self._extra.run_prefix, req_id),
             capture_ids=self._capture_ids,
             num_tokens=num_tokens,
             hidden_size=self._hidden_size,
@@ -407,16 +541,68 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             dtype=self._dtype,
             extra={
                 "last_hidden_states_prenorm": LAST_HIDDEN_STATES_PRENORM,
-                "request_id": request.request_id,
+                "request_id": req_id,
                 # Lets stage 0 and the reader catch input_ids that belong to another prompt.
-                INPUT_IDS_SHA256: input_ids_digest(torch.tensor(list(prompt), dtype=torch.long)),
+                INPUT_IDS_SHA256: input_ids_digest(torch.tensor(token_ids, dtype=torch.long)),
             },
         )
-        manifest_d = manifest.to_dict()
-        self._pending[request.request_id] = PendingSample(
-            req_id=request.request_id, block_ids=list(block_ids), token_ids=list(prompt), manifest=manifest_d
+        # The rows of the first num_tokens slots: the blocks they occupy.
+        used = -(-num_tokens // self._block_size)
+        return PendingSample(
+            req_id=req_id,
+            block_ids=list(block_ids[:used]),
+            token_ids=list(token_ids),
+            manifest=manifest.to_dict(),
         )
-        return True, {MANIFEST_PARAM: manifest_d}
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        self._prompts.pop(rid, None)
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            raise DataIntegrityError(f"request {rid} has no prompt token ids (embeds only)")
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        if rid in self._handed:
+            sample = self._handed.pop(rid)
+            if aborted:
+                # The stages publish it in any case; hold the blocks until they reported.
+                logger.warning(
+                    "hpctoolkit connector: request %s was aborted after its sample %s was handed to "
+                    "the stages; its fragments stay in the store, unreferenced",
+                    rid,
+                    sample.manifest.get("sample_key"),
+                )
+                return True, None
+        elif rid in self._completing:
+            sample = self._completing[rid]
+            if aborted:
+                del self._completing[rid]  # never handed out: nothing is published
+                return False, None
+        else:
+            # Never seen completing its prompt in a scheduler output (e.g. a connector unit
+            # test): publish with the next step, from the blocks vLLM reports now. Never a
+            # partial sample: a request finished before its last prefill chunk ran has no
+            # complete set of rows.
+            if aborted or request.num_computed_tokens < len(prompt):
+                return False, None
+            sample = self._sample(rid, list(prompt), list(block_ids))
+            self._completing[rid] = sample
+        used = len(sample.block_ids)
+        # A request preempted after its sample was handed out recomputed into other blocks; the
+        # rows were read before any block was reused (every stage reads them before the forward
+        # of the next step, the first that can write a reallocated block).
+        moved = getattr(request, "num_preemptions", 0) > 0
+        if (not moved and list(block_ids[:used]) != sample.block_ids) or list(prompt) != sample.token_ids:
+            err = DataIntegrityError(
+                f"request {rid}: the sample was handed out with blocks {sample.block_ids} and "
+                f"{len(sample.token_ids)} prompt tokens, but the request finished with blocks "
+                f"{list(block_ids[:used])} and {len(prompt)} prompt tokens"
+            )
+            write_fault(self._extra.fault_dir, f"engine core, finishing request {rid}", err)
+            raise err
+        return True, {MANIFEST_PARAM: sample.manifest}
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -346,8 +346,8 @@ class CaptureEngine:
         """
         llm = self._llm
         if self.in_process:
-            # No busy loop in-process: the publish happens in the step after the request
-            # finished, and blocks are freed one step later.
+            # In-process nothing steps unless we do: the last request's sample is published in
+            # the step after it finished, which also reports it, and its blocks are freed then.
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler
             while scheduler.has_requests():
                 if time.monotonic() > deadline:
