@@ -168,3 +168,29 @@ def test_prefill_only_extract_batch_skips_the_blocking_draft_rpc(extract, max_to
     )
     EngineCore.post_step(fake, model_executed=True)  # type: ignore[arg-type]
     assert bool(calls) is taken
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extract", "drafts", "computed", "draftless"),
+    [
+        (True, {}, [0, 256], True),  # prompt chunks (the last one samples the first token)
+        (True, {"a": [7]}, [0, 256], False),  # a draft to verify
+        (True, {}, [0, 300], False),  # request b decodes (its 300-token prompt is computed)
+        (False, {}, [0, 256], False),  # another speculative method
+    ],
+)
+def test_draftless_extract_prefill_samples_like_a_plain_batch(extract, drafts, computed, draftless):
+    """Such a step takes the plain sampling path: no spec-decode metadata, no rejection sampler."""
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fake = SimpleNamespace(
+        speculative_config=SimpleNamespace(uses_extract_hidden_states=lambda: extract),
+        input_batch=SimpleNamespace(
+            num_computed_tokens_cpu=np.array([*computed, 0]),  # the third row is not in the batch
+            num_prompt_tokens=np.array([1024, 300, 5]),
+        ),
+    )
+    out = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+    assert GPUModelRunner._is_draftless_extract_prefill(fake, out, 2) is draftless  # type: ignore[arg-type]
