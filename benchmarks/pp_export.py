@@ -233,7 +233,8 @@ def spawn(args: dict[str, Any], log_dir: Path, preload: str | None, rep: int = 0
 def report(results: dict[tuple[int, str], dict[str, Any]], pps: list[int]) -> tuple[str, bool]:
     ok = True
     lines = [
-        "prefill throughput (prompt tokens/s, fastest of the rounds), one request per generate(), after a warm-up",
+        "prefill throughput (prompt tokens/s, fastest round of the fastest arm), one request per generate(), "
+        "after a warm-up",
         f"{'PP':>3} {'plain tok/s':>12} {'export tok/s':>13} {'time ratio':>11} {'target':>8}"
         f"  {'publish wait':>12} {'ratio w/o wait':>14}",
     ]
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=24, help="timed prompts per arm")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per arm (the fastest counts)")
     ap.add_argument(
-        "--repeats", type=int, default=2, help="arms per mode, run alternately (the fastest counts)"
+        "--repeats", type=int, default=3, help="arms per mode, run alternately (the fastest counts)"
     )
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens (prefill chunk)")
