@@ -19,19 +19,19 @@ Figures depend on the machine's load: run it alone (a 2-core box shared with oth
 show the neighbours, not the export).
 
 Measured 2026-11-30 on the 2-core CPU box, `--prompts 32 --rounds 6` (1024-token prompts,
-256-token chunks, libiomp5), four full runs of the current code (best arm per mode in each run):
+256-token chunks, libiomp5), best arm per mode in each run, four runs as the work went in:
 
-| run | PP=1 ratio | PP=2 ratio | publish wait (PP=2, 32 samples) | pipe bytes/token off/on |
-|-----|------------|------------|---------------------------------|-------------------------|
-| 1   | 1.089x     | 1.090x     | 0.010 s                         | 512.0 / 512.0           |
-| 2   | 1.136x     | 1.051x     | 0.012 s                         | 512.0 / 512.0           |
-| 3   | 1.176x     | 1.074x     | 0.010 s                         | 512.0 / 512.0           |
-| 4   | 1.124x     | 1.162x     | 0.013 s                         | 512.0 / 512.0           |
+| run (code)                              | PP=1   | PP=2   | publish wait, PP=2 | pipe bytes/token off/on |
+|-----------------------------------------|--------|--------|--------------------|-------------------------|
+| 1 (connector publishes while stages wait) | 1.089x | 1.090x | 0.010 s          | 512.0 / 512.0           |
+| 2 (+ draftless prefill samples plainly) | 1.136x | 1.051x | 0.012 s            | 512.0 / 512.0           |
+| 3 (+ no drafter next-token ids)         | 1.176x | 1.074x | 0.010 s            | 512.0 / 512.0           |
+| 4 (same code as 3)                      | 1.124x | 1.162x | 0.013 s            | 512.0 / 512.0           |
 
-Medians: PP=1 1.13x, PP=2 1.08x; runs 3 and 4 overlapped a test suite on the same two cores.
-Before this round (per-sample drain, synchronous publish): PP=1 1.09x, PP=2 1.275x with a
-0.18 s publish wait per 32 samples. The spread between runs (one engine process can run 10-20 %
-slower than the next for its whole life on this VM) is as large as the export's cost.
+Runs 3 and 4 overlapped a test suite on the same two cores. Before this round (a drain per
+sample, synchronous publish): PP=1 1.09x, PP=2 1.275x, publish wait 0.18 s per 32 samples. The
+spread between runs (one engine process can run 10-20 % slower than the next for its whole life
+on this VM) is as large as the export's own cost, so single runs straddle the 1.15x target.
 """
 
 from __future__ import annotations
