@@ -21,8 +21,8 @@ attention, bf16 compute, fp32 master weights, FSDP2 full_shard over one rank:
 |------------------------------|--------------------|-------------------|-----------------|
 | K3 DSpark MLA, 5 layers      | 354 ms             | 11.6k             | 10.1k           |
 
-(368 ms before the tuned FlexAttention options of `flex_kernel_options`; the two-GPU figures
-below predate them.)
+(368 ms before the tuned FlexAttention options of `flex_kernel_options`; a re-run on a fresh
+machine gave 355 ms.)
 
 Memory: peak allocated 64.9 GiB (reserved 82.2 GiB) against a static 53.1 GiB: 2.83 B trainable
 parameters as fp32 master (10.5 GiB) + fp32 gradients (10.5 GiB) + AdamW moments (21.1 GiB), the
@@ -30,12 +30,15 @@ parameters as fp32 master (10.5 GiB) + fp32 gradients (10.5 GiB) + AdamW moments
 and the target head replicated in bf16 (2.2 GiB). The ~12 GiB above static is bf16 all-gathered
 weights of the root FSDP group (embedding, lm_head, fc, markov head stay unsharded from forward
 to backward) plus activations and the chunked `[2048, 163840]` fp32 logits of the DSpark loss.
-The first step (17.8 s) includes compiling FlexAttention.
+The first step (17.8 s; 68 s on a fresh machine, cold compile cache) includes compiling FlexAttention.
 
 Two H200s of one host, FSDP2 full_shard over NCCL (`torchrun --standalone --nproc_per_node 2`),
-same defaults: 362 ms median step, 11.3k context tok/s/GPU (9.9k draft tok/s/GPU), so per-GPU
-throughput holds at 2 ranks; peak allocated 44.7 GiB per GPU (reserved 60.8 GiB) against a
-static 27.6 GiB per GPU once parameters, gradients and AdamW state are sharded in two.
+same defaults, `--steps 20`, tuned kernels: 349 ms median step (345-353 ms over 18 timed steps),
+11.7k context tok/s/GPU (10.3k draft tok/s/GPU), so per-GPU throughput holds at 2 ranks; peak
+allocated 44.7 GiB per GPU (reserved 60.8 GiB) against a static 27.6 GiB per GPU once
+parameters, gradients and AdamW state are sharded in two. Without the barrier before each timed
+step, rank 0's timer took in the other rank's CPU-side synthetic batch (steps of 650-1200 ms
+among the 350 ms ones, median 354-419 ms over three runs).
 """
 
 from __future__ import annotations
@@ -162,6 +165,13 @@ def main() -> int:
         )
         if device == "cuda":
             torch.cuda.synchronize()
+        if ctx.world_size > 1:
+            # Every rank builds its synthetic batch on the CPU first (1 OpenMP thread under
+            # torchrun, ~1 s at K3 shapes, varying by rank); without this barrier rank 0's timer
+            # would include the slowest rank's data generation through the first collective.
+            torch.distributed.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize()
         t = time.monotonic()
         parts = forward_backward(trainer, batch, step, ctx)
         gn = clip_and_norm(trainer, cfg.grad_clip)
