@@ -18,7 +18,7 @@ from hpctoolkit.engine.engine import (
     run_prefix,
     target_num_layers,
 )
-from hpctoolkit.engine.rows import gather_rows, head_index_of, sample_key_for, slot_mapping
+from hpctoolkit.engine.rows import gather_heads, head_index_of, sample_key_for, slot_mapping
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 
 pytestmark = pytest.mark.timeout(60)
@@ -246,13 +246,20 @@ def test_head_index_global_and_local_layouts():
         head_index_of([1, 3, 5, 6], [5, 6], 3)
 
 
-def test_gather_rows_reads_the_right_slots_and_copies():
+@pytest.mark.parametrize("physical", ["contiguous", "strided-view"])
+def test_gather_heads_reads_each_ids_rows_at_the_slots_and_copies(physical):
     blocks, heads, bs, hidden = 5, 3, 4, 2
-    kv = torch.arange(blocks * heads * bs * hidden, dtype=torch.float32).reshape(blocks, heads, bs, hidden)
+    n = blocks * heads * bs * hidden
+    if physical == "contiguous":
+        kv = torch.arange(n, dtype=torch.float32).reshape(blocks, heads, bs, hidden)
+    else:  # a backend storing [num_blocks, block_size, num_heads, hidden], handed out as a view
+        kv = torch.arange(n, dtype=torch.float32).reshape(blocks, bs, heads, hidden).transpose(1, 2)
     slots = slot_mapping([2, 0], bs, 6)
-    rows = gather_rows(kv, slots)
-    assert rows.shape == (6, heads, hidden)
-    for t, s in enumerate(slots.tolist()):
-        assert torch.equal(rows[t], kv[s // bs, :, s % bs])
+    rows = gather_heads(kv, slots, {7: 2, 3: 0})
+    assert list(rows) == [7, 3]
+    for k, h in ((7, 2), (3, 0)):
+        assert rows[k].shape == (6, hidden) and rows[k].is_contiguous()
+        for t, s in enumerate(slots.tolist()):
+            assert torch.equal(rows[k][t], kv[s // bs, h, s % bs])
     kv.zero_()
-    assert rows.abs().sum() > 0  # a copy: freed blocks may be reused
+    assert all(r.abs().sum() > 0 for r in rows.values())  # copies: freed blocks may be reused

@@ -1,7 +1,8 @@
 """The PP completion barrier: a sample is complete only once every stage published its fragments.
 
-Design. Each stage's TP-rank-0 worker publishes the fragments it owns synchronously in the
-connector's `get_finished`, and only then reports the request in `finished_sending`. vLLM's
+Design. Each stage's TP-rank-0 worker publishes the fragments it owns (on its publisher thread
+under PP, handed the sample with the step after the request's last prompt token), and reports the
+request in `finished_sending` from `get_finished` only once the put completed. vLLM's
 `KVOutputAggregator` (built from `connector.get_finished_count()`, which `HpcHiddenStatesConnector`
 sets to the PP size) gathers every rank's `ModelRunnerOutput` and releases a request id to the
 scheduler only after that many reports; until then the scheduler keeps the request's blocks
@@ -14,7 +15,9 @@ Two tests: the aggregator itself, fed stage outputs directly (fast); and a PP=2 
 store client fails every put (a test-only store factory, passed through `CaptureEngine`'s
 `store_factory`): `capture()` must raise the store error naming stage 1 and return no manifest,
 whether the call captures that one prompt or it is the first of three in one call (the wait for
-the stages' reports then comes once, after the third).
+the stages' reports then comes once, after the third). After the engine's shutdown none of the
+processes it started may be left: the failing stage's EngineCore dies, and its workers, re-parented
+to init, once kept spinning after the test had finished.
 """
 
 from __future__ import annotations
@@ -163,7 +166,24 @@ def run_faulty(args: dict[str, Any]) -> dict[str, Any]:
             result.update(
                 error_type=type(err).__name__, message=str(err)[:2000], seconds_to_error=time.monotonic() - t1
             )
+    result["engine_pids"] = eng.engine_pids
+    result["reaped"] = eng.reaped  # what vLLM's own shutdown left and ours ended
+    result["left_running"] = _running(eng.engine_pids)
     return result
+
+
+def _running(pids: list[int]) -> list[str]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 @pytest.mark.real
@@ -200,6 +220,9 @@ def test_failed_put_on_one_stage_fails_the_sample(tmp_path, num_prompts):
     assert result["manifests"] == 0, "a sample missing stage 1's fragments was reported complete"
     assert result["error_type"] == "StoreError", result
     assert INJECTED in result["message"] and f"stage {FAIL_STAGE}" in result["message"], result
+    assert len(result["engine_pids"]) >= 3, result  # EngineCore and the two stages' workers
+    assert result["left_running"] == [], result
+    assert _running(result["engine_pids"]) == [], "an engine process outlived the capturing process"
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
-from hpctoolkit.engine.rows import gather_rows, head_index_of, sample_key_for, slot_mapping
+from hpctoolkit.engine.rows import gather_heads, head_index_of, sample_key_for, slot_mapping
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest, publish_stage
 
@@ -417,8 +417,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 f"manifest's {manifest.last.dtype}"
             )
         slots = slot_mapping(pending.block_ids, self._block_size, manifest.num_tokens)
-        rows_tnh = gather_rows(self._kv_cache, slots)
-        layers = {k: rows_tnh[:, self._heads[k]].contiguous() for k in self._owned}
+        layers = gather_heads(self._kv_cache, slots, {k: self._heads[k] for k in self._owned})
         input_ids = torch.tensor(pending.token_ids, dtype=torch.long) if self._pp_rank == 0 else None
         publish_stage(self._get_store(), manifest, self._pp_rank, layers, input_ids)
 

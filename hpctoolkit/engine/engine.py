@@ -265,6 +265,9 @@ class CaptureEngine:
         import psutil
 
         self._baseline_children = {p.pid for p in psutil.Process().children(recursive=True)}
+        # Every process the engine started, noted while they are still our descendants: a worker
+        # whose EngineCore died is re-parented to init and no longer shows among our children.
+        self._engine_procs: dict[int, Any] = {}
         if output_dir is None:
             self._fault_dir = tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
         else:
@@ -308,6 +311,7 @@ class CaptureEngine:
                 from vllm import LLM
 
                 self._llm = LLM(**kwargs)
+            self._note_engine_procs()
         except BaseException:
             self.shutdown()
             raise
@@ -475,6 +479,7 @@ class CaptureEngine:
         vLLM's own shutdown runs first, on a helper thread: after an engine death it has been seen
         to block, and a stuck shutdown must not keep the caller (or the engine's processes) alive.
         """
+        self._note_engine_procs()
         llm, self._llm = self._llm, None
         if llm is not None:
 
@@ -494,20 +499,37 @@ class CaptureEngine:
             shutil.rmtree(self._fault_dir, ignore_errors=True)
             self._fault_dir = None
 
+    def _note_engine_procs(self) -> None:
+        import psutil
+
+        baseline = getattr(self, "_baseline_children", None)
+        if baseline is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in baseline:
+                    self._engine_procs.setdefault(p.pid, p)
+
     def _reap_children(self, timeout_s: float) -> None:
         """End what vLLM's own shutdown left of the processes started since construction.
 
         vLLM already waited for its engine core and workers; what remains (multiprocessing's
-        resource tracker, a worker stuck in a native call) is ended by pid, and recorded in
-        `self.reaped` so tests can tell vLLM's cleanup from ours.
+        resource tracker, a worker stuck in a native call, a worker orphaned when its EngineCore
+        died, which vLLM's shutdown no longer reaches) is ended by pid, and recorded in
+        `self.reaped` so tests can tell vLLM's cleanup from ours. A noted process is matched by
+        pid and start time, so a reused pid is never signalled.
         """
         import psutil
 
         baseline = getattr(self, "_baseline_children", None)
         if baseline is None:
             return
-        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in baseline]
-        _, alive = psutil.wait_procs(ours, timeout=min(timeout_s, 2.0))
+        ours = {p.pid: p for p in psutil.Process().children(recursive=True) if p.pid not in baseline}
+        for pid, p in self._engine_procs.items():
+            with contextlib.suppress(psutil.Error):
+                if pid not in ours and p.is_running():
+                    ours[pid] = p
+        _, alive = psutil.wait_procs(list(ours.values()), timeout=min(timeout_s, 2.0))
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 self.reaped.append(" ".join(p.cmdline()[:3]) or p.name())
@@ -518,6 +540,11 @@ class CaptureEngine:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(alive, timeout=5)
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Pids of the processes this engine started (noted at start and at shutdown)."""
+        return sorted(self._engine_procs)
 
     def __enter__(self) -> CaptureEngine:
         return self

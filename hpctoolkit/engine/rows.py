@@ -5,7 +5,7 @@ Kept apart from `connector.py` so they are unit-tested without vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -53,13 +53,18 @@ def head_index_of(capture_ids: Sequence[int], owned: Sequence[int], num_heads: i
     )
 
 
-def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`[num_tokens, num_heads, hidden]` rows of the cache-only layer at `slots`, copied out.
+def gather_heads(
+    kv_cache: torch.Tensor, slots: torch.Tensor, heads: Mapping[int, int]
+) -> dict[int, torch.Tensor]:
+    """`{capture id: [num_tokens, hidden]}` rows of the cache-only layer at `slots`, copied out.
 
-    vLLM hands connectors the layer as a `[num_blocks, num_heads, block_size, hidden]` view
-    whatever the backend's physical layout (vLLM's own `extract_from_kv_cache` indexes it the same
-    way; the connector checks the shape when it binds the layer). The copy matters: the blocks
-    are freed and reused as soon as the request is reported sent.
+    `heads` maps each capture id to its head of the layer (`head_index_of`). vLLM hands
+    connectors the layer as a `[num_blocks, num_heads, block_size, hidden]` view whatever the
+    backend's physical layout (vLLM's own `extract_from_kv_cache` indexes it the same way; the
+    connector checks the shape when it binds the layer). One gather per head yields each id's
+    rows as a contiguous tensor of their own, ready to put. The copy matters: the blocks are
+    freed and reused as soon as the request is reported sent.
     """
     block_size = kv_cache.shape[2]
-    return kv_cache[slots // block_size, :, slots % block_size].clone()
+    blocks, offsets = slots // block_size, slots % block_size
+    return {k: kv_cache[blocks, h, offsets] for k, h in heads.items()}
