@@ -29,8 +29,7 @@ forward 20 % slower than the next for its whole life (hence several pairs of fre
 pooled). The in-process PP=1 engine keeps one core free of OpenMP threads (`pp1_bind`).
 
 Measured 2026-11-30 on the 2-core CPU box, defaults with `--prompts 32` (1024-token prompts,
-256-token chunks, 16 prompts per capture(), 5 pairs of 4 rounds, libiomp5), two runs of the same
-code:
+256-token chunks, 16 prompts per capture(), 5 pairs of 4 rounds, libiomp5), three runs:
 
 | run | PP | pooled median | quartiles      | pair medians                   | publish wait | pipe bytes/token off/on |
 |-----|----|---------------|----------------|--------------------------------|--------------|-------------------------|
@@ -38,8 +37,11 @@ code:
 | 1   | 2  | 1.107x        | [1.068, 1.143] | 1.122 1.107 1.086 (3 pairs x 6) | 0.012 s      | 512.0 / 512.0           |
 | 2   | 1  | 1.118x        | [1.097, 1.161] | 1.096 1.127 1.122 1.183 1.118  | 0.004 s      |                         |
 | 2   | 2  | 1.100x        | [1.079, 1.131] | 1.138 1.087 1.068 1.138 1.101  | 0.016 s      | 512.0 / 512.0           |
+| 3   | 1  | 1.075x        | [1.025, 1.122] | 1.089 1.029 1.133 1.040 1.099  | 0.004 s      |                         |
+| 3   | 2  | 1.128x        | [1.108, 1.149] | 1.128 1.122 1.124 1.161 1.099  | 0.017 s      | 512.0 / 512.0           |
 
-Run 1 used 3 pairs of 6 rounds. Where the PP=1 export time goes, per 32-prompt round (in-process
+Run 1 used 3 pairs of 6 rounds; run 3 gathers each capture id's rows straight into their own
+tensor (one copy less per sample). Where the PP=1 export time goes, per 32-prompt round (in-process
 timers, ~170 ms over plain): the synchronous put 43 ms (1.35 ms per 1 MB sample: two master
 RPCs and Mooncake's local memcpy), the rest of the publish 18 ms (row gather, checks), the stock
 cache-only layer's write 27 ms (0.2 ms per chunk), scheduler-side tracking and manifests 16 ms,
