@@ -521,15 +521,11 @@ class CaptureEngine:
         """
         import psutil
 
-        baseline = getattr(self, "_baseline_children", None)
-        if baseline is None:
+        if getattr(self, "_baseline_children", None) is None:
             return
-        ours = {p.pid: p for p in psutil.Process().children(recursive=True) if p.pid not in baseline}
-        for pid, p in self._engine_procs.items():
-            with contextlib.suppress(psutil.Error):
-                if pid not in ours and p.is_running():
-                    ours[pid] = p
-        _, alive = psutil.wait_procs(list(ours.values()), timeout=min(timeout_s, 2.0))
+        self._note_engine_procs()  # anything started since `shutdown` began
+        ours = [p for p in self._engine_procs.values() if p.is_running()]
+        _, alive = psutil.wait_procs(ours, timeout=min(timeout_s, 2.0))
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 self.reaped.append(" ".join(p.cmdline()[:3]) or p.name())
