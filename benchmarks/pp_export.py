@@ -151,7 +151,7 @@ def engine_config(pp: int, chunk: int, max_len: int):
     )
 
 
-def run_arm(a: dict[str, Any]) -> dict[str, Any]:
+def run_arm(a: dict[str, Any]) -> None:
     from hpctoolkit.engine.engine import build_llm_kwargs
     from hpctoolkit.store.config import StoreConfig
 
@@ -220,7 +220,6 @@ def run_arm(a: dict[str, Any]) -> dict[str, Any]:
         close()
     ctl.write("RESULT " + json.dumps({"engine_start_s": start_s, "pipe": pipe}) + "\n")
     ctl.close()
-    return {"pp": pp, "mode": mode}
 
 
 def intel_openmp() -> str | None:
@@ -275,8 +274,8 @@ class Arm:
         os.close(write_fd)
         self.ctl = os.fdopen(read_fd, "r")
 
-    def expect(self, word: str, timeout_s: float) -> list[str]:
-        """The arm's next reply, which must start with `word`, within `timeout_s`."""
+    def expect(self, word: str, timeout_s: float) -> str:
+        """The rest of the arm's next reply, which must start with `word`, within `timeout_s`."""
         ready, _, _ = select.select([self.ctl], [], [], timeout_s)
         line = self.ctl.readline() if ready else ""
         if not line.startswith(word + " "):
@@ -285,7 +284,7 @@ class Arm:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
             why = f"no {word} within {timeout_s:.0f} s" if not ready else f"got {line.strip()[:200]!r}"
             raise SystemExit(f"arm {self.name}: {why} (exit {self.proc.returncode}); log tail:\n{tail}")
-        return line.split(" ", 1)[1].split()
+        return line.split(" ", 1)[1].strip()
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None
@@ -294,7 +293,7 @@ class Arm:
 
     def finish(self) -> dict[str, Any]:
         self.send("stop")
-        (payload,) = [" ".join(self.expect("RESULT", ROUND_TIMEOUT_S))]
+        payload = self.expect("RESULT", ROUND_TIMEOUT_S)
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         try:
@@ -317,7 +316,7 @@ def run_pair(args: dict[str, Any], rounds: int, work: Path, preload: str | None,
     arms, start = {}, {}
     for mode in MODES:  # one at a time: engine start is not what is measured
         arms[mode] = Arm(dict(args, mode=mode), work, preload, rep)
-        start[mode] = float(arms[mode].expect("READY", START_TIMEOUT_S)[0])
+        start[mode] = float(arms[mode].expect("READY", START_TIMEOUT_S))
     times: dict[str, list[float]] = {m: [] for m in MODES}
     waits: dict[str, list[float]] = {m: [] for m in MODES}
     loads = [round(os.getloadavg()[0], 2)]
@@ -325,7 +324,7 @@ def run_pair(args: dict[str, Any], rounds: int, work: Path, preload: str | None,
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             time.sleep(COOLDOWN_S)
             arms[mode].send("round")
-            t, w = arms[mode].expect("ROUND", ROUND_TIMEOUT_S)
+            t, w = arms[mode].expect("ROUND", ROUND_TIMEOUT_S).split()
             times[mode].append(float(t))
             waits[mode].append(float(w))
     loads.append(round(os.getloadavg()[0], 2))
