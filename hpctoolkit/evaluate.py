@@ -87,7 +87,7 @@ def serving_method(export_dir: str | os.PathLike) -> str:
 
 def _engine_environment() -> None:
     """Apply the engine environment (in-process, CPU) before vLLM is imported; user values win."""
-    from hpctoolkit.envs import engine_env
+    from hpctoolkit.engine.env import engine_env
 
     backend = "cuda" if torch.cuda.is_available() else "cpu"
     for k, v in engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1).items():

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
+from hpctoolkit.engine.env import available_cores, detect_backend
 from hpctoolkit.cli import run_cli
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 from hpctoolkit.plan.placement import (
@@ -253,7 +254,7 @@ def engine_node_args(ctx: NodeContext, proc: Process) -> dict[str, Any]:
     args: dict[str, Any] = {"engine_index": e.index}
     if ctx.slurm is not None:
         # The node's own address and cores: vLLM and gloo bind the one, the workers split the other.
-        args.update(host_ip=node_address(ctx.nodename), cores=envs.available_cores())
+        args.update(host_ip=node_address(ctx.nodename), cores=available_cores())
     if e.nnodes > 1:
         args.update(
             node_rank=proc.node_rank,
@@ -366,7 +367,7 @@ def _run_engine_follower(ctx: NodeContext, proc: Process) -> int:
         store_address(ctx),
         cfg.store,
         run_id(ctx),
-        backend=envs.detect_backend(),
+        backend=detect_backend(),
         fault_dir=fault_dir_for(cfg.paths.output_dir, e.index),
         **engine_node_args(ctx, proc),
     )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpctoolkit import envs
+from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.capture import capture_ids_for, sanitize_key
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.engine.engine import (
@@ -110,7 +111,7 @@ def test_cpu_environment():
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    assert set(env) <= set(envs.ENGINE_ENV_KEYS)
+    assert set(env) <= set(engine_env_mod.ENGINE_ENV_KEYS)
     _, cuda_env = _build(backend="cuda")
     assert "VLLM_TARGET_DEVICE" not in cuda_env
 
@@ -119,9 +120,9 @@ def test_cpu_pp_binds_cores_per_rank():
     cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
     _, env = _build(cfg, num_cores=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
-    assert envs.cpu_bind_spec(2, 4) == "0-1|2-3"
+    assert engine_env_mod.cpu_bind_spec(2, 4) == "0-1|2-3"
     with pytest.raises(ValueError, match="cores"):
-        envs.cpu_bind_spec(4, 2)
+        engine_env_mod.cpu_bind_spec(4, 2)
 
 
 def test_env_registry():
@@ -173,8 +174,8 @@ def test_node_binding_splits_the_nodes_cores_over_its_local_workers():
     cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=2, pp_size=2)
     _, env = _build(cfg, master_addr="h", master_port=1, node_rank=1, cores=[4, 5, 6, 7])
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "4-5|6-7"
-    assert envs.cpu_bind_spec(1, [3]) == "3"
-    assert envs.cpu_bind_spec(2, [0, 2, 4, 6]) == "0,2|4,6"
+    assert engine_env_mod.cpu_bind_spec(1, [3]) == "3"
+    assert engine_env_mod.cpu_bind_spec(2, [0, 2, 4, 6]) == "0,2|4,6"
     with pytest.raises(ValueError, match="cores"):
         _build(cfg, master_addr="h", master_port=1, cores=[0])
     # An in-process engine keeps vLLM's own binding unless the node's cores are given.

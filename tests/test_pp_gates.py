@@ -13,6 +13,7 @@ import types
 import pytest
 
 from hpctoolkit import envs
+from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.capture import pp_range
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.pp_gates import (
@@ -406,7 +407,7 @@ def test_capture_engine_refuses_an_incapable_target_before_building_vllm(
     built = []
     monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw))
     monkeypatch.setenv("HPCTOOLKIT_ENGINE_BACKEND", "cpu")
-    for name in envs.ENGINE_ENV_KEYS:
+    for name in engine_env_mod.ENGINE_ENV_KEYS:
         # CaptureEngine sets them in os.environ; setenv records the old value (or its absence).
         monkeypatch.setenv(name, os.environ.get(name, ""))
     # A fault record an earlier run left in the shared output directory is cleared, the folder kept.

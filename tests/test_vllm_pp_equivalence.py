@@ -52,7 +52,7 @@ def prompts() -> list[list[int]]:
 def round_robin_bind(world_size: int, cores: int | list[int]) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` with one core per worker, reusing cores when there are fewer.
 
-    Same signature as `hpctoolkit.envs.cpu_bind_spec` (`cores`: a count or the core ids).
+    Same signature as `hpctoolkit.engine.env.cpu_bind_spec` (`cores`: a count or the core ids).
     """
     ids = list(range(cores)) if isinstance(cores, int) else sorted(int(c) for c in cores)
     return "|".join(str(ids[r % len(ids)]) for r in range(world_size))
@@ -63,9 +63,9 @@ def round_robin_bind(world_size: int, cores: int | list[int]) -> str:
 
 def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: capture, read back through Mooncake + dataset, save float64 tensors."""
-    from hpctoolkit import envs
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.engine import env as engine_env_mod
     from hpctoolkit.engine.engine import CaptureEngine
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.mooncake import MooncakeStore
@@ -74,7 +74,7 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     if pp > cores:
         # Test-only: the engine's even split needs a core per worker; oversubscribe instead.
-        envs.cpu_bind_spec = round_robin_bind  # type: ignore[assignment]
+        engine_env_mod.cpu_bind_spec = round_robin_bind  # type: ignore[assignment]
     cfg = EngineConfig(
         target_layer_ids=TARGET_LAYER_IDS,
         gpus_per_node=pp,

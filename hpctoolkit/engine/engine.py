@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit import envs
+from hpctoolkit.engine.env import detect_backend, engine_env
 from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout, sanitize_key
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
@@ -172,7 +172,7 @@ def build_llm_kwargs(
         kwargs.update(
             nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=int(master_port)
         )
-    env = envs.engine_env(
+    env = engine_env(
         backend,
         in_process=in_process,
         world_size=world,
@@ -275,7 +275,7 @@ class CaptureEngine:
             self._fault_dir = fault_dir_for(output_dir, engine_index)
             shutil.rmtree(self._fault_dir, ignore_errors=True)
             Path(self._fault_dir).mkdir(parents=True)
-        self.backend = envs.detect_backend()
+        self.backend = detect_backend()
         _, kwargs, env = engine_llm_kwargs(
             cfg,
             model_dir,

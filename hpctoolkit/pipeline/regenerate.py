@@ -19,7 +19,7 @@ def regenerate(
     """`prompt + greedy continuation` (up to `max_new_tokens`, stopping at EOS) for each prompt."""
     import torch
 
-    from hpctoolkit.envs import engine_env
+    from hpctoolkit.engine.env import engine_env
 
     backend = "cuda" if torch.cuda.is_available() else "cpu"
     for k, v in engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1).items():

@@ -1,0 +1,110 @@
+"""The environment an engine process gets: vLLM's variables for our backend, CPU binding, host IP.
+
+Pure builders (the caller applies what they return); `hpctoolkit.envs` stays the registry of our
+own variables.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from hpctoolkit import envs
+
+
+# Variables `engine_env` may set, so tests and the engine can tell ours from the user's.
+ENGINE_ENV_KEYS = (
+    "VLLM_TARGET_DEVICE",
+    "VLLM_HOST_IP",
+    "GLOO_SOCKET_IFNAME",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_CPU_OMP_THREADS_BIND",
+)
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask): on a node, the node's cores."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _span_text(ids: list[int]) -> str:
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def cpu_bind_spec(world_size: int, cores: int | Sequence[int]) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` value splitting the cores evenly over the local workers.
+
+    `cores` is a count (cores 0..n-1) or the core ids themselves (e.g. a node's affinity mask).
+    `0|1` for two ranks on two cores, `0-1|2-3` for two ranks on four, `3` for one rank on core 3.
+    """
+    ids = list(range(cores)) if isinstance(cores, int) else sorted(int(c) for c in cores)
+    if world_size < 1 or len(ids) < world_size:
+        raise ValueError(
+            f"cannot split {len(ids)} cores {ids} over {world_size} CPU workers (one core each at least)"
+        )
+    per = len(ids) // world_size
+    return "|".join(_span_text(ids[r * per : (r + 1) * per]) for r in range(world_size))
+
+
+def engine_env(
+    backend: str,
+    *,
+    in_process: bool,
+    world_size: int,
+    cpu_kvcache_space_gb: int,
+    host_ip: str = "127.0.0.1",
+    num_cores: int | None = None,
+    local_world_size: int | None = None,
+    cores: Sequence[int] | None = None,
+) -> dict[str, str]:
+    """The environment every engine run gets. Pure: the caller applies it.
+
+    CPU binding: one entry per worker on this node (`local_world_size`, the whole world on one
+    node), over `cores` (the node's cores; default: this process's affinity, or 0..num_cores-1).
+    An in-process engine without explicit `cores` keeps vLLM's own ("auto") binding.
+    """
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"engine backend must be 'cpu' or 'cuda', got {backend!r}")
+    if in_process and world_size != 1:
+        raise ValueError(f"an in-process engine has exactly one worker, but the world size is {world_size}")
+    local = world_size if local_world_size is None else local_world_size
+    if not 1 <= local <= world_size:
+        raise ValueError(f"local_world_size={local} must lie in [1, world_size={world_size}]")
+    env = {
+        "VLLM_HOST_IP": host_ip,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
+    if host_ip in ("127.0.0.1", "localhost"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if backend == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_space_gb)
+        if cores is not None or not in_process:
+            # Worker processes need an explicit per-rank split ("Not enough allowed NUMA nodes"
+            # otherwise), and vLLM's auto binding reserves cores a one-core node does not have.
+            pool = cores if cores is not None else (range(num_cores) if num_cores else available_cores())
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(local, list(pool))
+    unknown = set(env) - set(ENGINE_ENV_KEYS)
+    if unknown:
+        raise AssertionError(f"engine_env sets unregistered variables {sorted(unknown)}")
+    return env
+
+
+def detect_backend() -> str:
+    """'cuda' when torch sees a GPU, else 'cpu'; `HPCTOOLKIT_ENGINE_BACKEND` overrides."""
+    forced = envs.get(envs.HPCTOOLKIT_ENGINE_BACKEND.name)
+    if forced:
+        if forced not in ("cpu", "cuda"):
+            raise ValueError(f"HPCTOOLKIT_ENGINE_BACKEND must be 'cpu' or 'cuda', got {forced!r}")
+        return forced
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
