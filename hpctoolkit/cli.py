@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise ConfigError(f"{self.prog}: {(message or '').strip() or f'exit {status}'}")
 
-    def print_help(self, file=None) -> None:  # noqa: ANN001 -- argparse's signature
+    def print_help(self, file=None) -> None:
         raise HelpRequested(self.format_help())
 
 

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
-from hpctoolkit.engine.env import available_cores, detect_backend
 from hpctoolkit.cli import run_cli
+from hpctoolkit.engine.env import available_cores, detect_backend
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 from hpctoolkit.plan.placement import (
     LOCALHOST,
@@ -94,7 +94,7 @@ class NodeContext:
 def load_context(
     recipe: str, overrides: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> NodeContext:
-    from hpctoolkit.config import load_recipe
+    from hpctoolkit.config.load import load_recipe
 
     env = os.environ if environ is None else environ
     cfg = load_recipe(recipe, list(overrides))

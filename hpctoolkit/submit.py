@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from hpctoolkit.cli import run_cli
-from hpctoolkit.config import RecipeConfig, load_recipe, to_yaml
+from hpctoolkit.config.load import load_recipe, to_yaml
+from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from hpctoolkit.cli import run_cli
-from hpctoolkit.config import load_recipe
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.submit import main
 
 REPO = Path(__file__).resolve().parents[1]

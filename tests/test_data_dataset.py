@@ -9,7 +9,8 @@ import pytest
 import torch
 from store_fixtures import assert_sample_matches, make_manifest, publish_all
 
-from hpctoolkit.data import HiddenStateDataset, ShardReader, ShardWriter, save_manifest_samples
+from hpctoolkit.data.dataset import HiddenStateDataset
+from hpctoolkit.data.offline import ShardReader, ShardWriter, save_manifest_samples
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.store.memory import MemoryStore
 

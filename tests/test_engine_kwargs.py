@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hpctoolkit import envs
-from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.capture import capture_ids_for, sanitize_key
+from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.engine.engine import (
     CONNECTOR_CLASS,

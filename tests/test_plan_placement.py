@@ -265,7 +265,7 @@ def test_local_cuda_trainers_draw_from_the_same_pool():
 
 
 def test_local_recipe_plans():
-    from hpctoolkit.config import load_recipe
+    from hpctoolkit.config.load import load_recipe
 
     plan = make_plan(load_recipe("recipes/local.yaml"))
     assert plan.backend == "local" and len(plan.engines) == 1 and plan.trainer.world_size >= 1
@@ -292,7 +292,7 @@ def test_placement_and_slurm_env_import_nothing_heavy():
 
 def test_k3_recipe_loads_once_its_paths_are_given(tmp_path):
     """The couplings hold for K3: the draft's layers, hidden size, min_loss_tokens, node counts."""
-    from hpctoolkit.config import load_recipe
+    from hpctoolkit.config.load import load_recipe
 
     target = tmp_path / "kimi-k3"
     target.mkdir()

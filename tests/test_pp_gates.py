@@ -12,9 +12,8 @@ import types
 
 import pytest
 
-from hpctoolkit import envs
-from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.capture import pp_range
+from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.pp_gates import (
     CAPABILITY,

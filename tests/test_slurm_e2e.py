@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from slurm_fixtures import emulated_cluster, wait_done, why_not
 
-from hpctoolkit.config import load_recipe
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit import node
-from hpctoolkit.config import load_recipe
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from slurm_fixtures import emulated_cluster, wait_done, why_not
 
-from hpctoolkit.config import load_recipe
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import ROLE_TRAINER, Plan, make_plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import expand_hostlist

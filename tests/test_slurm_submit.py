@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config import load_recipe
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.slurm import shell

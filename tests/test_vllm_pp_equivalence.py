@@ -64,8 +64,8 @@ def round_robin_bind(world_size: int, cores: int | list[int]) -> str:
 def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: capture, read back through Mooncake + dataset, save float64 tensors."""
     from hpctoolkit.data.dataset import HiddenStateDataset
-    from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.engine import env as engine_env_mod
+    from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.engine.engine import CaptureEngine
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.mooncake import MooncakeStore

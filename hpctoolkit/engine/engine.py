@@ -22,9 +22,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.engine.env import detect_backend, engine_env
 from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout, sanitize_key
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
+from hpctoolkit.engine.env import detect_backend, engine_env
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from hpctoolkit import envs
 
-
 # Variables `engine_env` may set, so tests and the engine can tell ours from the user's.
 ENGINE_ENV_KEYS = (
     "VLLM_TARGET_DEVICE",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.capture import Manifest
-from hpctoolkit.config import RecipeConfig
+from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.pipeline.children import Child
 
