@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+from hpctoolkit.errors import ConfigError, DataIntegrityError, RoleFailedError, StoreError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -55,13 +55,6 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespac
         raise ConfigError(f"{ap.prog}: {err}") from None
 
 
-def fail_line(err: BaseException) -> str:
-    """The one line a failed run prints: the error's class and message, first line only when the
-    message carries a child's traceback."""
-    text = str(err).strip().splitlines()
-    return f"error: {type(err).__name__}: {text[0] if text else ''}"
-
-
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -72,7 +65,7 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except (StoreError, DataIntegrityError) as err:
+    except (StoreError, DataIntegrityError, RoleFailedError) as err:
         # A data-path fault: the run stopped rather than train on partial data. The message
         # names the store address or the sample key at fault.
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)

@@ -57,11 +57,11 @@ HPCTOOLKIT_ENGINE_BACKEND = _register(
 )
 
 
-# ---- Slurm placement and node roles (owner: hpctoolkit/slurm, hpctoolkit/node.py) ----------------
+# ---- Slurm placement and node roles (owner: hpctoolkit/slurm, hpctoolkit/roles) ----------------
 HPCTOOLKIT_NODE_DRY = _register(
     "HPCTOOLKIT_NODE_DRY",
     "0",
-    "1: `python -m hpctoolkit.node ROLE` prints where it landed (role, node, engine, node_rank, "
+    "1: `python -m hpctoolkit.roles ROLE` prints where it landed (role, node, engine, node_rank, "
     "CUDA_VISIBLE_DEVICES) and exits 0 instead of starting the role; proves placement without GPUs. "
     "A comma-separated list of roles (e.g. engine-leader,engine-follower,trainer) makes only those "
     "dry; while the master runs for real, the dry roles first wait until they reach it.",
@@ -76,6 +76,12 @@ HPCTOOLKIT_PYTHON = _register(
     "HPCTOOLKIT_PYTHON",
     "python3",
     "Interpreter rendered batch scripts run when cluster.container is unset.",
+)
+HPCTOOLKIT_RUN_ID = _register(
+    "HPCTOOLKIT_RUN_ID",
+    None,
+    "The run id every role of one run shares (its directory under paths.output_dir); the local "
+    "launcher sets it; on Slurm it defaults to <recipe name>-j<SLURM_JOB_ID>.",
 )
 HPCTOOLKIT_SLURM_STATE = _register(
     "HPCTOOLKIT_SLURM_STATE",

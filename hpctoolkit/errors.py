@@ -1,7 +1,7 @@
 """Errors shared across the package.
 
 Inside the package a user mistake raises `ConfigError` (a `ValueError`); exactly one function,
-`hpctoolkit.cli.main_guard`, turns it into a one-line message and exit code 2. Data-path faults
+`hpctoolkit.cli.run_cli`, turns it into a one-line message and exit code 2. Data-path faults
 raise `DataIntegrityError` or `StoreError` and are never downgraded to warnings.
 """
 
@@ -16,3 +16,7 @@ class DataIntegrityError(RuntimeError):
 
 class StoreError(RuntimeError):
     """The Mooncake store is unreachable or refused an operation. The message names the address or key."""
+
+
+class RoleFailedError(RuntimeError):
+    """A role process of a run failed. The message names the role, its last error line and its log."""

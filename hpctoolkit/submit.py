@@ -7,22 +7,17 @@ Validates the recipe and its overrides, plans where every part runs, then either
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from hpctoolkit.cli import run_cli
-from hpctoolkit.config.load import load_recipe, to_yaml
+from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.config.load import load_recipe
 from hpctoolkit.config.schema import RecipeConfig
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.placement import Plan, make_plan
+from hpctoolkit.rundir.layout import slurm_run_id
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own exit path would print usage and exit 2 itself
-        raise ConfigError(message)
-
-
-def describe(cfg: RecipeConfig, plan) -> str:
+def describe(cfg: RecipeConfig, plan: Plan | None) -> str:
     from hpctoolkit.capture import capture_ids_for
     from hpctoolkit.config.couplings import target_hf_config
 
@@ -46,26 +41,17 @@ def describe(cfg: RecipeConfig, plan) -> str:
     return "\n".join(lines)
 
 
-def _plan(cfg: RecipeConfig):
-    try:
-        from hpctoolkit.plan.placement import make_plan
-    except ImportError:  # the placement planner is optional for the local backend
-        return None
-    return make_plan(cfg)
-
-
 def main(argv: list[str]) -> int:
-    ap = _Parser(prog="python -m hpctoolkit.submit", description=__doc__.splitlines()[0])
+    ap = parser("hpctoolkit.submit", __doc__)
     ap.add_argument("recipe", help="recipe YAML, e.g. recipes/local.yaml")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     ap.add_argument("--render-sbatch", action="store_true", help="print the Slurm batch script and exit")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
     if args.render_sbatch:
         # The script is rendered before the job's paths exist: `???` values stay open and become
         # arguments of `sbatch`; the couplings run on the nodes, where the files are.
-        from hpctoolkit.plan.placement import make_plan
         from hpctoolkit.slurm.render import load_for_render, render_sbatch
 
         cfg, _ = load_for_render(args.recipe, args.overrides)
@@ -74,25 +60,23 @@ def main(argv: list[str]) -> int:
         )
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
-    plan = _plan(cfg)
+    plan = make_plan(cfg)
     print(describe(cfg, plan))
     if args.dry_run:
         print("\ndry run: recipe is valid; nothing was started.")
         return 0
-
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
     if cfg.cluster.backend == "slurm":
         from hpctoolkit.slurm.submit import submit_job
 
         job = submit_job(cfg, plan, recipe_path=args.recipe, overrides=args.overrides)
-        print(f"submitted Slurm job {job}; logs under {out}")
+        print(
+            f"submitted Slurm job {job}; its run directory is {Path(cfg.paths.output_dir) / slurm_run_id(cfg.name, job)}"
+        )
         return 0
-    from hpctoolkit.pipeline.local import run_local
+    from hpctoolkit.roles.local import run_local, start_run
 
-    summary = run_local(cfg, out)
-    return 0 if summary.get("ok", True) else 1
+    run_local(cfg, plan, start_run(cfg), args.recipe, args.overrides)
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.render import load_for_render
-from hpctoolkit.slurm.submit import _timeout_min, executor_parameters, submit_sbatch
+from hpctoolkit.slurm.env import time_limit_minutes
+from hpctoolkit.slurm.submit import executor_parameters, submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,12 +67,12 @@ def test_local_plan_is_refused():
     [("04:00:00", 240), ("48:00:00", 2880), ("1-00:00:00", 1440), ("30", 30), ("10:30", 11), ("00:00:01", 1)],
 )
 def test_timeout_minutes(text, minutes):
-    assert _timeout_min(text) == minutes
+    assert time_limit_minutes(text) == minutes
 
 
 def test_timeout_rejects_garbage():
     with pytest.raises(ConfigError, match=r"cluster\.time"):
-        _timeout_min("1:2:3:4")
+        time_limit_minutes("1:2:3:4")
 
 
 def fake_sbatch(tmp_path: Path, body: str) -> dict[str, str]:

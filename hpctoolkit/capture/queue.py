@@ -1,7 +1,7 @@
 """Manifest queues: how engine leaders hand manifests to the trainers of a Slurm run.
 
-Control plane only (metadata, never tensors), on the run's output directory, which every node of
-the job shares. Files under `<output_dir>/manifests/`:
+Control plane only (metadata, never tensors), in the run's directory (`hpctoolkit.rundir.layout`), which every
+node of the job shares. Files under `<run>/manifests/`:
 
 * `engine<i>.jsonl`: engine i's manifests, one JSON object per line, appended and flushed per line
   by its leader (`QueueWriter.append`); a line is complete once its newline is written.
@@ -32,35 +32,37 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import DataIntegrityError
-
-QUEUE_DIR = "manifests"
-DRAINED = "drained"
-
-
-def queue_dir(output_dir: str | os.PathLike) -> Path:
-    return Path(output_dir) / QUEUE_DIR
+from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.layout import RunDir
 
 
-def queue_path(output_dir: str | os.PathLike, engine: int) -> Path:
-    return queue_dir(output_dir) / f"engine{engine}.jsonl"
+def _run(run_root: str | os.PathLike) -> RunDir:
+    root = Path(run_root)
+    return RunDir(root.parent, root.name)
 
 
-def done_path(output_dir: str | os.PathLike, engine: int) -> Path:
-    return queue_dir(output_dir) / f"engine{engine}.done"
+def queue_dir(run_root: str | os.PathLike) -> Path:
+    return _run(run_root).manifests
 
 
-def failed_path(output_dir: str | os.PathLike, engine: int) -> Path:
-    return queue_dir(output_dir) / f"engine{engine}.failed"
+def queue_path(run_root: str | os.PathLike, engine: int) -> Path:
+    return _run(run_root).queue(engine)
 
 
-def drained_path(output_dir: str | os.PathLike) -> Path:
-    return queue_dir(output_dir) / DRAINED
+def done_path(run_root: str | os.PathLike, engine: int) -> Path:
+    return _run(run_root).queue_done(engine)
+
+
+def failed_path(run_root: str | os.PathLike, engine: int) -> Path:
+    return _run(run_root).queue_failed(engine)
+
+
+def drained_path(run_root: str | os.PathLike) -> Path:
+    return _run(run_root).drained
 
 
 def _write_atomic(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, record)
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ import torch
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.rundir.atomic import write_text_atomic
 from hpctoolkit.store.api import MissingKeysError
 
 INDEX_NAME = "index.json"
@@ -65,15 +66,6 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
             f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
         f.flush()
         os.fsync(f.fileno())
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:
@@ -131,7 +123,7 @@ class ShardWriter:
             "shards": self._shards,
             "num_samples": sum(len(s["samples"]) for s in self._shards),
         }
-        _atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=1))
+        write_text_atomic(self.out_dir / INDEX_NAME, json.dumps(index, indent=1))
 
     def close(self) -> None:
         self.flush()

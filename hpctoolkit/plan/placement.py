@@ -3,7 +3,7 @@
 `make_plan(cfg)` turns the recipe's `engine`, `training`, `store` and `cluster` sections into a
 `Plan`: the Mooncake master, every engine node (vLLM `node_rank`, GPUs, the PP stage each GPU
 serves) and every trainer rank, each on a node *index* of the allocation. Host names are not known
-until Slurm allocates; the batch script and `hpctoolkit.node` map index i to the i-th host of
+until Slurm allocates; the batch script and `hpctoolkit.roles` map index i to the i-th host of
 `scontrol show hostnames $SLURM_JOB_NODELIST`. On the local backend every node is `localhost`.
 
 Layout on Slurm (nodes numbered from 0):

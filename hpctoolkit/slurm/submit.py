@@ -15,6 +15,7 @@ from typing import Any
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan
 from hpctoolkit.slurm import shell
+from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.slurm.render import render_sbatch
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
@@ -52,21 +53,6 @@ def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[st
     return submit_sbatch(text, Path.cwd())
 
 
-def _timeout_min(time: str) -> int:
-    """Slurm's `[D-]HH:MM:SS` / `MM` time limit in whole minutes (rounded up)."""
-    days, _, rest = time.partition("-") if "-" in time else ("0", "", time)
-    parts = [int(p) for p in rest.split(":")]
-    if len(parts) == 1:
-        h, m, s = 0, parts[0], 0
-    elif len(parts) == 2:
-        h, m, s = 0, parts[0], parts[1]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        raise ConfigError(f"cluster.time={time!r} is not a Slurm time limit like 04:00:00")
-    return int(days) * 1440 + h * 60 + m + (1 if s else 0)
-
-
 def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
     """submitit `SlurmExecutor` parameters derived from the plan. Pure."""
     c = cfg.cluster
@@ -78,7 +64,7 @@ def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
         # Every node gets the same task count; tasks beyond a node's processes return at once.
         "ntasks_per_node": plan.max_processes_per_node(),
         "gpus_per_node": plan.gpus_per_node,
-        "time": _timeout_min(c.time),
+        "time": time_limit_minutes(c.time),
         "signal_delay_s": c.signal_before_s,
         "exclusive": bool(c.exclusive),
     }
@@ -98,7 +84,7 @@ def submit_submitit(
     folder: str | os.PathLike,
     dry: bool = False,
 ) -> Any:
-    """Submit the role dispatch (`hpctoolkit.node.run_task`) as one submitit job of `plan.num_nodes`
+    """Submit the role dispatch (`hpctoolkit.roles.dispatch.run_task`) as one submitit job of `plan.num_nodes`
     nodes; `job.results()` holds one entry per task (dry: the placement lines; None for spare tasks).
 
     Runs in the submitting interpreter's environment (submitit pickles the call); with
@@ -106,7 +92,7 @@ def submit_submitit(
     """
     import submitit
 
-    from hpctoolkit.node import run_task
+    from hpctoolkit.roles.dispatch import run_task
 
     if cfg.cluster.container:
         raise ConfigError(

@@ -211,10 +211,10 @@ class LiveSource:
         return Path(self.spool_dir or ".") / f"read-rank{rank}.json"
 
     def _spool(self, samples: Iterable[Any], rank: int) -> Iterator[Any]:
-        import json
         import shutil
 
         from hpctoolkit.data.offline import ShardWriter
+        from hpctoolkit.rundir.atomic import write_json_atomic
 
         shard_dir = Path(self.spool_dir) / f"rank{rank}"
         shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
@@ -223,9 +223,7 @@ class LiveSource:
         n = nbytes = 0
 
         def note(complete: bool) -> None:
-            tmp = record.with_name(f".{record.name}.tmp")
-            tmp.write_text(json.dumps({"samples": n, "bytes": nbytes, "complete": complete}))
-            tmp.replace(record)
+            write_json_atomic(record, {"samples": n, "bytes": nbytes, "complete": complete})
 
         note(False)
         # Flushed per sample: a shard is the replay's copy, and the run may stop at any step.

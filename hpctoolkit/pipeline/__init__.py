@@ -1,1 +1,0 @@
-"""Orchestration: run the whole job on one machine (`local.py`), phase by phase."""

@@ -1,0 +1,33 @@
+"""`python -m hpctoolkit.roles ROLE RECIPE [section.key=value ...]`: one role of a run."""
+
+from __future__ import annotations
+
+from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.plan.placement import ROLES
+from hpctoolkit.roles.context import load_context, select_process
+from hpctoolkit.roles.dispatch import run_process
+from hpctoolkit.roles.evaluate import run_evaluate
+
+ROLE_CHECK = "check"
+ROLE_EVALUATE = "evaluate"
+ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE)
+
+
+def main(argv: list[str]) -> int:
+    ap = parser("hpctoolkit.roles", __doc__)
+    ap.add_argument("role", choices=ALL_ROLES, help="the role this process runs")
+    ap.add_argument("recipe", help="the run's recipe YAML")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parse(ap, argv)
+    ctx = load_context(args.recipe, args.overrides)
+    if args.role == ROLE_CHECK:
+        print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
+        return 0
+    if args.role == ROLE_EVALUATE:
+        return run_evaluate(ctx)
+    result = run_process(ctx, select_process(ctx, args.role))
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,116 @@
+"""Which role function a process runs, dry mode, and submitit's per-task entry.
+
+`HPCTOOLKIT_NODE_DRY=1` replaces every role's work with one line
+`role=<role> node=<SLURMD_NODENAME> engine=<i> node_rank=<r> gpus=<CUDA_VISIBLE_DEVICES> ...`
+and exit 0: the real-Slurm tests use it to prove placement on machines without GPUs.
+
+Under submitit (`run_task`) every task of the job calls the same function; the task's position
+on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, and spare tasks
+return at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from hpctoolkit import envs
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.placement import (
+    ROLE_ENGINE_FOLLOWER,
+    ROLE_ENGINE_LEADER,
+    ROLE_MASTER,
+    ROLE_TRAINER,
+    ROLES,
+    Plan,
+    Process,
+)
+from hpctoolkit.roles.context import NodeContext, load_context, store_address
+from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
+from hpctoolkit.roles.master import run_master
+from hpctoolkit.roles.trainer import run_trainer
+from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
+from hpctoolkit.rundir.layout import RunDir
+from hpctoolkit.slurm.env import SlurmEnvironment
+
+ROLE_FUNCS: dict[str, Callable[[NodeContext, Process], int]] = {
+    ROLE_MASTER: run_master,
+    ROLE_ENGINE_LEADER: run_engine_leader,
+    ROLE_ENGINE_FOLLOWER: run_engine_follower,
+    ROLE_TRAINER: run_trainer,
+}
+
+
+def dry_roles(value: str | None) -> frozenset[str]:
+    """Roles `HPCTOOLKIT_NODE_DRY` makes dry: "1" all, "0"/unset none, else a comma list."""
+    value = (value or "0").strip()
+    if value == "1":
+        return frozenset(ROLES)
+    if value in ("", "0"):
+        return frozenset()
+    roles = frozenset(r.strip() for r in value.split(",") if r.strip())
+    unknown = sorted(roles - set(ROLES))
+    if unknown:
+        raise ConfigError(f"HPCTOOLKIT_NODE_DRY names unknown roles {unknown}; valid: {list(ROLES)}")
+    return roles
+
+
+def dry_line(ctx: NodeContext, proc: Process, environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    gpus = env.get("CUDA_VISIBLE_DEVICES") or "-"
+    planned = ",".join(map(str, proc.gpus)) or "-"
+    fields = [
+        f"role={proc.role}",
+        f"node={ctx.nodename}",
+        f"engine={'-' if proc.engine is None else proc.engine}",
+    ]
+    if proc.role == ROLE_TRAINER:
+        t = ctx.plan.trainer
+        fields += [
+            f"node_rank={t.nodes.index(proc.node)}",
+            f"gpus={gpus}",
+            f"rank={proc.node_rank}",
+            f"local_rank={proc.local_rank}",
+            f"planned_gpus={planned}",
+        ]
+    else:
+        rank = "-" if proc.node_rank is None else proc.node_rank
+        fields += [f"node_rank={rank}", f"gpus={gpus}", f"planned_gpus={planned}"]
+    fields.append(f"index={proc.node}")
+    return " ".join(fields)
+
+
+def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> str | int:
+    dry_set = dry_roles(envs.get(envs.HPCTOOLKIT_NODE_DRY.name)) if dry is None else None
+    if dry is None:
+        dry = proc.role in (dry_set or ())
+    if not dry:
+        return ROLE_FUNCS[proc.role](ctx, proc)
+    line = dry_line(ctx, proc)
+    if dry_set is not None and ROLE_MASTER not in dry_set and ctx.plan.master and proc.role != ROLE_MASTER:
+        # The master runs for real: prove this node reaches it at the planned address.
+        address = store_address(ctx)
+        waited = wait_reachable(address, MASTER_REACH_TIMEOUT_S)
+        line += f" store={address} reached_after_s={waited:.1f}"
+    print(line, flush=True)
+    return line
+
+
+def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> str | int | None:
+    """submitit's entry: every task of the job runs this; SLURM_LOCALID picks the process.
+
+    `plan` is the one computed at submission. Spare tasks (submitit gives every node the same task
+    count) and dry runs decide from it alone, without loading the recipe; a real role loads the
+    recipe and refuses to start if its plan differs.
+    """
+    senv = SlurmEnvironment.from_env()
+    here = plan.on_node(senv.node_index)
+    if senv.local_id >= len(here):
+        return None
+    proc = here[senv.local_id]
+    if dry:
+        run = RunDir.of("/nonexistent", f"dry-j{senv.job_id}")
+        ctx = NodeContext(None, plan, senv.node_index, senv.nodelist, senv.nodename or "?", senv, run)  # type: ignore[arg-type]
+        return run_process(ctx, proc, dry=True)
+    os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
+    return run_process(load_context(recipe, overrides), proc, dry=False)

@@ -1,0 +1,214 @@
+"""The `trainer` role: one FSDP rank.
+
+Ranks read every engine's queue through `LiveSource` (each rank fetches its share from the store
+and spools it for later epochs), train, checkpoint and export. Rank 0 writes `drained` once every
+rank read its whole share (the engines then release their segments, while training goes on), and
+at the end `summary.json` and `ended.json` (the services' cue to stop).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.placement import Process
+from hpctoolkit.roles.context import NodeContext, read_master_record, store_address, trainer_env
+from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
+from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+
+# No new manifest from any engine for this long (engine start included) fails the read.
+QUEUE_STALL_TIMEOUT_S = 1800.0
+# Rank 0 waits this long for the other ranks' read records after training.
+READ_RECORDS_TIMEOUT_S = 300.0
+
+
+def say(msg: str) -> None:
+    print(f"[hpctoolkit.trainer] {msg}", flush=True)
+
+
+def engine_share(num_samples: int, num_engines: int, engine: int) -> int:
+    """How many of the run's prompts engine `engine` captures (prompts `engine::num_engines`)."""
+    return len(range(engine, num_samples, num_engines))
+
+
+def run_trainer(ctx: NodeContext, proc: Process) -> int:
+    from hpctoolkit.train.run import train
+
+    cfg = ctx.cfg
+    # One process per rank; train() joins env:// when RANK/WORLD_SIZE are set.
+    os.environ.update(trainer_env(ctx, proc))
+    if cfg.training.data_source == "offline":
+        if not cfg.data.offline_dir:
+            raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
+        result = train(cfg, cfg.data.offline_dir, ctx.run.train)
+        if proc.node_rank == 0:
+            _finish(ctx, {"recipe": cfg.name, "run_id": ctx.run_id, **_train_fields(result)})
+        return 0
+    return _train_live(ctx, proc)
+
+
+def _train_fields(result: dict[str, Any] | None) -> dict[str, Any]:
+    result = result or {}
+    return {k: result.get(k) for k in ("steps_trained", "final_loss", "acceptance_length", "export_dir")}
+
+
+def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
+    """(samples, bytes, every rank complete) from the ranks' read records."""
+    n = nbytes = 0
+    complete = True
+    for r in range(world_size):
+        rec = read_json(source.read_record(r)) or {}
+        n += int(rec.get("samples", 0))
+        nbytes += int(rec.get("bytes", 0))
+        complete = complete and bool(rec.get("complete"))
+    return n, nbytes, complete
+
+
+def _published(ctx: NodeContext, prefixes: Sequence[str]) -> int | None:
+    total = 0
+    for i, prefix in enumerate(prefixes):
+        rec = read_json(ctx.run.queue_done(i))
+        if not isinstance(rec, dict) or rec.get("run_prefix") != prefix:
+            return None
+        total += int(rec["published"])
+    return total
+
+
+def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
+    from hpctoolkit.store.mooncake import MooncakeStore
+    from hpctoolkit.train.source import LiveSource, ManifestQueues
+
+    cfg = ctx.cfg
+    n = cfg.engine.num_engines
+    expected = tuple(engine_share(cfg.data.num_samples, n, i) for i in range(n))
+    return LiveSource(
+        "",
+        expected=sum(expected),
+        store_factory=functools.partial(MooncakeStore, store_address(ctx), cfg.store, role="reader"),
+        retry_max_wait_s=cfg.store.get_retry_max_wait_seconds,
+        follow=ManifestQueues(str(ctx.run.root), prefixes, expected, QUEUE_STALL_TIMEOUT_S),
+        spool_dir=str(ctx.run.spool),
+    )
+
+
+class _DrainWatch:
+    """Rank 0: release the engines (`drained`) as soon as every rank read its share."""
+
+    def __init__(self, ctx: NodeContext, source: Any, metrics: str | None, t0: float):
+        self.ctx, self.source, self.metrics, self.t0 = ctx, source, metrics, t0
+        self.result: dict[str, Any] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="hpctoolkit-drain-watch", daemon=True)
+
+    def _watch(self) -> None:
+        from hpctoolkit.capture.queue import write_drained
+        from hpctoolkit.store.mooncake import count_keys_via_master
+
+        while not self.stop.wait(0.5):
+            if _read_totals(self.source, self.ctx.plan.trainer.world_size)[2]:
+                try:
+                    self.result["keys_left_in_store"] = count_keys_via_master(self.metrics)
+                finally:  # the engines go either way; a failed count is counted again later
+                    write_drained(self.ctx.run.root, self.ctx.run_id)
+                self.result["at_s"] = time.monotonic() - self.t0
+                return
+
+    def close(self) -> None:
+        from hpctoolkit.capture.queue import write_drained
+
+        self.stop.set()
+        if "at_s" not in self.result:
+            # Training ended first (or failed): release the engines anyway; the summary says so.
+            write_drained(self.ctx.run.root, self.ctx.run_id)
+
+
+def _metrics_address(ctx: NodeContext) -> str | None:
+    if ctx.plan.master is None:
+        return ctx.cfg.store.master_metrics_address
+    return read_master_record(ctx)["metrics_address"]
+
+
+def _train_live(ctx: NodeContext, proc: Process) -> int:
+    from hpctoolkit.engine.engine import run_prefix
+    from hpctoolkit.train.run import train
+
+    t0 = time.monotonic()
+    cfg = ctx.cfg
+    stale = sorted(ctx.run.checkpoints.glob("step-*"))
+    if stale:
+        # Resuming would skip this job's samples (the store hands each out once, to this job).
+        raise ConfigError(
+            f"{ctx.run.checkpoints} holds checkpoints of an earlier attempt ({stale[-1].name}); "
+            "a live run starts from the store, not from a checkpoint"
+        )
+    rank0 = proc.node_rank == 0
+    if rank0 and cfg.data.offline_dir:
+        say(f"WARNING: data.offline_dir has no effect on a live run; each rank spools to {ctx.run.spool}")
+    prefixes = tuple(run_prefix(ctx.run_id, i) for i in range(cfg.engine.num_engines))
+    wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)
+    source = _live_source(ctx, prefixes)
+    watch = _DrainWatch(ctx, source, _metrics_address(ctx) if rank0 else None, t0)
+    if rank0:
+        watch.thread.start()
+    try:
+        result = train(cfg, source, ctx.run.train)
+    except BaseException as err:
+        if rank0:
+            write_json_atomic(ctx.run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+        raise
+    finally:
+        watch.close()
+    if rank0:
+        watch.thread.join(timeout=30)
+        _finish(ctx, _live_summary(ctx, source, watch, prefixes, result, t0))
+    return 0
+
+
+def _live_summary(
+    ctx: NodeContext, source: Any, watch: _DrainWatch, prefixes: tuple[str, ...], result: Any, t0: float
+) -> dict[str, Any]:
+    from hpctoolkit.store.mooncake import count_keys_via_master
+
+    world = ctx.plan.trainer.world_size
+    deadline = time.monotonic() + READ_RECORDS_TIMEOUT_S
+    read, moved, complete = _read_totals(source, world)
+    while not complete and "at_s" not in watch.result and world > 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        read, moved, complete = _read_totals(source, world)
+    keys_left = watch.result.get("keys_left_in_store")
+    if keys_left is None:
+        keys_left = count_keys_via_master(watch.metrics)
+    published = _published(ctx, prefixes)
+    summary = {
+        "recipe": ctx.cfg.name,
+        "run_id": ctx.run_id,
+        "samples_published": published,
+        "samples_read": read,
+        "bytes_moved": moved,
+        "keys_left_in_store": keys_left,
+        **_train_fields(result),
+        "drained_after_s": round(watch.result["at_s"], 1) if "at_s" in watch.result else None,
+        "train_wall_seconds": round(time.monotonic() - t0, 1),
+    }
+    if published is None or read != published:
+        # Not an error (training.steps may end before one pass), but never silent.
+        summary["samples_unread"] = None if published is None else published - read
+        say(f"WARNING: trained on {read} of {published} published samples; the rest were never read")
+    return summary
+
+
+def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
+    """Rank 0's last word: the summary, then the services' cue to stop."""
+    write_json_atomic(ctx.run.summary, summary, indent=2)
+    write_json_atomic(ctx.run.ended, {"ok": True})
+    if ctx.slurm is not None:
+        ctx.run.link_latest()
+    say(
+        f"trained {summary.get('steps_trained')} steps on {summary.get('samples_read')} samples; "
+        f"final loss {summary.get('final_loss')}; keys left in store {summary.get('keys_left_in_store')}"
+    )

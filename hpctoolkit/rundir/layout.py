@@ -1,0 +1,145 @@
+"""Where each file of a run lives. Pure path arithmetic (no I/O but `create` and `link_latest`).
+
+Every run has its own directory, `<paths.output_dir>/<run id>`, so a new run never touches an
+earlier one's results: a local run's id is `<recipe name>-<UTC time>-<4 hex>`, a Slurm job's
+`<recipe name>-j<SLURM_JOB_ID>` (a requeued job keeps its id, so it finds its own files again).
+`<paths.output_dir>/latest` is a symbolic link to the last run that finished with a summary.
+
+Inside a run directory (every node of a Slurm job shares it):
+
+    config.yaml                  the resolved recipe of this run
+    master.json                  the Mooncake master's addresses (`roles.master`)
+    manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
+    manifests/drained            trainer rank 0: every rank read its share; engines may leave
+    manifests/engine<i>.closed   engine i's leader released its store segment and left
+    faults/engine<i>/            store errors the engine's workers recorded
+    spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record
+    train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json
+    evaluate.json                served vs simulated acceptance (local backend)
+    summary.json                 the run's summary (written last)
+    ended.json                   {"ok": bool, ...}: the trainers are done; once every engine
+                                 is closed too, the master stops
+    logs/<role>.log              each role's output (local backend; Slurm: its own log)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LATEST = "latest"
+
+
+def local_run_id(name: str, now: float | None = None) -> str:
+    """A fresh run id for a run started on this machine."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def slurm_run_id(name: str, job_id: str) -> str:
+    """The run id of Slurm job `job_id`: the same on every node and after a requeue."""
+    return f"{name}-j{job_id}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's directory and the name of every file in it."""
+
+    output_dir: Path
+    run_id: str
+
+    @classmethod
+    def of(cls, output_dir: str | os.PathLike, run_id: str) -> RunDir:
+        if not run_id or "/" in run_id or run_id in (".", "..", LATEST):
+            raise ValueError(f"run id {run_id!r} cannot name a directory")
+        return cls(Path(output_dir), run_id)
+
+    @property
+    def root(self) -> Path:
+        return self.output_dir / self.run_id
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def master_record(self) -> Path:
+        return self.root / "master.json"
+
+    @property
+    def manifests(self) -> Path:
+        return self.root / "manifests"
+
+    def queue(self, engine: int) -> Path:
+        return self.manifests / f"engine{engine}.jsonl"
+
+    def queue_done(self, engine: int) -> Path:
+        return self.manifests / f"engine{engine}.done"
+
+    def queue_failed(self, engine: int) -> Path:
+        return self.manifests / f"engine{engine}.failed"
+
+    def engine_closed(self, engine: int) -> Path:
+        return self.manifests / f"engine{engine}.closed"
+
+    @property
+    def drained(self) -> Path:
+        return self.manifests / "drained"
+
+    def faults(self, engine: int) -> Path:
+        return self.root / "faults" / f"engine{engine}"
+
+    @property
+    def spool(self) -> Path:
+        return self.root / "spool"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.train / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.train / "export"
+
+    @property
+    def evaluate(self) -> Path:
+        return self.root / "evaluate.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def ended(self) -> Path:
+        return self.root / "ended.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    @property
+    def latest(self) -> Path:
+        return self.output_dir / LATEST
+
+    def create(self) -> RunDir:
+        """Make the run's directory; a run id already taken is refused (never reused)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir()
+        return self
+
+    def link_latest(self) -> None:
+        """Point `<output_dir>/latest` at this run (atomically: a reader never sees no link)."""
+        tmp = self.output_dir / f".{LATEST}.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(self.run_id, target_is_directory=True)
+        os.replace(tmp, self.latest)
