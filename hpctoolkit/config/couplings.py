@@ -56,8 +56,24 @@ def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
 
 
 def is_dspark(draft: dict[str, Any]) -> bool:
+    """Unused here; kept only until roles/evaluate.py asks `models.registry.serving_for`."""
     names = [*(draft.get("architectures") or []), str(draft.get("model_type", ""))]
     return any("dspark" in n.lower() for n in names)
+
+
+def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
+    """The rules a draft family adds to the recipe, read from its `Serving` record."""
+    # The registry imports torch; couplings itself must stay importable without it.
+    from hpctoolkit.models.registry import serving_for
+
+    try:
+        serving = serving_for(draft)
+    except ConfigError as err:
+        raise ConfigError(f"draft.config: {cfg.draft.config}: {err}") from None
+    if serving.min_loss_tokens is not None:
+        floor, why = serving.min_loss_tokens(draft)
+        if cfg.training.min_loss_tokens < floor:
+            raise ConfigError(f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= {why}")
 
 
 def check_couplings(cfg: RecipeConfig) -> None:
@@ -93,13 +109,7 @@ def check_couplings(cfg: RecipeConfig) -> None:
             f"draft.config: target_hidden_size={want_hidden} but the target's hidden_size is {target.get('hidden_size')}"
         )
 
-    if is_dspark(draft):
-        block = int(draft.get("block_size") or (draft.get("dflash_config") or {}).get("block_size") or 7)
-        if cfg.training.min_loss_tokens < 2 * block:
-            raise ConfigError(
-                f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= 2 x block_size "
-                f"({2 * block}): a DSpark sample shorter than two whole blocks carries no usable signal"
-            )
+    _check_family_rules(cfg, draft)
 
     c = cfg.cluster
     if c.backend == "slurm":

@@ -5,9 +5,9 @@ state-dict entry with its shape. The model is built on the meta device, so K3 sh
 memory.
 """
 
-import argparse
 import json
 
+from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.models.common.rope import RotaryEmbedding
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
@@ -41,16 +41,12 @@ def describe(config_path: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hpctoolkit.models.inspect", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("config", help="draft config.json (or a directory holding one)")
-    args = parser.parse_args(argv)
+    ap = parser("hpctoolkit.models.inspect", __doc__)
+    ap.add_argument("config", help="draft config.json (or a directory holding one)")
+    args = parse(ap, argv)
     print(json.dumps(describe(args.config), indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    from hpctoolkit.cli import run_cli
-
     run_cli(main)

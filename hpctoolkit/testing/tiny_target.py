@@ -8,12 +8,13 @@ hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from hpctoolkit.cli import parse, parser, run_cli
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 6
@@ -128,15 +129,15 @@ def resolve_target(spec: str) -> Path:
     return Path(spec)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    ap = parser("hpctoolkit.testing.tiny_target", __doc__)
     ap.add_argument("out_dir")
     ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     path = build(f"tiny-{args.arch}", args.out_dir)
     print(path)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_cli(main)

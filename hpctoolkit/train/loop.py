@@ -92,11 +92,12 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     cfg = job.training
     out = Path(job.out_dir)
     opener = make_opener(job.samples_source, cfg.seed)
-    from hpctoolkit.models import Eagle3Config, load_draft_config
+    from hpctoolkit.models.registry import load_draft_config
+    from hpctoolkit.train.trainers import needs_vocab_counts
 
     draft_cfg = load_draft_config(job.draft_config)
     counts = None
-    if isinstance(draft_cfg, Eagle3Config) and draft_cfg.draft_vocab_size < draft_cfg.vocab_size:
+    if needs_vocab_counts(draft_cfg):
         counts = _vocab_counts(job, opener, ctx, draft_cfg.vocab_size)
     trainer = build_trainer(draft_cfg, job.target_dir, cfg, vocab_counts=counts)
     trainer.to(ctx.device)

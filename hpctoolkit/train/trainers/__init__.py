@@ -1,8 +1,8 @@
 # ruff: noqa: N803  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
-"""One trainer per draft family, chosen from the draft config's type.
+"""Building a family's trainer: the draft (embedding and head from the target) + the target head.
 
-DSpark and its Kimi-K3 MLA variant share `DSparkTrainer` (a `K3DSparkConfig` is a
-`DSparkConfig`); DFlash has its own; Eagle3 its own. Order matters: subclasses first.
+The trainer class comes from `trainers.registry`, keyed by the draft's family; what differs by
+family is a class attribute of the trainer (`unused_options`, `prunes_vocab`), never a branch here.
 """
 
 from __future__ import annotations
@@ -15,52 +15,23 @@ import torch
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models import (
-    DFlashConfig,
-    DraftConfig,
-    DSparkConfig,
-    Eagle3Config,
-    build_draft_model,
-    load_draft_config,
-)
+from hpctoolkit.models.common.config import DraftConfig
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
-from hpctoolkit.train.trainers.base import FamilyTrainer, sample_generator
+from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, sample_generator
 from hpctoolkit.train.trainers.dflash import DFlashTrainer
 from hpctoolkit.train.trainers.dspark import DSparkTrainer
 from hpctoolkit.train.trainers.eagle3 import Eagle3Trainer, draft_vocab_from_counts
+from hpctoolkit.train.trainers.registry import register_trainer, trainer_class_for
 
 log = logging.getLogger(__name__)
-
-_BY_CONFIG: tuple[tuple[type[DraftConfig], type[FamilyTrainer]], ...] = (
-    (DSparkConfig, DSparkTrainer),
-    (DFlashConfig, DFlashTrainer),
-    (Eagle3Config, Eagle3Trainer),
-)
-
-
-def trainer_class_for(config: DraftConfig) -> type[FamilyTrainer]:
-    for cfg_cls, trainer_cls in _BY_CONFIG:
-        if isinstance(config, cfg_cls):
-            return trainer_cls
-    known = ", ".join(c.__name__ for c, _ in _BY_CONFIG)
-    raise ConfigError(f"no trainer for draft config {type(config).__name__}; known: {known}")
 
 
 def warn_unused_options(config: DraftConfig, cfg: TrainingConfig) -> list[str]:
     """Training options that have no effect on this family, logged once (and returned)."""
     default = TrainingConfig()
-    unused = []
-    if isinstance(config, Eagle3Config):
-        unused += [
-            n
-            for n in ("num_anchors", "dflash_decay_gamma", "label_source")
-            if getattr(cfg, n) != getattr(default, n)
-        ]
-    else:
-        unused += [n for n in ("ttt_length",) if getattr(cfg, n) != getattr(default, n)]
-        if isinstance(config, DSparkConfig) and cfg.dflash_decay_gamma != default.dflash_decay_gamma:
-            unused.append("dflash_decay_gamma")
+    unused = [n for n in trainer_class_for(config).unused_options if getattr(cfg, n) != getattr(default, n)]
     for name in unused:
         log.warning(
             "training.%s=%r has no effect on a %s draft", name, getattr(cfg, name), type(config).__name__
@@ -68,15 +39,21 @@ def warn_unused_options(config: DraftConfig, cfg: TrainingConfig) -> list[str]:
     return unused
 
 
+def needs_vocab_counts(config: DraftConfig) -> bool:
+    """Whether the draft prunes its vocabulary, so training first counts the data's tokens."""
+    return trainer_class_for(config).prunes_vocab and config.draft_vocab_size < config.vocab_size
+
+
 def check_draft_against_target(config: DraftConfig, head: TargetHead) -> None:
     if config.vocab_size != head.vocab_size:
         raise ConfigError(
             f"draft.config: vocab_size={config.vocab_size} but the target's lm_head has {head.vocab_size} rows"
         )
-    if isinstance(config, DFlashConfig) and config.draft_vocab_size != config.vocab_size:
+    trainer_cls = trainer_class_for(config)
+    if not trainer_cls.prunes_vocab and config.draft_vocab_size != config.vocab_size:
         raise ConfigError(
-            f"draft.config: draft_vocab_size={config.draft_vocab_size} != vocab_size for a DFlash-family "
-            "draft; only Eagle3 prunes its vocabulary"
+            f"draft.config: draft_vocab_size={config.draft_vocab_size} != vocab_size for a "
+            f"{trainer_cls.family} draft; only Eagle3 prunes its vocabulary"
         )
 
 
@@ -126,7 +103,7 @@ def build_trainer(
     draft = build_draft_model(config, device=device)
     head = head.to(device) if device is not None else head
     trainer_cls = trainer_class_for(config)
-    if isinstance(config, Eagle3Config) and config.draft_vocab_size < config.vocab_size:
+    if needs_vocab_counts(config):
         counts = (
             vocab_counts
             if vocab_counts is not None
@@ -142,8 +119,13 @@ __all__ = [
     "DSparkTrainer",
     "Eagle3Trainer",
     "FamilyTrainer",
+    "ServedChains",
     "build_trainer",
+    "check_draft_against_target",
     "init_from_target",
+    "needs_vocab_counts",
+    "register_trainer",
     "sample_generator",
     "trainer_class_for",
+    "warn_unused_options",
 ]

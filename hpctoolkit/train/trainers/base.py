@@ -1,4 +1,4 @@
-# ruff: noqa: N803  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+# ruff: noqa: N803, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """`FamilyTrainer`: the unit FSDP wraps, holding one draft and the target's frozen head.
 
 Its `forward` takes plain tensors (so FSDP's mixed-precision policy can cast them) and returns
@@ -11,6 +11,7 @@ anchors whichever rank reads it, so 1 and N ranks compute the same global step.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,10 +36,32 @@ def gather_rows(x_BSH: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
     return x_BSH.gather(1, idx.unsqueeze(-1).expand(-1, -1, x_BSH.shape[-1]))
 
 
+@dataclass
+class ServedChains:
+    """A trainer and forward inputs whose chains are a served request's verifications.
+
+    Chains `first .. last` of the forward's `chain_matches` are, in order, the chains vLLM drafts
+    from each position of the served output (see `FamilyTrainer.served_chains`).
+    """
+
+    trainer: FamilyTrainer
+    loss_mask_BS: torch.Tensor
+    first: int
+    last: int
+    step: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class FamilyTrainer(nn.Module):
-    """Draft + frozen target head. Subclasses set `num_positions` and implement the hooks."""
+    """Draft + frozen target head. Subclasses set `num_positions` and implement the hooks.
+
+    Class attributes a family sets: `family` (its name in logs and checkpoint metadata),
+    `unused_options` (training options that have no effect on it, warned about), and
+    `prunes_vocab` (whether its draft may have `draft_vocab_size < vocab_size`).
+    """
 
     family = "base"
+    unused_options: tuple[str, ...] = ()
+    prunes_vocab = False
 
     def __init__(self, draft: nn.Module, head: TargetHead, cfg: TrainingConfig) -> None:
         super().__init__()
@@ -49,6 +72,16 @@ class FamilyTrainer(nn.Module):
     @property
     def num_positions(self) -> int:
         """`P`: draft positions scored per chain (DFlash K-1 slots, Eagle3 ttt_length)."""
+        raise NotImplementedError
+
+    @classmethod
+    def served_chains(
+        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+    ) -> ServedChains:
+        """The chains vLLM verifies when it serves `k` drafts per step after a `prompt_len`
+        prompt until `out_len` tokens exist, over a sequence of `seq_len` tokens (prompt, output
+        and `k` greedy tokens past it); the served verifications are anchored at the bonus
+        tokens `prompt_len .. prompt_len + out_len - 2`."""
         raise NotImplementedError
 
     def shard_units(self) -> list[nn.Module]:

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
 from hpctoolkit.train.batch import Batch
+from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
 from hpctoolkit.train.losses.common import LOGIT_CHUNK_ROWS
-from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows, sample_generator
+from hpctoolkit.train.target_head import TargetHead
+from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows, sample_generator
 
 
 class DFlashTrainer(FamilyTrainer):
@@ -20,6 +23,7 @@ class DFlashTrainer(FamilyTrainer):
     """
 
     family = "dflash"
+    unused_options = ("ttt_length",)
 
     # Evaluation mirrors serving, whose block is `num_speculative_tokens + 1` slots.
     block_size_override: int | None = None
@@ -31,6 +35,22 @@ class DFlashTrainer(FamilyTrainer):
     @property
     def num_positions(self) -> int:
         return self.block_size - 1
+
+    @classmethod
+    def served_chains(
+        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+    ) -> ServedChains:
+        """One block of `k + 1` slots (serving's size) anchored at every served bonus token."""
+        anchors = torch.arange(prompt_len, prompt_len + out_len - 1).unsqueeze(0)
+        trainer = cls(draft, head, TrainingConfig(num_anchors=anchors.shape[1], label_source="target"))
+        trainer.block_size_override = k + 1
+        return ServedChains(
+            trainer,
+            torch.ones(1, seq_len, dtype=torch.bool),
+            0,
+            anchors.shape[1] - 1,
+            {"anchors_BN": anchors, "anchor_ok_BN": torch.ones_like(anchors, dtype=torch.bool)},
+        )
 
     def step_inputs(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         K, N = self.block_size, self.cfg.num_anchors

@@ -11,6 +11,7 @@ from hpctoolkit.train.trainers.dflash import DFlashTrainer
 
 class DSparkTrainer(DFlashTrainer):
     family = "dspark"
+    unused_options = ("ttt_length", "dflash_decay_gamma")
 
     def forward(
         self,

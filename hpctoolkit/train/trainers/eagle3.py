@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.eagle3.model import KVCache
+from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
 from hpctoolkit.train.losses.common import per_position
-from hpctoolkit.train.trainers.base import FamilyTrainer, gather_rows
+from hpctoolkit.train.target_head import TargetHead
+from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows
 
 
 def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
@@ -44,6 +47,18 @@ def draft_vocab_from_counts(counts_V: torch.Tensor, draft_vocab_size: int) -> to
 
 class Eagle3Trainer(FamilyTrainer):
     family = "eagle3"
+    unused_options = ("num_anchors", "dflash_decay_gamma", "label_source")
+    prunes_vocab = True
+
+    @classmethod
+    def served_chains(
+        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+    ) -> ServedChains:
+        """A `k`-step unroll; the chain for the bonus token at `a` starts at `t = a - 1`."""
+        first, last = prompt_len - 1, prompt_len + out_len - 3
+        t = torch.arange(seq_len)
+        mask = ((t >= first) & (t <= last)).unsqueeze(0)
+        return ServedChains(cls(draft, head, TrainingConfig(ttt_length=k)), mask, first, last)
 
     @property
     def num_positions(self) -> int:

@@ -1,0 +1,69 @@
+"""`python -m hpctoolkit.evaluate EXPORT_DIR --target TARGET_DIR`: served vs simulated acceptance.
+
+Prompts come from `--prompts` (`builtin:tiny` or a JSONL file), skipping `--prompt-offset` of them
+(e.g. the training ones). Prints the two acceptance lengths, then the result JSON (also written
+to `--out`); `--plot` writes a served-vs-simulated PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.data.prompts import load_prompt_ids
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.evaluate.compare import evaluate
+from hpctoolkit.testing.tiny_target import resolve_target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = parser("hpctoolkit.evaluate", __doc__)
+    ap.add_argument("export_dir")
+    ap.add_argument("--target", required=True, help="target model directory, or builtin:tiny-qwen3")
+    ap.add_argument("--prompts", default="builtin:tiny", help="builtin:tiny or a JSONL file")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument(
+        "--prompt-offset", type=int, default=0, help="skip this many prompts (e.g. the training ones)"
+    )
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--plot", help="write a served-vs-simulated PNG here")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parse(build_parser(), argv)
+    if args.num_speculative_tokens < 1 or args.max_tokens < 1 or args.num_prompts < 1:
+        raise ConfigError("--num-speculative-tokens, --max-tokens and --num-prompts must be >= 1")
+    target = resolve_target(args.target)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompts = load_prompt_ids(
+        args.prompts, tok, args.num_prompts, args.max_prompt_tokens, offset=args.prompt_offset
+    )
+    result = evaluate(
+        args.export_dir,
+        target,
+        prompts,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_tokens=args.max_tokens,
+        plot_path=args.plot,
+    )
+    text = json.dumps(result, indent=2, default=str)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(
+        f"served acceptance length {result['served_acceptance_length']:.3f}, simulated "
+        f"{result['simulated_acceptance_length']:.3f} (both incl. bonus; k={args.num_speculative_tokens})"
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,208 @@
+"""Served acceptance: vLLM runs greedy speculative decoding of the export with its target.
+
+The vLLM speculative `method` comes from the export's family record (`models.registry.
+serving_for`), and vLLM's spec-decode counters give
+`acceptance_length = 1 + num_accepted_tokens / num_drafts` and per-position acceptance
+`num_accepted_tokens_per_pos[k] / num_drafts`.
+
+vLLM's draft `load_weights` does not report missing weights, so every parameter of the served
+draft is set to NaN before loading and checked after the engine is up (after vLLM attached the
+embedding and head it shares from the target): a parameter still NaN was never loaded, and
+evaluation fails with its name.
+
+A family whose record names a `cpu_unservable` reason (DSpark: vLLM 0.32 serves it only in its
+V2 model runner, which needs Triton) is refused when no GPU is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.models.registry import serving_for
+
+
+def serving_method(export_dir: str | os.PathLike) -> str:
+    """The vLLM speculative method for the export in `export_dir`; refuses what cannot be served here."""
+    cfg_path = Path(export_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(
+            f"{export_dir} holds no config.json; expected a directory written by hpctoolkit.models.export"
+        )
+    raw = json.loads(cfg_path.read_text())
+    serving = serving_for(raw)
+    if serving.cpu_unservable and not torch.cuda.is_available():
+        arch = (raw.get("architectures") or [serving.served_architecture])[0]
+        raise ConfigError(f"cannot serve {arch} on the CPU: {serving.cpu_unservable}")
+    return serving.vllm_method
+
+
+def _engine_environment() -> None:
+    """Apply the engine environment (in-process, CPU) before vLLM is imported; user values win."""
+    from hpctoolkit.engine.env import engine_env
+
+    backend = "cuda" if torch.cuda.is_available() else "cpu"
+    for k, v in engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1).items():
+        os.environ.setdefault(k, v)
+
+
+class LoadAudit:
+    """Wraps a vLLM draft class's `load_weights`: NaN-fills its parameters first, keeps the instance."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.original = cls.load_weights
+        self.instances: list[torch.nn.Module] = []
+
+    def __enter__(self) -> LoadAudit:
+        audit = self
+
+        def load_weights(model, weights, *args, **kwargs):
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.fill_(float("nan"))
+            audit.instances.append(model)
+            return audit.original(model, weights, *args, **kwargs)
+
+        self.cls.load_weights = load_weights
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls.load_weights = self.original
+
+    def unloaded(self) -> list[str]:
+        """Parameters of the served draft still at the NaN sentinel (never loaded, never shared)."""
+        if not self.instances:
+            raise DataIntegrityError(
+                f"vLLM never called {self.cls.__name__}.load_weights; the audit saw nothing"
+            )
+        bad = []
+        for model in self.instances:
+            for name, p in model.named_parameters():
+                if _unused_by_design(model, name):
+                    continue
+                if p.is_floating_point() and bool(torch.isnan(p).any()):
+                    bad.append(name)
+        return sorted(bad)
+
+
+def _unused_by_design(model: torch.nn.Module, name: str) -> bool:
+    """Parameters vLLM allocates but never reads in this configuration.
+
+    DFlash's `mask_embedding` is read only when a `mask_embedding.pt` override was loaded
+    (`has_separate_mask_embedding`); otherwise masked slots embed `mask_token_id` through the
+    shared embedding (qwen3_dflash.py, `embed_input_ids`).
+    """
+    if name.endswith("mask_embedding"):
+        inner = getattr(model, "model", model)
+        return not getattr(inner, "has_separate_mask_embedding", False)
+    return False
+
+
+def _draft_class(export_dir: Path) -> type:
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    arch = json.loads((export_dir / "config.json").read_text())["architectures"][0]
+    module, cls = _SPECULATIVE_DECODING_MODELS[arch]
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+
+
+def _metric_values(metrics: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(m, "values"):
+            prev = out.get(m.name)
+            vals = list(m.values)
+            out[m.name] = vals if prev is None else [a + b for a, b in zip(prev, vals, strict=True)]
+        elif hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+def acceptance_from_counters(counters: dict[str, Any], k: int) -> dict[str, Any]:
+    """Served acceptance from vLLM's spec-decode counters (see the module docstring)."""
+    drafts = float(counters.get("vllm:spec_decode_num_drafts", 0))
+    accepted = float(counters.get("vllm:spec_decode_num_accepted_tokens", 0))
+    per_pos = [float(x) for x in counters.get("vllm:spec_decode_num_accepted_tokens_per_pos", [0] * k)]
+    if drafts <= 0:
+        raise DataIntegrityError("vLLM reported no speculative drafts; was the draft attached?")
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": float(counters.get("vllm:spec_decode_num_draft_tokens", 0)),
+        "num_accepted_tokens": accepted,
+        "acceptance_length_incl_bonus": 1.0 + accepted / drafts,
+        "acc_len_excl_bonus": accepted / drafts,
+        "acceptance_rate_per_pos": [x / drafts for x in per_pos],
+    }
+
+
+def serve(
+    export_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    prompts_token_ids: list[list[int]],
+    *,
+    num_speculative_tokens: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """Greedy speculative decoding in vLLM (in this process); returns outputs, counters, audit."""
+    export_dir, target_dir = Path(export_dir), Path(target_dir)
+    method = serving_method(export_dir)
+    _engine_environment()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(p) for p in prompts_token_ids)
+    max_len = 64 * ((longest + max_tokens + num_speculative_tokens + 64) // 64)
+    t0 = time.monotonic()
+    with LoadAudit(_draft_class(export_dir)) as audit:
+        llm = LLM(
+            model=str(target_dir),
+            speculative_config={
+                "method": method,
+                "model": str(export_dir),
+                "num_speculative_tokens": num_speculative_tokens,
+            },
+            enforce_eager=True,
+            disable_log_stats=False,
+            max_model_len=max_len,
+            max_num_seqs=8,
+            seed=0,
+        )
+    try:
+        started = time.monotonic() - t0
+        unloaded = audit.unloaded()
+        if unloaded:
+            raise DataIntegrityError(
+                f"vLLM left draft parameters of {export_dir} unloaded (still NaN after loading): {unloaded}"
+            )
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t1 = time.monotonic()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids], params, use_tqdm=False
+        )
+        gen_s = time.monotonic() - t1
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        counters = _metric_values(llm.get_metrics())
+    finally:
+        del llm
+        gc.collect()
+    return {
+        "method": method,
+        "outputs": outputs,
+        "counters": counters,
+        "engine_start_s": started,
+        "generate_s": gen_s,
+        "unloaded_parameters": [],
+        **acceptance_from_counters(counters, num_speculative_tokens),
+    }
