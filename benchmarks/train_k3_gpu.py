@@ -92,15 +92,96 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
     p.add_argument("--backend", default="flex", choices=["sdpa", "flex"], help="draft attention backend")
     p.add_argument("--out", default="", help="also write the JSON result here")
+    p.add_argument(
+        "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
+    )
     return p.parse_args()
+
+
+def _next_batch(stream, args, cfg, ctx):
+    from hpctoolkit.train.batch import collate
+
+    samples = [next(stream) for _ in range(args.batch)]
+    batch = collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens)
+    return batch.to(ctx.device, torch.float32)
+
+
+KERNEL_CLASSES = (
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+    ("flex_attention", ("flex", "triton_tem")),
+    ("nccl", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    ("copy_cast", ("memcpy", "memset", "copy", "split_with_sizes", "chunk_cat", "cat")),
+    ("inductor_fused", ("triton_",)),
+    ("eager_elementwise_reduce", ("elementwise", "reduce", "softmax", "index", "scatter", "gather")),
+)
+
+
+def _kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_path: Path):
+    """One step timed by phase with CUDA events, one under the profiler (kernels by class)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from hpctoolkit.train.optim import clip_and_norm
+
+    data_ms = []
+
+    def one_step(events=None):
+        t = time.perf_counter()
+        batch = _next_batch(stream, args, cfg, ctx)
+        torch.cuda.synchronize()
+        data_ms.append((time.perf_counter() - t) * 1e3)
+        rec = (lambda i: events[i].record()) if events else (lambda i: None)
+        rec(0)
+        parts = trainer.run(batch, 10_000)
+        rec(1)
+        den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
+        (parts.numerator * (ctx.world_size / den.clamp_min(1e-12)).to(parts.numerator.dtype)).backward()
+        rec(2)
+        clip_and_norm(trainer, cfg.grad_clip)
+        rec(3)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        rec(4)
+        torch.cuda.synchronize()
+
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+    one_step(ev)
+    names = ("forward_and_loss", "backward", "clip_grad_norm", "optimizer")
+    phases = {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
+    phases["data_collate_and_h2d_untimed"] = data_ms[0]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step()
+    classes: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
+            cls = _kernel_class(e.key)
+            classes[cls] = classes.get(cls, 0.0) + e.self_device_time_total / 1e3
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total", row_limit=40, max_name_column_width=90
+    )
+    table_path.write_text(table)
+    print(table, flush=True)
+    return phases, {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> int:
     args = parse_args()
     stubbed = _stub_missing_config_deps()
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from draft_step import H200_BF16_PEAK_FLOPS, step_flops
+
     from hpctoolkit.models import load_draft_config
-    from hpctoolkit.train.batch import collate
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
     from hpctoolkit.train.loop import forward_backward
@@ -146,7 +227,7 @@ def main() -> int:
     optimizer, scheduler = build_optimizer(trainer, cfg)
     build_s = time.monotonic() - t0
     src = SyntheticSamples(
-        num_samples=args.batch * world * (args.steps + 1),
+        num_samples=args.batch * world * (args.steps + 3),
         vocab_size=V,
         hidden_size=H,
         num_aux=config.num_target_layers,
@@ -159,10 +240,9 @@ def main() -> int:
     times, losses = [], []
     stream = src(ctx.rank, ctx.world_size, 0, 0)
     for step in range(args.steps):
-        samples = [next(stream) for _ in range(args.batch)]
-        batch = collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens).to(
-            ctx.device, torch.float32
-        )
+        batch = _next_batch(stream, args, cfg, ctx)
+        if step == 0:
+            anchors_BN = trainer.step_inputs(batch, 0)["anchors_BN"]
         if device == "cuda":
             torch.cuda.synchronize()
         if ctx.world_size > 1:
@@ -187,8 +267,17 @@ def main() -> int:
                 f"step {step}: {times[-1] * 1e3:.0f} ms, loss {losses[-1]:.4f}, grad_norm {gn:.3f}",
                 flush=True,
             )
+    phases = profile = None
+    if args.profile and device == "cuda":
+        try:
+            phases, profile = _profile_step(
+                trainer, optimizer, scheduler, cfg, ctx, stream, args, Path(args.profile)
+            )
+        except Exception as exc:  # the timing above must still be reported
+            phases = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     timed = times[args.warmup :] or times
     step_s = statistics.median(timed)
+    flops = step_flops(config, args.batch, args.seq, anchors_BN)
     ctx_tokens = args.batch * args.seq
     draft_tokens = args.batch * args.anchors * config.block_size
     gib = 2**30
@@ -219,6 +308,10 @@ def main() -> int:
         "context_tokens_per_s_per_gpu": ctx_tokens / step_s,
         "draft_tokens_per_s_per_gpu": draft_tokens / step_s,
         "losses": losses,
+        "step_model_tflop": flops / 1e12,
+        "mfu": flops / step_s / H200_BF16_PEAK_FLOPS,
+        "phases_ms": phases,
+        "kernel_classes_ms": profile,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if device == "cuda" else None,
         **static,
