@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:  # when run as a script for --update-golden
 
 from hpctoolkit.errors import ConfigError  # noqa: E402
 from hpctoolkit.plan.placement import make_plan  # noqa: E402
+from hpctoolkit.slurm.container import DEFAULT_IMAGE  # noqa: E402
 from hpctoolkit.slurm.render import DEFERRED, load_for_render, render_sbatch  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -101,7 +102,7 @@ def test_one_step_per_role_on_the_planned_node():
     cfg, _ = load_for_render(ROOT / "recipes/k3.yaml")
     plan = make_plan(cfg)
     text = render("recipes/k3.yaml", [])
-    steps = re.findall(r'^srun (.*?) \\\n  "\$\{RUN\[@\]\}" -m hpctoolkit\.node (\S+) ', text, re.M)
+    steps = re.findall(r'^srun (.*?) \\\n  "\$\{RUN\[@\]\}" -m hpctoolkit\.roles (\S+) ', text, re.M)
     roles = [(role, re.search(r'--nodelist="\$\(hosts ([\d ]+)\)"', opts).group(1)) for opts, role in steps]
     want = [("master", "0")]
     want += [(n.role, str(n.node)) for e in plan.engines for n in e.nodes]
@@ -110,7 +111,8 @@ def test_one_step_per_role_on_the_planned_node():
     gres = [re.search(r"--gres=gpu:(\d+)", opts).group(1) for opts, _ in steps]
     assert gres == ["0", "8", "8", "8", "8", "8"]
     assert "--ntasks=8 --ntasks-per-node=8" in steps[-1][0]
-    assert text.count("apptainer exec --nv images/hpctoolkit-vllm-k3.sif python3") == 1
+    assert text.count("RUN=(apptainer exec --nv)") == 1
+    assert text.count(f"RUN+=({DEFAULT_IMAGE} python3)") == 1
 
 
 def test_small_recipe_sets_partition_account_extra_and_output():
@@ -131,6 +133,74 @@ def test_overrides_are_baked_and_quoted():
     assert "OVERRIDES=('paths.output_dir=/scratch/k3 run' paths.target_model=/models/Kimi-K3" in text
     assert _sbatch(text)["output"] == "/scratch/k3 run/slurm-%j.out"
     assert "give them as arguments to sbatch" not in text
+
+
+def test_known_paths_outside_the_image_are_bound_and_the_output_dir_made():
+    text = render(*CASES["k3_with_paths.sbatch"])
+    # The draft config is relative (the working directory, which Apptainer mounts): no bind.
+    assert (
+        "RUN=(apptainer exec --nv --bind '/scratch/k3 run' --bind /models/Kimi-K3 --bind /data/p.jsonl)"
+        in text
+    )
+    assert "mkdir -p -- '/scratch/k3 run'\nRUN=(" in text
+    assert "recipes/draft_models" not in text.split("RUN=(", 1)[1].split("\n", 1)[0]
+
+
+def test_paths_given_to_sbatch_are_bound_by_the_script(tmp_path):
+    """The rendered RUN-building lines, run by bash with sbatch-style arguments."""
+    text = render("recipes/k3.yaml", [])
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("RUN=("))
+    end = next(i for i, line in enumerate(lines) if line.startswith("RUN+=("))
+    out = tmp_path / "out dir"
+    script = "\n".join(["set -euo pipefail", *lines[start : end + 1], 'printf "%s\\n" "${RUN[@]}"'])
+    args = [
+        f"paths.output_dir={out}",
+        "paths.target_model=/models/k3",
+        "data.prompts=/opt/hpctoolkit/recipes/prompts.jsonl",  # the image's own: not bound
+        "draft.config=relative/draft.json",  # in the working directory: not bound
+        "training.steps=5",
+    ]
+    res = subprocess.run(["bash", "-c", script, "job", *args], capture_output=True, text=True, check=True)
+    assert res.stdout.splitlines() == [
+        "apptainer", "exec", "--nv", "--bind", str(out), "--bind", "/models/k3", DEFAULT_IMAGE, "python3",
+    ]  # fmt: skip
+    assert out.is_dir()
+
+
+def test_bind_paths_outside_the_image_only_once_each():
+    from hpctoolkit.slurm.container import bind_paths
+
+    got = bind_paths(
+        [
+            ("paths.output_dir", "/scratch/run/"),
+            ("paths.target_model", "/models/k3"),
+            ("data.prompts", "/models/k3/prompts.jsonl"),  # under a bound path: covered
+            ("draft.config", "/opt/hpctoolkit/recipes/draft_models/x.json"),  # the image's own
+            ("recipe", "recipes/k3.yaml"),  # relative: the working directory
+            ("other", "builtin:tiny"),  # no path
+            ("unset", None),
+            ("again", "/scratch/run"),
+        ]
+    )
+    assert got == ["/scratch/run", "/models/k3"]
+    with pytest.raises(ConfigError, match=r"data\.prompts"):
+        bind_paths({"data.prompts": "/data/a,b.jsonl"})
+
+
+def test_command_prefix_for_the_submitit_path():
+    from hpctoolkit.slurm.container import command_prefix
+
+    cfg, _ = load_for_render(
+        ROOT / "recipes/k3.yaml",
+        ["paths.output_dir=/scratch/k3", "paths.target_model=/models/K3", "data.prompts=/data/p.jsonl"],
+    )
+    assert command_prefix(cfg, recipe_path="/home/me/k3.yaml") == [
+        "apptainer", "exec", "--nv", "--bind", "/scratch/k3", "--bind", "/models/K3",
+        "--bind", "/data/p.jsonl", "--bind", "/home/me/k3.yaml", DEFAULT_IMAGE, "python3",
+    ]  # fmt: skip
+    cfg.cluster.container = None
+    assert command_prefix(cfg) is None
 
 
 def test_digest_is_exported_and_matches_the_plan():

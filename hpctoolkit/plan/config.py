@@ -23,7 +23,9 @@ class ClusterConfig:
     account: str | None = None
     time: str = "04:00:00"
     job_name: str = "hpctoolkit"
-    # Apptainer image (.sif) every step runs in (`apptainer exec --nv`). Unset: steps run the
+    # Apptainer image (.sif) every step runs in (`apptainer exec --nv`, binding what the recipe
+    # names outside the image: hpctoolkit.slurm.container). `make image` writes it to
+    # hpctoolkit.slurm.container.DEFAULT_IMAGE, which recipes/k3.yaml names. Unset: steps run the
     # `python` on PATH (the emulated test cluster, or a site with a shared virtualenv).
     container: str | None = None
     # Request whole nodes (`--exclusive`): engines and trainers assume they own the node.

@@ -3,9 +3,11 @@
 Everything in the script derives from the `Plan`: `#SBATCH --nodes` is the plan's node count, and
 every role is one `srun` step pinned to its node(s) with `--nodelist`, the hosts taken from
 `scontrol show hostnames` at run time (node index i = i-th host). Each step runs
-`python -m hpctoolkit.node ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
-`cluster.container` is set. The script exports the plan's digest; every node recomputes its plan
-from the recipe and overrides and refuses to start if the two differ.
+`python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
+`cluster.container` is set, with the paths the recipe names bound where they lie outside the
+image (`hpctoolkit.slurm.container`; the script binds paths given as sbatch arguments itself). The
+script exports the plan's digest; every node recomputes its plan from the recipe and overrides and
+refuses to start if the two differ.
 
 Recipes may leave values as `???` (the production recipe leaves its paths to the site). Such a
 recipe still renders (`load_for_render`): the script then expects those keys as arguments to
@@ -15,6 +17,7 @@ recipe still renders (`load_for_render`): the script then expects those keys as 
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,10 +28,12 @@ from hpctoolkit.plan.placement import (
     ROLE_TRAINER,
     Plan,
 )
+from hpctoolkit.slurm import container
 
 # Stands in for a `???` value while rendering; the value must come as an sbatch argument.
 DEFERRED = "<given-at-submission>"
-NODE_MODULE = "hpctoolkit.node"
+# Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
+ROLES_MODULE = "hpctoolkit.roles"
 # After the trainers exit 0, how long the batch shell waits for the engine steps to end by
 # themselves (a headless follower notices its leader left within seconds, then stops its workers).
 ENGINE_EXIT_GRACE_S = 120
@@ -132,7 +137,7 @@ def _step(
     return [
         f"# {comment}",
         "srun " + " ".join(opts) + " \\",
-        f'  "${{RUN[@]}}" -m {NODE_MODULE} {role} "$RECIPE" "${{OVERRIDES[@]}}" &',
+        f'  "${{RUN[@]}}" -m {ROLES_MODULE} {role} "$RECIPE" "${{OVERRIDES[@]}}" &',
         f"{var}=$!",
     ]
 
@@ -141,9 +146,30 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
     """The batch script that runs `plan`. Byte-identical for identical inputs."""
     if plan.backend != "slurm":
         raise ValueError(f"render_sbatch needs a slurm plan, got backend {plan.backend!r}")
-    c = cfg.cluster
-    deferred = _deferred(cfg)
     baked = [o for o in overrides if DEFERRED not in o]
+    body = [
+        *_head(cfg, plan, recipe_path, baked),
+        *_sbatch_lines(cfg, plan),
+        "set -euo pipefail",
+        "",
+        f"export HPCTOOLKIT_PLAN_DIGEST={plan.digest()}",
+        f"RECIPE={_q(recipe_path)}",
+        "OVERRIDES=(" + " ".join(_q(o) for o in baked) + (' "$@")' if baked else '"$@")'),
+        *_run_lines(cfg, recipe_path),
+        "",
+        *_hosts_lines(plan),
+        "",
+        "# Fail before any step starts if the recipe does not load or its plan differs from this one.",
+        f'"${{RUN[@]}}" -m {ROLES_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
+        "",
+    ]
+    steps, engine_vars = _step_lines(plan)
+    body += steps
+    body += _wait_lines(plan, engine_vars)
+    return "\n".join(body) + "\n"
+
+
+def _head(cfg: RecipeConfig, plan: Plan, recipe_path: str, baked: Sequence[str]) -> list[str]:
     first = shlex.join(["python", "-m", "hpctoolkit.submit", recipe_path, *baked])
     head = [
         "#!/bin/bash",
@@ -152,27 +178,52 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         f"# Placement (digest {plan.digest()}):",
         *(f"#   {line}" if line else "#" for line in plan.describe().splitlines()),
     ]
+    deferred = _deferred(cfg)
     if deferred:
         head += [
             "# The recipe leaves these as ???; give them as arguments to sbatch (they are appended",
             "# to every step's overrides):",
             f"#   sbatch <this script> {' '.join(f'{k}=...' for k in deferred)}",
         ]
-    body = [
-        *head,
-        *_sbatch_lines(cfg, plan),
-        "set -euo pipefail",
-        "",
-        f"export HPCTOOLKIT_PLAN_DIGEST={plan.digest()}",
-        f"RECIPE={_q(recipe_path)}",
-        "OVERRIDES=(" + " ".join(_q(o) for o in baked) + (' "$@")' if baked else '"$@")'),
+    return head
+
+
+def _run_lines(cfg: RecipeConfig, recipe_path: str) -> list[str]:
+    """`RUN`, the interpreter every step runs: the image's python3 with what the recipe names
+    bound (`hpctoolkit.slurm.container`), or the python on PATH without a container."""
+    image = cfg.cluster.container
+    if not image or image == DEFERRED:
+        return ['RUN=("${HPCTOOLKIT_PYTHON:-python3}")']
+    pairs = [*container.config_paths(cfg, skip=DEFERRED), ("recipe", recipe_path)]
+    binds = container.bind_paths(pairs)
+    out_dir = cfg.paths.output_dir
+    lines = ["# Steps run in the image; what the recipe names outside it is bound at the same path."]
+    if out_dir != DEFERRED and posixpath.normpath(out_dir) in binds:
+        lines.append(f"mkdir -p -- {_q(posixpath.normpath(out_dir))}")
+    lines.append("RUN=(" + " ".join(_q(a) for a in container.exec_prefix(binds)) + ")")
+    keys = " | ".join(f"{k}=*" for k in container.BIND_KEYS)
+    roots = " | ".join(f"{_q(r)} | {_q(r)}/*" for r in container.IMAGE_ROOTS)
+    lines += [
+        "# So are the paths given as sbatch arguments (KEY=PATH, appended to the overrides).",
+        'for arg in "$@"; do',
+        "  case $arg in",
+        f"    {keys}) path=${{arg#*=}} ;;",
+        "    *) continue ;;",
+        "  esac",
+        "  case $path in",
+        f"    {roots}) ;;",
+        "    /*)",
+        f'      if [[ $arg == {container.OUTPUT_KEY}=* ]]; then mkdir -p -- "$path"; fi',
+        '      RUN+=(--bind "$path") ;;',
+        "  esac",
+        "done",
+        f"RUN+=({_q(image)} {container.IMAGE_PYTHON})",
     ]
-    if c.container and c.container != DEFERRED:
-        body.append(f"RUN=(apptainer exec --nv {_q(c.container)} python3)")
-    else:
-        body.append('RUN=("${HPCTOOLKIT_PYTHON:-python3}")')
-    body += [
-        "",
+    return lines
+
+
+def _hosts_lines(plan: Plan) -> list[str]:
+    return [
         "# Node index i of the plan is the i-th host of the allocation.",
         'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         f"if (( ${{#HOSTS[@]}} != {plan.num_nodes} )); then",
@@ -185,11 +236,12 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         '  (IFS=,; echo "${out[*]}")',
         "}",
         'echo "hosts=$(hosts "${!HOSTS[@]}")"',
-        "",
-        "# Fail before any step starts if the recipe does not load or its plan differs from this one.",
-        f'"${{RUN[@]}}" -m {NODE_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
-        "",
     ]
+
+
+def _step_lines(plan: Plan) -> tuple[list[str], list[str]]:
+    """One backgrounded `srun` step per role; returns the lines and the engines' pid variables."""
+    body: list[str] = []
     engine_vars: list[str] = []
     if plan.master is not None:
         m = plan.master
@@ -238,7 +290,12 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         var="trainer_pid",
         extra=["--kill-on-bad-exit=1"],
     )
-    body += [
+    return body, engine_vars
+
+
+def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
+    """The batch shell's end: forward SIGUSR2 to the trainers, wait for them, then end the rest."""
+    body = [
         "",
         "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
         "usr2=0",
@@ -280,11 +337,7 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
             'kill -TERM "$master_pid" 2>/dev/null || true',
             'wait "$master_pid" 2>/dev/null || true',
         ]
-    body += [
-        'echo "trainers exited with status $rc"',
-        'exit "$rc"',
-    ]
-    return "\n".join(body) + "\n"
+    return [*body, 'echo "trainers exited with status $rc"', 'exit "$rc"']
 
 
 def _gpus(gpus: Sequence[int]) -> str:
