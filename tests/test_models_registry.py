@@ -27,9 +27,9 @@ from hpctoolkit.models import (
 )
 from hpctoolkit.models.dflash.serving import SERVING as DFLASH
 from hpctoolkit.models.export import main as export_main
+from hpctoolkit.models.families import families, register_serving, serving_for
 from hpctoolkit.models.inspect import main as inspect_main
-from hpctoolkit.models.k3_dspark.serving import SERVING as K3_DSPARK
-from hpctoolkit.models.registry import architecture_for, families, serving_for
+from hpctoolkit.models.registry import architecture_for, family_of
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 
@@ -97,24 +97,25 @@ def test_duplicates_are_rejected():
         model_type = "again_draft"
 
     again = replace(DFLASH, family="again", model_type="again_draft", architectures=("K3DSparkModel",))
-    with pytest.raises(ConfigError, match="'K3DSparkModel' is already registered"):
-        register_draft(Again, DFlashDraftModel, again)
+    with pytest.raises(ConfigError, match="'K3DSparkModel' is already registered to 'k3_dspark'"):
+        register_serving(again)
     with pytest.raises(ConfigError, match="family 'dflash' is already registered"):
-        register_draft(Again, DFlashDraftModel, replace(again, family="dflash", architectures=("New",)))
-    new_k3 = replace(K3_DSPARK, family="k3_again", architectures=("SomethingNew",), served_architecture="X")
-    with pytest.raises(ConfigError, match="'k3_dspark' is already registered"):
-        register_draft(K3DSparkConfig, K3DSparkModel, new_k3)
-    with pytest.raises(ConfigError, match=r"model_type='again_draft'.*'k3_dspark'"):
-        register_draft(K3DSparkConfig, K3DSparkModel, replace(again, architectures=("New",)))
+        register_serving(replace(again, family="dflash", architectures=("New",)))
+    with pytest.raises(ConfigError, match=r"no draft registered for Again \(model_type='again_draft'\)"):
+        register_draft(Again, DFlashDraftModel)
+    with pytest.raises(ConfigError, match="K3DSparkConfig is already registered to 'k3_dspark'"):
+        register_draft(K3DSparkConfig, K3DSparkModel)
     with pytest.raises(ConfigError, match="no draft registered"):
         config_class_for({"architectures": ["SomethingNew"]})
+    assert "again" not in families()
 
 
 @pytest.mark.parametrize(("name", "classes"), EXPECTED.items())
 def test_every_recipe_has_a_serving_record_matching_its_class(name, classes):
     config = load_draft_config(RECIPES / name)
     serving = serving_for(config)
-    assert serving is serving_for(RECIPES / name) is serving_for(json.loads((RECIPES / name).read_text()))
+    data = json.loads((RECIPES / name).read_text())
+    assert serving is serving_for(RECIPES / name) is serving_for(data) is serving_for(classes[0])
     assert serving.model_type == classes[0].model_type
     assert serving.family in families()
     assert architecture_for(config) == serving.architectures[0]
@@ -138,11 +139,11 @@ def test_serving_records_say_what_vllm_cpu_cannot_serve():
 
 
 def test_serving_records_import_nothing_heavy():
-    """A record module imports only `models.serving`; torch comes from the package inits alone."""
+    """The records and the family table import no torch themselves (only the package inits do)."""
     import ast
 
     root = Path(__file__).resolve().parents[1] / "hpctoolkit" / "models"
-    for path in [root / "serving.py", *root.glob("*/serving.py")]:
+    for path in [root / "serving.py", root / "families.py", *root.glob("*/serving.py")]:
         tree = ast.parse(path.read_text())
         imported = {
             n.module if isinstance(n, ast.ImportFrom) else a.name
@@ -153,7 +154,13 @@ def test_serving_records_import_nothing_heavy():
         heavy = {m for m in imported if m and m.split(".")[0] in ("torch", "transformers", "safetensors")}
         assert not heavy, (path, heavy)
         modules = {m for m in imported if m and m.startswith("hpctoolkit.")}
-        allowed = {"hpctoolkit.models.serving", "hpctoolkit.models.dflash", "hpctoolkit.models.dspark"}
+        allowed = {
+            "hpctoolkit.errors",
+            "hpctoolkit.models.serving",
+            "hpctoolkit.models.dflash",
+            "hpctoolkit.models.dspark",
+        }
+        allowed |= {f"hpctoolkit.models.{f}.serving" for f in families()}
         configs = {m for m in modules if m.endswith(".config")}  # TYPE_CHECKING only
         assert modules - configs <= allowed, (path, modules)
 
@@ -215,3 +222,103 @@ def test_inspect_prints_classes_rotary_and_shapes(capsys):
     assert report["rotary"]["interleaved"] is True
     assert report["state_dict"]["layers.4.self_attn.kv_b_proj.weight"] == [64 * 256, 512]
     assert report["state_dict"]["embed_tokens.weight"] == [163840, 7168]
+
+
+def test_every_family_has_a_trainer_and_the_trainer_registry_is_strict():
+    from hpctoolkit.train.trainers import DFlashTrainer, DSparkTrainer, Eagle3Trainer
+    from hpctoolkit.train.trainers.registry import register_trainer, trainer_class_for, trainer_families
+
+    assert trainer_families() == families()
+    for name, (config_cls, _) in EXPECTED.items():
+        config = load_draft_config(RECIPES / name)
+        want = {Eagle3Config: Eagle3Trainer, DFlashConfig: DFlashTrainer}.get(config_cls, DSparkTrainer)
+        assert trainer_class_for(config) is want is trainer_class_for(family_of(config))
+    with pytest.raises(ConfigError, match="'dspark' is already registered"):
+        register_trainer("dspark", DFlashTrainer)
+    with pytest.raises(
+        ConfigError, match=r"no trainer for draft family 'nope'; known: dflash, dspark, eagle3"
+    ):
+        trainer_class_for("nope")
+
+
+def test_export_takes_flags_in_any_order(tmp_path):
+    config = load_draft_config(RECIPES / "tiny_dflash.json")
+    save_draft(build_draft_model(config), tmp_path / "ckpt")
+    ckpt = str(tmp_path / "ckpt")
+    assert export_main(["--dtype", "float32", ckpt, str(tmp_path / "a")]) == 0
+    assert export_main([ckpt, "--dtype", "float16", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == "float16"
+
+
+def test_tiny_target_takes_flags_in_any_order(monkeypatch, capsys):
+    from hpctoolkit.testing import tiny_target
+
+    built = []
+    monkeypatch.setattr(tiny_target, "build", lambda name, out: built.append((name, out)) or Path(out))
+    assert tiny_target.main(["--arch", "llama", "out1"]) == 0
+    assert tiny_target.main(["out2", "--arch", "llama"]) == 0
+    assert built == [("tiny-llama", "out1"), ("tiny-llama", "out2")]
+
+
+def test_evaluate_takes_flags_in_any_order():
+    from hpctoolkit.cli import parse
+    from hpctoolkit.evaluate.__main__ import build_parser
+
+    a = parse(build_parser(), ["--target", "T", "EXP", "--max-tokens", "5", "--num-prompts", "2"])
+    b = parse(build_parser(), ["EXP", "--num-prompts", "2", "--target", "T", "--max-tokens", "5"])
+    assert a == b and (a.export_dir, a.target, a.max_tokens, a.num_prompts) == ("EXP", "T", 5, 2)
+
+
+def _entry_points():
+    from hpctoolkit.evaluate.__main__ import main as evaluate_main
+    from hpctoolkit.testing.tiny_target import main as tiny_main
+
+    return {
+        "hpctoolkit.models.export": (export_main, ["ckpt", "out"]),
+        "hpctoolkit.models.inspect": (inspect_main, ["config.json"]),
+        "hpctoolkit.evaluate": (evaluate_main, ["export", "--target", "t"]),
+        "hpctoolkit.testing.tiny_target": (tiny_main, ["out"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "prog",
+    [
+        "hpctoolkit.models.export",
+        "hpctoolkit.models.inspect",
+        "hpctoolkit.evaluate",
+        "hpctoolkit.testing.tiny_target",
+    ],
+)
+def test_a_bad_flag_is_exit_2_with_one_line(prog, capsys):
+    from hpctoolkit.cli import run_cli
+
+    main, argv = _entry_points()[prog]
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, [*argv[:1], "--nope", *argv[1:]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert len(err) == 1 and err[0].startswith(f"error: python -m {prog}: unrecognized arguments: --nope"), (
+        err
+    )
+    with pytest.raises(SystemExit) as info:
+        run_cli(main, ["--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m {prog}")
+
+
+@pytest.mark.parametrize("prog", ["hpctoolkit.models.export", "hpctoolkit.testing.tiny_target"])
+def test_python_m_reports_a_bad_flag_in_one_line(prog):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", prog, *_entry_points()[prog][1], "--nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: python -m {prog}: unrecognized arguments: --nope"]

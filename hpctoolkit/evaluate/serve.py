@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.models.registry import serving_for
+from hpctoolkit.models.families import serving_for
 
 
 def serving_method(export_dir: str | os.PathLike) -> str:

@@ -35,7 +35,8 @@ from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.checkpoint import load_state_dict
 from hpctoolkit.models.common.config import DraftConfig
-from hpctoolkit.models.registry import build_draft_model, load_draft_config, serving_for
+from hpctoolkit.models.families import serving_for
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,8 +1,8 @@
 """`Serving`: what the rest of the toolkit needs to know about a draft family without building it.
 
-Each family folder holds its record in `serving.py` as `SERVING`; `models.registry` registers it
-with the family's config and model classes, and `registry.serving_for(...)` finds it from a
-config class, a config instance, a `config.json` dict or its path. Export, evaluation, the recipe
+Each family folder holds its record in `serving.py` as `SERVING`; `models.families` lists the
+records and `families.serving_for(...)` finds one from a `config.json` dict, its path, or a
+config class or instance; `models.registry` ties each to the family's config and model classes. Export, evaluation, the recipe
 couplings and the trainer registry read the record instead of branching on config types, so
 adding a family touches its folder and the registry only.
 
@@ -26,7 +26,7 @@ class Serving:
     """One draft family, as export, evaluation and the couplings see it.
 
     - `family`: the registry key (the family's folder name), also the trainer registry's key.
-    - `model_type`: the config class's `model_type` (checked at registration).
+    - `model_type`: the config class's `model_type` (how `models.registry` finds the record).
     - `architectures`: names that resolve to this family in a `config.json`; the first is what
       `save_draft` writes (our own checkpoint).
     - `served_architecture`: what export writes, the vLLM 0.32 draft class's registry name.

@@ -1,4 +1,4 @@
-"""The trainer registry: draft family name (`models.registry.families()`) -> trainer class.
+"""The trainer registry: draft family name (`models.families.families()`) -> trainer class.
 
 Explicit and central: each family is registered once by name, a duplicate raises, and a miss
 lists the valid names. DSpark and its Kimi-K3 MLA variant share `DSparkTrainer`; DFlash and
