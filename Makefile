@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hpctoolkit-setup
 SETUP_INPUTS := pyproject.toml patches/vllm/v0.32.0/series $(wildcard patches/vllm/v0.32.0/*.patch) patches/apply_series.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint dry-run clean
+.PHONY: setup run test lint dry-run clean image
 
 setup: $(STAMP)
 
@@ -45,3 +45,30 @@ test: setup lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# `make image`: the Apptainer image (apptainer/hpctoolkit.def) from vLLM's CUDA release image
+# VLLM_VERSION plus the patch series pinned to it, written to IMAGE, where the launchers look by
+# default. IMAGE is the one name of that path: hpctoolkit.slurm.container.DEFAULT_IMAGE (which
+# recipes/k3.yaml's cluster.container names) is its value at the defaults, and
+# tests/test_apptainer_def.py holds the two together. The suffix keeps images of one vLLM
+# version apart when they differ in what was applied to it (the series, a base digest).
+VLLM_VERSION ?= 0.32.0
+IMAGE_TAG_SUFFIX ?= -pp-export
+IMAGE ?= images/hpctoolkit-vllm-$(VLLM_VERSION)$(IMAGE_TAG_SUFFIX).sif
+BASE ?= vllm/vllm-openai:v$(VLLM_VERSION)
+# The base's digest when skopeo can tell (then the build pulls exactly that), else "unknown".
+BASE_DIGEST ?= $(or $(shell command -v skopeo >/dev/null 2>&1 && skopeo inspect --format '{{.Digest}}' docker://$(BASE) 2>/dev/null),unknown)
+APPTAINER ?= apptainer
+APPTAINER_BUILD_ARGS ?=
+
+image:
+	@test -f patches/vllm/v$(VLLM_VERSION)/series || { echo "no patches/vllm/v$(VLLM_VERSION)/series:" \
+		"only a pinned directory under patches/vllm/ carries one; a vLLM without it captures aux" \
+		"states on the last PP stage only" >&2; exit 1; }
+	@command -v $(APPTAINER) >/dev/null || { echo "no $(APPTAINER) here: build on a machine that has it" >&2; exit 1; }
+	@mkdir -p $(dir $(IMAGE))
+	$(APPTAINER) build $(APPTAINER_BUILD_ARGS) \
+		--build-arg VLLM_VERSION=$(VLLM_VERSION) \
+		--build-arg BASE=$(if $(filter unknown,$(BASE_DIGEST)),$(BASE),$(firstword $(subst :, ,$(BASE)))@$(BASE_DIGEST)) \
+		--build-arg BASE_DIGEST=$(BASE_DIGEST) \
+		$(IMAGE) apptainer/hpctoolkit.def
