@@ -7,13 +7,10 @@ import pytest
 import torch
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models import DFlashConfig, build_draft_model, load_draft_config
-from hpctoolkit.models.dflash import (
-    IGNORE_INDEX,
-    block_cross_entropy,
-    make_block_layout,
-    sample_anchors,
-)
+from hpctoolkit.models.dflash.config import DFlashConfig
+from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.loss import block_cross_entropy
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 

@@ -26,12 +26,13 @@ else:
     raise SystemExit("the blocker did not work")
 
 import torch
-import hpctoolkit.models as models
 import hpctoolkit.models.export  # noqa: F401
-from hpctoolkit.models.dflash import make_block_layout
+import hpctoolkit.evaluate.simulate  # noqa: F401
+from hpctoolkit.models.dflash.layout import make_block_layout
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
-config = models.load_draft_config(sys.argv[1])
-model = models.build_draft_model(config)
+config = load_draft_config(sys.argv[1])
+model = build_draft_model(config)
 ids = torch.randint(0, 500, (1, 20))
 ctx = torch.randn(1, 20, config.num_target_layers * config.target_hidden_size)
 out = model(ctx, ids, make_block_layout(torch.tensor([[4]]), config.block_size, 20))

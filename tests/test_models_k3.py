@@ -7,15 +7,12 @@ import pytest
 import torch
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models import (
-    DSparkConfig,
-    K3DSparkConfig,
-    K3DSparkModel,
-    build_draft_model,
-    load_draft_config,
-)
-from hpctoolkit.models.dflash import make_block_layout
-from hpctoolkit.models.dspark import dspark_loss
+from hpctoolkit.models.dflash.layout import make_block_layout
+from hpctoolkit.models.dspark.config import DSparkConfig
+from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
+from hpctoolkit.models.k3_dspark.model import K3DSparkModel
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 K3_RECIPE = RECIPES / "kimi_k3_dspark_mla.json"
@@ -165,7 +162,7 @@ def test_v_is_not_rotated_and_q_k_positions_are_separate():
     attn = build_draft_model(config).layers[0].self_attn
     rot = build_draft_model(config, device="meta").rotary_emb
     x = torch.randn(1, 3, config.hidden_size)
-    from hpctoolkit.models.common import causal_mask
+    from hpctoolkit.models.common.attention import causal_mask
 
     mask = causal_mask(1, 3, x.device)
     pos = torch.arange(3).unsqueeze(0)

@@ -8,21 +8,20 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hpctoolkit.models import load_draft_config
-from hpctoolkit.models.common import (
-    GQAAttention,
-    MLAAttention,
-    RMSNorm,
+from hpctoolkit.models.common.attention import GQAAttention, causal_mask
+from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy, reference_cross_entropy
+from hpctoolkit.models.common.mla import MLAAttention
+from hpctoolkit.models.common.norm import RMSNorm
+from hpctoolkit.models.common.rope import (
     RopeSpec,
     RotaryEmbedding,
     apply_rotary,
-    causal_mask,
     compute_inv_freq,
     rotate_interleaved,
     yarn_get_mscale,
 )
-from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy, reference_cross_entropy
-from hpctoolkit.models.dflash import block_attention_mask
+from hpctoolkit.models.dflash.layout import block_attention_mask
+from hpctoolkit.models.registry import load_draft_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 K3_RECIPE = RECIPES / "kimi_k3_dspark_mla.json"
@@ -62,7 +61,7 @@ def test_k3_yarn_inv_freq_uses_configured_base_not_10000():
     config = load_draft_config(K3_RECIPE)
     assert config.rope_theta == 50000.0
     with torch.device("meta"):
-        from hpctoolkit.models import build_draft_model
+        from hpctoolkit.models.registry import build_draft_model
 
         model = build_draft_model(config)
     rotary = model.rotary_emb

@@ -8,28 +8,28 @@ import pytest
 import torch
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models import (
-    DFlashConfig,
-    DFlashDraftModel,
-    DSparkConfig,
-    DSparkDraftModel,
-    Eagle3Config,
-    Eagle3DraftModel,
-    K3DSparkConfig,
-    K3DSparkModel,
-    build_draft_model,
-    config_class_for,
-    load_draft,
-    load_draft_config,
-    model_class_for,
-    register_draft,
-    save_draft,
-)
+from hpctoolkit.models.checkpoint import load_draft, save_draft
+from hpctoolkit.models.dflash.config import DFlashConfig
+from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.models.dflash.serving import SERVING as DFLASH
+from hpctoolkit.models.dspark.config import DSparkConfig
+from hpctoolkit.models.dspark.model import DSparkDraftModel
+from hpctoolkit.models.eagle3.config import Eagle3Config
+from hpctoolkit.models.eagle3.model import Eagle3DraftModel
 from hpctoolkit.models.export import main as export_main
 from hpctoolkit.models.families import families, register_serving, serving_for
 from hpctoolkit.models.inspect import main as inspect_main
-from hpctoolkit.models.registry import architecture_for, family_of
+from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
+from hpctoolkit.models.k3_dspark.model import K3DSparkModel
+from hpctoolkit.models.registry import (
+    architecture_for,
+    build_draft_model,
+    config_class_for,
+    family_of,
+    load_draft_config,
+    model_class_for,
+    register_draft,
+)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models import build_draft_model, config_from_dict, load_draft_config
 from hpctoolkit.models.export import export_draft
+from hpctoolkit.models.registry import build_draft_model, config_from_dict, load_draft_config
 
 for _key, _value in {
     "VLLM_TARGET_DEVICE": "cpu",
