@@ -92,7 +92,7 @@ def _cache(num_heads=None, blocks=8, dtype=torch.float32):
     return torch.randn(blocks, num_heads, BLOCK, HIDDEN).to(dtype)
 
 
-def _sched_out(new=(), cached=(), resumed=()):
+def _sched_out(new=(), cached=(), resumed=(), preempted=()):
     """A scheduler output: `new` = (req_id, prompt, blocks, computed, scheduled) per new request,
     `cached` = (req_id, new_blocks or None, computed, scheduled) per running one."""
     return SimpleNamespace(
@@ -107,6 +107,7 @@ def _sched_out(new=(), cached=(), resumed=()):
             num_computed_tokens=[c for _, _, c, _ in cached],
         ),
         num_scheduled_tokens={r: n for r, *_, n in list(new) + list(cached)},
+        preempted_req_ids=set(preempted),
     )
 
 
@@ -500,3 +501,107 @@ def test_shutdown_lets_the_queued_publishes_finish():
     worker.shutdown()
     assert {f.key for f in m.fragments_of_stage(0)} == set(engine_helpers.MEMORY_STORE.keys())
     assert worker._publisher is None
+
+
+# ------------------------------------------------------------------ aborts and preemption after hand-out
+
+
+def _stages(pp_size=2, kv=None):
+    return [_worker(pp_rank=r, pp_size=pp_size, kv=kv) for r in range(pp_size)]
+
+
+def _bind_all(workers, meta):
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        _settle(w)
+
+
+def test_fragments_of_a_request_aborted_after_hand_out_are_removed():
+    """The stages publish it regardless; nobody reads it, and a hard-pinned store never evicts it."""
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _, blocks, _ = _chunks(sched)
+    meta = sched.build_connector_meta(_sched_out())
+    (sample,) = meta.pending
+    m = Manifest.from_dict(sample.manifest)
+    workers = _stages()
+    _bind_all(workers, meta)
+    assert sorted(engine_helpers.MEMORY_STORE.keys()) == sorted(f.key for f in m.all_objects)
+    aborted = _request(n=10, status=RequestStatus.FINISHED_ABORTED)
+    assert sched.request_finished(aborted, blocks) == (True, None)  # blocks held until reported
+    meta = sched.build_connector_meta(_sched_out())
+    assert meta.pending == [] and [d.req_id for d in meta.discard] == ["r1"]
+    _bind_all(workers, meta)
+    assert engine_helpers.MEMORY_STORE.keys() == []
+    # Each stage still reports it once, so vLLM frees its blocks.
+    assert [w.get_finished({"r1"})[0] for w in workers] == [{"r1"}, {"r1"}]
+    assert sched.build_connector_meta(_sched_out()).discard == []  # once
+
+
+def test_request_preempted_after_hand_out_is_discarded_and_handed_out_from_its_recompute():
+    """vLLM frees the blocks the stages may still read, then recomputes the request elsewhere."""
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _chunks(sched)
+    first = sched.build_connector_meta(_sched_out())
+    (old,) = first.pending
+    # The next schedule preempts it (KV-cache pressure): its sample is discarded, not republished.
+    second = sched.build_connector_meta(_sched_out(preempted=["r1"]))
+    assert second.pending == [] and [d.req_id for d in second.discard] == ["r1"]
+    # Resumed from scratch in other blocks; its prompt completes again.
+    sched.build_connector_meta(_sched_out(cached=[("r1", [3, 4, 6], 0, 10)], resumed=["r1"]))
+    third = sched.build_connector_meta(_sched_out())
+    (new,) = third.pending
+    assert new.block_ids == [3, 4, 6] and new.manifest == old.manifest  # same sample key
+    delay, params = sched.request_finished(_request(n=10), [3, 4, 6])
+    assert delay is True and params == {MANIFEST_PARAM: new.manifest}
+
+    kv = _cache(num_heads=2, blocks=10)  # the patch's layout: local ids first, 2 heads per stage
+    workers = _stages(kv=kv)
+    for meta in (first, second, third):
+        _bind_all(workers, meta)
+    assert [w.get_finished({"r1"})[0] for w in workers] == [{"r1"}, {"r1"}]
+    sample = fetch_sample(engine_helpers.MEMORY_STORE, Manifest.from_dict(new.manifest), retry_max_wait_s=1)
+    want = torch.cat([kv[3], kv[4], kv[6, :, :2]], dim=1).permute(1, 0, 2)  # [T, heads, H], new blocks
+    assert torch.equal(sample.last_hidden_states, want[:, 1])  # stage 1's second local head: id 6
+    assert torch.equal(sample.aux_hidden_states[0], want[:, 0])  # stage 0's first: id 1
+
+
+def test_preempted_request_is_reported_only_once_its_recompute_is_published():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _chunks(sched)
+    first = sched.build_connector_meta(_sched_out())
+    second = sched.build_connector_meta(_sched_out(preempted=["r1"]))
+    sched.build_connector_meta(_sched_out(cached=[("r1", [3, 4, 6], 0, 10)], resumed=["r1"]))
+    third = sched.build_connector_meta(_sched_out())
+    worker = _worker(pp_rank=1, pp_size=2, kv=_cache(blocks=10))
+    _bind_all([worker], first)
+    _bind_all([worker], second)
+    store = _GatedStore(engine_helpers.MEMORY_STORE)
+    worker._store = store
+    worker.bind_connector_metadata(third)
+    assert store.entered.wait(10)
+    # The first publish completed, but the recompute's is still running: not reported.
+    assert worker.get_finished({"r1"})[0] is None
+    store.gate.set()
+    _settle(worker)
+    assert worker.get_finished(set())[0] == {"r1"}
+
+
+def test_request_preempted_before_hand_out_is_handed_out_only_from_its_recompute():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    prompt = list(range(100, 110))
+    sched.build_connector_meta(_sched_out(new=[("r1", prompt, [5, 2, 7], 0, 10)]))  # completes
+    meta = sched.build_connector_meta(_sched_out(preempted=["r1"]))
+    assert (meta.pending, meta.discard) == ([], [])
+    sched.build_connector_meta(_sched_out(cached=[("r1", [3, 4, 6], 0, 10)], resumed=["r1"]))
+    (sample,) = sched.build_connector_meta(_sched_out()).pending
+    assert sample.block_ids == [3, 4, 6]
+
+
+def test_request_aborted_while_recomputing_holds_its_blocks_for_the_stages_reports():
+    sched = _connector(KVConnectorRole.SCHEDULER, pp_size=2)
+    _chunks(sched)
+    sched.build_connector_meta(_sched_out())
+    sched.build_connector_meta(_sched_out(preempted=["r1"]))
+    aborted = _request(n=10, computed=0, status=RequestStatus.FINISHED_ABORTED)
+    # Its first sample went to the stages, which will report it: vLLM must still know it.
+    assert sched.request_finished(aborted, []) == (True, None)

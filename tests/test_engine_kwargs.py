@@ -116,6 +116,17 @@ def test_cpu_environment():
     assert "VLLM_TARGET_DEVICE" not in cuda_env
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_capture_engines_pin_the_v1_runner_and_serving_engines_may_not(pp):
+    """The README's rule: a capture engine runs V1 at every pp_size; serving keeps vLLM's choice."""
+    cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=pp, pp_size=pp)
+    assert _build(cfg, backend="cuda")[1]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    serving = engine_env_mod.engine_env(
+        "cuda", in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False
+    )
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in serving
+
+
 def test_cpu_pp_binds_cores_per_rank():
     cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
     _, env = _build(cfg, num_cores=2)

@@ -70,14 +70,14 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.mooncake import MooncakeStore
 
-    pp = int(args["pp"])
+    pp, tp = int(args["pp"]), int(args.get("tp", 1))
     cores = os.cpu_count() or 1
-    if pp > cores:
+    if pp * tp > cores:
         # Test-only: the engine's even split needs a core per worker; oversubscribe instead.
         engine_env_mod.cpu_bind_spec = round_robin_bind  # type: ignore[assignment]
     cfg = EngineConfig(
         target_layer_ids=TARGET_LAYER_IDS,
-        gpus_per_node=pp,
+        gpus_per_node=pp * tp,  # one node: tp = world // pp
         pp_size=pp,
         dtype=DTYPE,
         max_model_len=1024,
@@ -87,7 +87,7 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     )
     store_cfg = StoreConfig()
     t0 = time.monotonic()
-    with CaptureEngine(cfg, args["model_dir"], args["address"], store_cfg, f"equiv-pp{pp}") as eng:
+    with CaptureEngine(cfg, args["model_dir"], args["address"], store_cfg, f"equiv-tp{tp}-pp{pp}") as eng:
         started = time.monotonic() - t0
         t1 = time.monotonic()
         # One capture() call, as the production callers batch it (still one request per generate()).
@@ -112,13 +112,26 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
         finally:
             reader.close()
     torch.save(out, args["out"])
-    return {"pp": pp, "engine_start_s": started, "capture_s": capture_s, "total_s": time.monotonic() - t0}
+    return {
+        "pp": pp,
+        "tp": tp,
+        "engine_start_s": started,
+        "capture_s": capture_s,
+        "total_s": time.monotonic() - t0,
+    }
 
 
-def spawn_arm(pp: int, model_dir: str, address: str, work: Path) -> tuple[list[dict], dict]:
-    """Run one arm in its own process; return its samples and timings, or fail with its log."""
-    out, log = work / f"pp{pp}.pt", work / f"pp{pp}.log"
-    args = {"pp": pp, "model_dir": model_dir, "address": address, "prompts": prompts(), "out": str(out)}
+def spawn_arm(pp: int, model_dir: str, address: str, work: Path, tp: int = 1) -> tuple[list[dict], dict]:
+    """Run one arm (TP x PP) in its own process; return its samples and timings, or fail with its log."""
+    out, log = work / f"tp{tp}-pp{pp}.pt", work / f"tp{tp}-pp{pp}.log"
+    args = {
+        "pp": pp,
+        "tp": tp,
+        "model_dir": model_dir,
+        "address": address,
+        "prompts": prompts(),
+        "out": str(out),
+    }
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with log.open("w") as f:
         proc = subprocess.run(
@@ -134,7 +147,7 @@ def spawn_arm(pp: int, model_dir: str, address: str, work: Path) -> tuple[list[d
     marker = [line for line in text.splitlines() if line.startswith("ARM-RESULT ")]
     if proc.returncode != 0 or not marker or not out.exists():
         tail = "\n".join(text.splitlines()[-60:])
-        raise AssertionError(f"PP={pp} arm failed (exit {proc.returncode}); log tail:\n{tail}")
+        raise AssertionError(f"TP={tp} x PP={pp} arm failed (exit {proc.returncode}); log tail:\n{tail}")
     return torch.load(out), json.loads(marker[-1].removeprefix("ARM-RESULT "))
 
 
@@ -168,6 +181,7 @@ def compare(ref: list[dict], got: list[dict], pp: int) -> list[dict[str, Any]]:
 
 
 def run_all(model_dir: str, work: Path, pps: list[int]) -> tuple[list[dict], list[dict]]:
+    """PP=1 and then each of `pps` against it, under one Mooncake master."""
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
 
@@ -191,7 +205,7 @@ def report(rows: list[dict], timings: list[dict]) -> str:
         )
     for t in timings:
         lines.append(
-            f"arm PP={t['pp']}: engine start {t['engine_start_s']:.1f} s, capture {t['capture_s']:.1f} s"
+            f"arm TP={t.get('tp', 1)} x PP={t['pp']}: engine start {t['engine_start_s']:.1f} s, capture {t['capture_s']:.1f} s"
         )
     return "\n".join(lines)
 

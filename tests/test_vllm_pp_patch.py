@@ -32,7 +32,8 @@ def test_local_ids_are_exactly_capture_owned_layers(fake_pp, monkeypatch):
     """The patch's per-stage split and hpctoolkit's owned_layers are the same arithmetic."""
     from vllm.model_executor.models.extract_hidden_states import get_local_aux_layer_ids
 
-    from hpctoolkit.capture import owned_layers, pp_range
+    from hpctoolkit.capture import owned_layers
+    from hpctoolkit.engine.rows import stage_heads
 
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
     checked = 0
@@ -43,9 +44,10 @@ def test_local_ids_are_exactly_capture_owned_layers(fake_pp, monkeypatch):
             for rank in range(pp_size):
                 fake_pp(rank, pp_size)
                 for ids in id_lists:
-                    local, end = get_local_aux_layer_ids(ids, num_layers)
+                    local, heads = get_local_aux_layer_ids(ids, num_layers)
                     assert local == owned_layers(ids, num_layers, rank, pp_size), (num_layers, pp_size, rank)
-                    assert end == pp_range(num_layers, rank, pp_size)[1]
+                    # One head count on every stage: one cache layer spec, one KV group.
+                    assert heads == stage_heads(ids, num_layers, pp_size)
                     checked += 1
     assert checked > 2000
 
@@ -76,19 +78,27 @@ def test_extract_hidden_states_model_supports_pp():
 
 
 @pytest.mark.timeout(60)
-def test_non_last_rank_pops_every_aux_key_before_the_send():
+def test_non_last_rank_sends_no_aux_key_and_leaves_a_cached_output_intact():
+    """Under a FULL CUDA graph replay the model returns one cached output object every time.
+
+    Popping the aux keys out of it in place (the first version of the patch) left the second
+    replay of a batch shape with no aux states: "got 0 aux hidden states", engine dead.
+    """
     import torch
     from vllm.sequence import IntermediateTensors
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     h, r = torch.randn(5, 4), torch.randn(5, 4)
     aux = [torch.full((5, 4), float(i)) for i in range(3)]
-    out = IntermediateTensors(
+    cached = IntermediateTensors(
         {"hidden_states": h, "residual": r, **{f"aux_hidden_states_{i}": a for i, a in enumerate(aux)}}
     )
-    popped = GPUModelRunner._pop_local_aux_hidden_states(None, out)  # type: ignore[arg-type]
-    assert set(out.tensors) == {"hidden_states", "residual"}  # what plain inference sends
-    assert all(p is a for p, a in zip(popped, aux, strict=True))  # in slot order, not copied
+    for _replay in range(2):
+        sent, got = GPUModelRunner._split_local_aux_hidden_states(None, cached)  # type: ignore[arg-type]
+        assert set(sent.tensors) == {"hidden_states", "residual"}  # what plain inference sends
+        assert sent.tensors["hidden_states"] is h and sent.tensors["residual"] is r
+        assert all(g is a for g, a in zip(got, aux, strict=True))  # in slot order, not copied
+    assert len(cached.tensors) == 5
 
 
 @pytest.mark.timeout(180)
@@ -117,6 +127,43 @@ def test_engine_config_with_extract_hidden_states_and_pp_is_accepted(pp, monkeyp
     # The patch targets the V1 runner; the engine pins it, and this is what the pin selects.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert config.use_v2_model_runner is False
+
+
+@pytest.mark.timeout(180)
+def test_v2_runner_refuses_extract_hidden_states_under_pp(monkeypatch):
+    """The refusal is vLLM's own: V2's unsupported-feature list, so CUDA picks V1 by itself."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    def args(pp: int) -> EngineArgs:
+        return EngineArgs(
+            model=str(resolve_target("builtin:tiny-qwen3")),
+            pipeline_parallel_size=pp,
+            distributed_executor_backend="mp",
+            enforce_eager=True,
+            max_model_len=512,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5, 6]}},
+            },
+        )
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config = args(2).create_engine_config()
+    feature = "extract_hidden_states with pipeline parallelism"
+    assert feature in config._get_v2_model_runner_unsupported_features()
+    assert feature not in args(1).create_engine_config()._get_v2_model_runner_unsupported_features()
+    # As on the CUDA build (Triton present): V1 is picked by itself, and an explicit V2 gets
+    # vLLM's own error naming the feature.
+    import vllm.config.vllm as vllm_config_mod
+
+    monkeypatch.setattr(vllm_config_mod, "HAS_TRITON", True)
+    assert config.use_v2_model_runner is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match=f"Model Runner V2 does not yet support: {feature}"):
+        config._validate_v2_model_runner()
 
 
 @pytest.mark.timeout(60)

@@ -69,14 +69,11 @@ Settings arrive through `kv_connector_extra_config` (JSON-able; see `ExtraConfig
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +91,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
-from hpctoolkit.engine.rows import gather_heads, head_index_of, sample_key_for, slot_mapping
+from hpctoolkit.engine.publish import Publisher, StageRows
+from hpctoolkit.engine.rows import head_index_of, sample_key_for, stage_heads
+from hpctoolkit.engine.tracker import PendingSample, SampleTracker
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
-from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest, publish_stage
+from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
@@ -199,76 +198,12 @@ def read_faults(fault_dir: str | None) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r.get("time", 0))
 
 
-class _Publisher:
-    """One daemon thread that runs a worker's publishes, in submission order.
-
-    Threading: `submit`, `completed` and `close` are called from the worker's step thread only;
-    the jobs run on the publisher thread, which is the only user of the store client while it
-    runs (the connector creates the client inside the first job). After a job raises, the thread
-    runs no further job: the failure is reported once, by `completed`, and the samples queued
-    behind it are never reported published. A daemon thread, so a put stuck on a dead master
-    cannot hold up the worker's exit; `close` waits for the queued jobs, bounded.
-    """
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], None]] | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
-        self.in_flight = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, req_id: str, job: Callable[[], None]) -> None:
-        self.in_flight += 1
-        self._jobs.put((req_id, job))
-
-    def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            req_id, job = item
-            try:
-                job()
-            except BaseException as err:  # noqa: BLE001  (handed to the step thread, which raises it)
-                self._done.put((req_id, err))
-                return
-            self._done.put((req_id, None))
-
-    def completed(self) -> list[tuple[str, BaseException | None]]:
-        """(request id, error or None) of every job that ended since the last call."""
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                self.in_flight -= len(out)
-                return out
-
-    def close(self, timeout_s: float) -> bool:
-        """Let the queued jobs finish, then stop; False if the thread is still busy after `timeout_s`."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-
-@dataclass
-class PendingSample:
-    """Scheduler → worker: one finished request to publish. Plain data (it is pickled to workers)."""
-
-    req_id: str
-    block_ids: list[int]
-    token_ids: list[int]
-    manifest: dict[str, Any]
-
-
 @dataclass
 class HpcConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, one step: samples to publish, and samples whose fragments to remove."""
+
     pending: list[PendingSample] = field(default_factory=list)
-
-
-@dataclass
-class _Prompt:
-    """Scheduler side: a request whose prompt is being computed, as the scheduler outputs show it."""
-
-    token_ids: list[int]
-    block_ids: list[int]  # of the hidden-state KV group, in order
+    discard: list[PendingSample] = field(default_factory=list)
 
 
 class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -303,20 +238,19 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, kv_cache_config, self._cache_gid
         )
 
-        # Scheduler side: prompts being computed; samples whose last prompt token was scheduled in
-        # the step built last (handed out with the next); samples handed out, request unfinished.
-        self._prompts: dict[str, _Prompt] = {}
-        self._completing: dict[str, PendingSample] = {}
-        self._handed: dict[str, PendingSample] = {}
+        # Scheduler side: which request's sample goes to the stages, and when (tracker.py).
+        self._tracker = SampleTracker(self._cache_gid, self._sample)
 
         # Worker side (rank facts are known only after distributed init: register_kv_caches).
-        self._kv_cache: torch.Tensor | None = None
+        self._rows: StageRows | None = None
         self._pp_rank = 0
         self._tp_rank = 0
         self._owned: list[int] = []
-        self._heads: dict[int, int] = {}
         self._store: Any = None
-        self._publisher: _Publisher | None = None
+        self._publisher: Publisher | None = None
+        # Publishes of a request queued on the thread and not completed yet (a preempted
+        # request's sample is handed out again), and requests with a completed publish.
+        self._in_flight: Counter[str] = Counter()
         self._published: set[str] = set()
         self._finished_seen: set[str] = set()
         self.num_published = 0
@@ -364,8 +298,9 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 f"cache-only layer {name} has shape {tuple(kv.shape)}; expected "
                 f"[blocks, heads, {self._block_size}, {self._hidden_size}]"
             )
-        self._kv_cache = kv
-        self._heads = head_index_of(self._capture_ids, self._owned, kv.shape[1])
+        padded = stage_heads(self._capture_ids, self._num_layers, self._pp_size)
+        heads = head_index_of(self._capture_ids, self._owned, kv.shape[1], padded)
+        self._rows = StageRows(kv, self._block_size, heads, pp_rank)
         logger.info(
             "hpctoolkit connector: stage %d/%d tp %d owns capture ids %s (cache layer %s, shape %s)",
             pp_rank,
@@ -407,19 +342,10 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 ) from err
         return self._store
 
-    def _publish(self, pending: PendingSample) -> None:
-        manifest = Manifest.from_dict(pending.manifest)
-        if self._kv_cache is None:
+    def _stage_rows(self, manifest: Manifest) -> StageRows:
+        if self._rows is None:
             raise DataIntegrityError(f"sample {manifest.sample_key}: connector has no registered KV cache")
-        if str(self._kv_cache.dtype).removeprefix("torch.") != manifest.last.dtype:
-            raise DataIntegrityError(
-                f"sample {manifest.sample_key}: cache dtype {self._kv_cache.dtype} differs from the "
-                f"manifest's {manifest.last.dtype}"
-            )
-        slots = slot_mapping(pending.block_ids, self._block_size, manifest.num_tokens)
-        layers = gather_heads(self._kv_cache, slots, {k: self._heads[k] for k in self._owned})
-        input_ids = torch.tensor(pending.token_ids, dtype=torch.long) if self._pp_rank == 0 else None
-        publish_stage(self._get_store(), manifest, self._pp_rank, layers, input_ids)
+        return self._rows
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -427,35 +353,66 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(connector_metadata, HpcConnectorMetadata) or self._tp_rank != 0:
             return
         for pending in connector_metadata.pending:
+            manifest = Manifest.from_dict(pending.manifest)
             if self._pp_size > 1:
                 if self._publisher is None:
-                    self._publisher = _Publisher(f"hpctoolkit-publish-pp{self._pp_rank}")
-                self._publisher.submit(pending.req_id, functools.partial(self._publish, pending))
+                    self._publisher = Publisher(f"hpctoolkit-publish-pp{self._pp_rank}")
+                rows = self._stage_rows(manifest)
+                rows.publish_async(
+                    self._publisher,
+                    self._get_store,
+                    pending.req_id,
+                    manifest,
+                    pending.block_ids,
+                    pending.token_ids,
+                )
+                self._in_flight[pending.req_id] += 1
                 continue
-            try:
-                self._publish(pending)
-            except BaseException as err:
-                self._record_fault(pending.req_id, err)
-                raise
-            self._count_published(pending.req_id)
+            rows = self._stage_rows(manifest)
+            self._run_now(
+                pending.req_id,
+                lambda r=rows, m=manifest, p=pending: r.publish(
+                    self._get_store(), m, p.block_ids, p.token_ids, r.ready()
+                ),
+            )
+            self._published.add(pending.req_id)
+            self.num_published += 1
+        for gone in connector_metadata.discard:
+            manifest = Manifest.from_dict(gone.manifest)
+            if self._publisher is not None:
+                self._stage_rows(manifest).remove_async(
+                    self._publisher, self._get_store, gone.req_id, manifest
+                )
+            else:
+                self._run_now(
+                    gone.req_id, lambda m=manifest: self._stage_rows(m).remove(self._get_store(), m)
+                )
 
-    def _record_fault(self, req_id: str, err: BaseException) -> None:
-        write_fault(self._extra.fault_dir, f"stage {self._pp_rank} publish of {req_id}", err)
+    def _run_now(self, req_id: str, job: Any) -> None:
+        try:
+            job()
+        except BaseException as err:
+            self._record_fault(req_id, err)
+            raise
 
-    def _count_published(self, req_id: str) -> None:
-        self._published.add(req_id)
-        self.num_published += 1
+    def _record_fault(self, req_id: str, err: BaseException, what: str = "publish") -> None:
+        write_fault(self._extra.fault_dir, f"stage {self._pp_rank} {what} of {req_id}", err)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        for req_id, err in self._publisher.completed() if self._publisher is not None else ():
+        for (what, req_id), err in self._publisher.completed() if self._publisher is not None else ():
             if err is not None:
-                self._record_fault(req_id, err)
+                self._record_fault(req_id, err, what)
                 raise err
-            self._count_published(req_id)
+            if what == "publish":
+                self._in_flight[req_id] -= 1
+                if not self._in_flight[req_id]:
+                    del self._in_flight[req_id]
+                self._published.add(req_id)
+                self.num_published += 1
         # vLLM requires a reported id to have been among finished_req_ids, in this or an
         # earlier call; both normally arrive in the same step.
         self._finished_seen |= finished_req_ids
-        done = self._published & self._finished_seen
+        done = {r for r in self._published & self._finished_seen if r not in self._in_flight}
         self._published -= done
         self._finished_seen -= done
         # Ids this rank will never publish (other TP ranks, unpublished aborts) are not kept.
@@ -489,44 +446,8 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise AssertionError("HpcHiddenStatesConnector never loads KV")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        # Samples whose last prompt token was scheduled in the step built before this one.
-        meta = HpcConnectorMetadata(pending=list(self._completing.values()))
-        self._handed.update(self._completing)
-        self._completing = {}
-        self._track(scheduler_output)
-        return meta
-
-    def _track(self, scheduler_output: SchedulerOutput) -> None:
-        """Follow each request's prompt and blocks through the scheduler output of one step.
-
-        The same bookkeeping as the model runner's: a new request brings its prompt and block
-        table, a running one appends its new blocks, a resumed (preempted) one replaces them.
-        A request whose computed tokens reach its prompt length in this step completes.
-        """
-        gid = self._cache_gid
-        scheduled = scheduler_output.num_scheduled_tokens
-        progress: list[tuple[str, int]] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids is None or new.req_id in self._completing or new.req_id in self._handed:
-                continue  # embeds only (request_finished refuses it), or its sample is out already
-            self._prompts[new.req_id] = _Prompt(list(new.prompt_token_ids), list(new.block_ids[gid]))
-            progress.append((new.req_id, new.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            prompt = self._prompts.get(req_id)
-            if prompt is None:
-                continue  # completed already, or untracked
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                prompt.block_ids = list(new_blocks[gid]) if new_blocks is not None else []
-            elif new_blocks is not None:
-                prompt.block_ids.extend(new_blocks[gid])
-            progress.append((req_id, cached.num_computed_tokens[i]))
-        for req_id, computed in progress:
-            prompt = self._prompts[req_id]
-            if computed + scheduled.get(req_id, 0) >= len(prompt.token_ids):
-                del self._prompts[req_id]
-                self._completing[req_id] = self._sample(req_id, prompt.token_ids, prompt.block_ids)
+        pending, discard = self._tracker.step(scheduler_output)
+        return HpcConnectorMetadata(pending=pending, discard=discard)
 
     def _sample(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> PendingSample:
         num_tokens = len(token_ids)
@@ -558,50 +479,21 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        self._prompts.pop(rid, None)
         prompt = request.prompt_token_ids
         if prompt is None:
             raise DataIntegrityError(f"request {rid} has no prompt token ids (embeds only)")
-        aborted = request.status == RequestStatus.FINISHED_ABORTED
-        if rid in self._handed:
-            sample = self._handed.pop(rid)
-            if aborted:
-                # The stages publish it in any case; hold the blocks until they reported.
-                logger.warning(
-                    "hpctoolkit connector: request %s was aborted after its sample %s was handed to "
-                    "the stages; its fragments stay in the store, unreferenced",
-                    rid,
-                    sample.manifest.get("sample_key"),
-                )
-                return True, None
-        elif rid in self._completing:
-            sample = self._completing[rid]
-            if aborted:
-                del self._completing[rid]  # never handed out: nothing is published
-                return False, None
-        else:
-            # Never seen completing its prompt in a scheduler output (e.g. a connector unit
-            # test): publish with the next step, from the blocks vLLM reports now. Never a
-            # partial sample: a request finished before its last prefill chunk ran has no
-            # complete set of rows.
-            if aborted or request.num_computed_tokens < len(prompt):
-                return False, None
-            sample = self._sample(rid, list(prompt), list(block_ids))
-            self._completing[rid] = sample
-        used = len(sample.block_ids)
-        # A request preempted after its sample was handed out recomputed into other blocks; the
-        # rows were read before any block was reused (every stage reads them before the forward
-        # of the next step, the first that can write a reallocated block).
-        moved = getattr(request, "num_preemptions", 0) > 0
-        if (not moved and list(block_ids[:used]) != sample.block_ids) or list(prompt) != sample.token_ids:
-            err = DataIntegrityError(
-                f"request {rid}: the sample was handed out with blocks {sample.block_ids} and "
-                f"{len(sample.token_ids)} prompt tokens, but the request finished with blocks "
-                f"{list(block_ids[:used])} and {len(prompt)} prompt tokens"
+        try:
+            delay, sample = self._tracker.finish(
+                rid,
+                list(prompt),
+                list(block_ids),
+                aborted=request.status == RequestStatus.FINISHED_ABORTED,
+                num_computed_tokens=request.num_computed_tokens,
             )
+        except DataIntegrityError as err:
             write_fault(self._extra.fault_dir, f"engine core, finishing request {rid}", err)
-            raise err
-        return True, {MANIFEST_PARAM: sample.manifest}
+            raise
+        return delay, (None if sample is None else {MANIFEST_PARAM: sample.manifest})
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

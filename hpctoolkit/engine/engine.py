@@ -181,6 +181,7 @@ def build_llm_kwargs(
         num_cores=num_cores,
         local_world_size=cfg.gpus_per_node,
         cores=cores,
+        pin_v1_runner=True,  # a capture engine: see engine_env
     )
     return kwargs, env
 
@@ -291,15 +292,14 @@ class CaptureEngine:
         )
         self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.pp_size = cfg.pp_size
-        if self.pp_size > 1:  # PP export (hpctoolkit/patches owner): the patch series targets V1
-            import logging
+        import logging
 
-            logging.getLogger(__name__).warning(
-                "PP=%d export: VLLM_USE_V2_MODEL_RUNNER=%s (protected; the patch series targets the V1 "
-                "runner, V2 would relay aux hidden states through the pipe)",
-                self.pp_size,
-                env["VLLM_USE_V2_MODEL_RUNNER"],
-            )
+        logging.getLogger(__name__).info(
+            "capture engine, PP=%d: VLLM_USE_V2_MODEL_RUNNER=%s (protected; the connector and the "
+            "patch series are tested on the V1 runner only)",
+            self.pp_size,
+            env["VLLM_USE_V2_MODEL_RUNNER"],
+        )
         os.environ.update(env)
         try:
             # After the environment is applied (the gates read what the workers inherit, e.g.

@@ -62,8 +62,15 @@ def engine_env(
     num_cores: int | None = None,
     local_world_size: int | None = None,
     cores: Sequence[int] | None = None,
+    pin_v1_runner: bool = True,
 ) -> dict[str, str]:
     """The environment every engine run gets. Pure: the caller applies it.
+
+    `pin_v1_runner` sets `VLLM_USE_V2_MODEL_RUNNER=0`. A capture engine needs it at every
+    `pp_size`: the connector and the patch series are tested on the V1 runner only (at PP > 1 the
+    series also makes vLLM itself refuse V2 for `extract_hidden_states`, so an explicit V2 fails
+    with vLLM's error). An engine that only serves (a draft under evaluation, regeneration) passes
+    False and gets vLLM's own choice: on CUDA, DSpark drafts run only on V2.
 
     CPU binding: one entry per worker on this node (`local_world_size`, the whole world on one
     node), over `cores` (the node's cores; default: this process's affinity, or 0..num_cores-1).
@@ -79,8 +86,9 @@ def engine_env(
     env = {
         "VLLM_HOST_IP": host_ip,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
     }
+    if pin_v1_runner:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if host_ip in ("127.0.0.1", "localhost"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if backend == "cpu":

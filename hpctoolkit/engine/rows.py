@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hpctoolkit.capture import sanitize_key
+from hpctoolkit.capture import owned_layers, sanitize_key
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 
 
@@ -35,14 +35,30 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> 
     return (blocks_b1 * block_size + offsets_1s).flatten()[:num_tokens]
 
 
-def head_index_of(capture_ids: Sequence[int], owned: Sequence[int], num_heads: int) -> dict[int, int]:
+def stage_heads(capture_ids: Sequence[int], num_layers: int, pp_size: int) -> int:
+    """Heads of the cache-only layer on every stage under the PP patch: the largest owned count.
+
+    The patch gives every stage one layer name and one head count, so the hidden states form one
+    KV cache group with one block table on all stages (also for hybrid targets, where each
+    distinct hidden-state spec would get a group of its own); a stage fills its first heads.
+    """
+    return max(len(owned_layers(capture_ids, num_layers, r, pp_size)) for r in range(pp_size))
+
+
+def head_index_of(
+    capture_ids: Sequence[int], owned: Sequence[int], num_heads: int, padded_heads: int | None = None
+) -> dict[int, int]:
     """Which head of this stage's cache-only layer holds each owned capture id.
 
     Stock vLLM sizes the cache-only layer with the **global** capture-id list (heads follow
-    `capture_ids`). A PP patch may size it with the stage's **local** ids instead (heads follow
-    `owned`). Both are accepted; any other head count means the engine and the manifest disagree.
+    `capture_ids`). The PP patch sizes it alike on every stage (`padded_heads`, from
+    `stage_heads`) and puts the stage's **local** ids first (heads follow `owned`); a layer of
+    exactly the local count is accepted too. Any other head count means the engine and the
+    manifest disagree.
     """
     ids = list(capture_ids)
+    if padded_heads is not None and num_heads == padded_heads and len(owned) <= num_heads:
+        return {k: j for j, k in enumerate(owned)}
     if num_heads == len(ids):
         return {k: ids.index(k) for k in owned}
     if num_heads == len(owned):
@@ -50,6 +66,7 @@ def head_index_of(capture_ids: Sequence[int], owned: Sequence[int], num_heads: i
     raise DataIntegrityError(
         f"cache-only layer has {num_heads} heads, but the engine captures {len(ids)} ids {ids} "
         f"of which this stage owns {len(owned)} {list(owned)}"
+        + (f" (every stage's layer should have {padded_heads})" if padded_heads is not None else "")
     )
 
 

@@ -18,7 +18,10 @@ from hpctoolkit.cli import parse, parser, run_cli
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 6
-BUILTINS = ("tiny-qwen3", "tiny-llama")
+BUILTINS = ("tiny-qwen3", "tiny-llama", "tiny-llama-hybrid")
+# tiny-llama-hybrid: sliding-window and full-attention layers alternate, so vLLM forms a KV cache
+# group per attention type (a hybrid target, as Kimi-K3 or DeepSeek-V4 are to vLLM).
+SLIDING_WINDOW = 16
 _SPECIAL = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -59,7 +62,12 @@ def builtin_config(name: str) -> dict[str, Any]:
     }
     if name == "tiny-qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common}
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common}
+    if name == "tiny-llama-hybrid":
+        kinds = ("sliding_attention", "full_attention")
+        llama["layer_types"] = [kinds[i % 2] for i in range(NUM_LAYERS)]
+        llama["sliding_window"] = SLIDING_WINDOW
+    return llama
 
 
 def _tokenizer():
