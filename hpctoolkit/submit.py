@@ -73,9 +73,9 @@ def main(argv: list[str]) -> int:
             f"submitted Slurm job {job}; its run directory is {Path(cfg.paths.output_dir) / slurm_run_id(cfg.name, job)}"
         )
         return 0
-    from hpctoolkit.roles.local import run_local, start_run
+    from hpctoolkit.roles.local import run_local
 
-    run_local(cfg, plan, start_run(cfg), args.recipe, args.overrides)
+    run_local(cfg, plan, args.recipe, args.overrides)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`python -m hpctoolkit.node`: role selection from the plan and the Slurm environment, dry mode,
+"""`python -m hpctoolkit.roles`: role selection from the plan and the Slurm environment, dry mode,
 the digest guard and the environment handed to trainers. No Slurm needed: the environment is faked."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit import node
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.roles import __main__ as roles_main
+from hpctoolkit.roles import context, dispatch, trainer, waits
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "tests/golden/emulated_3node.yaml"
@@ -45,22 +46,22 @@ def digest() -> str:
 
 def test_engine_roles_find_their_node(monkeypatch):
     on_node(monkeypatch, "node6")
-    ctx = node.load_context(RECIPE, [])
+    ctx = context.load_context(RECIPE, [])
     assert ctx.node == 2 and ctx.hosts == ("node4", "node5", "node6")
-    proc = node.select_process(ctx, "engine-follower")
+    proc = context.select_process(ctx, "engine-follower")
     assert (proc.engine, proc.node_rank, proc.gpus) == (0, 1, (0, 1))
-    line = node.dry_line(ctx, proc)
+    line = dispatch.dry_line(ctx, proc)
     assert line.startswith("role=engine-follower node=node6 engine=0 node_rank=1 gpus=0,1 ")
     with pytest.raises(ConfigError, match="no engine-leader on node n2"):
-        node.select_process(ctx, "engine-leader")
+        context.select_process(ctx, "engine-leader")
 
 
 def test_trainer_rank_comes_from_procid(monkeypatch):
     on_node(monkeypatch, "node4", procid=3, localid=3, cvd="0,1,2,3")
-    ctx = node.load_context(RECIPE, [])
-    proc = node.select_process(ctx, "trainer")
+    ctx = context.load_context(RECIPE, [])
+    proc = context.select_process(ctx, "trainer")
     assert (proc.node_rank, proc.local_rank, proc.gpus) == (3, 3, (3,))
-    env = node.trainer_env(ctx, proc)
+    env = context.trainer_env(ctx, proc)
     assert env == {
         "RANK": "3",
         "LOCAL_RANK": "3",
@@ -69,85 +70,85 @@ def test_trainer_rank_comes_from_procid(monkeypatch):
         "MASTER_ADDR": "node4",
         "MASTER_PORT": "29500",
     }
-    monkeypatch.setattr(node.socket, "gethostbyname", lambda h: {"node4": "10.0.0.4"}[h])
-    assert node.store_address(ctx) == "10.0.0.4:50051"
-    assert "rank=3 local_rank=3" in node.dry_line(ctx, proc)
+    monkeypatch.setattr(context.socket, "gethostbyname", lambda h: {"node4": "10.0.0.4"}[h])
+    assert context.store_address(ctx) == "10.0.0.4:50051"
+    assert "rank=3 local_rank=3" in dispatch.dry_line(ctx, proc)
 
 
 def test_trainer_on_the_wrong_node_or_task_fails(monkeypatch):
     on_node(monkeypatch, "node5", procid=0)
     with pytest.raises(ConfigError, match="no trainer on node n1"):
-        node.select_process(node.load_context(RECIPE, []), "trainer")
+        context.select_process(context.load_context(RECIPE, []), "trainer")
     on_node(monkeypatch, "node4", procid=2, localid=1)
     with pytest.raises(ConfigError, match="local task 1"):
-        node.select_process(node.load_context(RECIPE, []), "trainer")
+        context.select_process(context.load_context(RECIPE, []), "trainer")
 
 
 def test_stale_script_is_refused(monkeypatch):
     on_node(monkeypatch, "node4")
     monkeypatch.setenv("HPCTOOLKIT_PLAN_DIGEST", "0123456789abcdef")
     with pytest.raises(ConfigError, match="re-render"):
-        node.load_context(RECIPE, [])
+        context.load_context(RECIPE, [])
     monkeypatch.setenv("HPCTOOLKIT_PLAN_DIGEST", digest())
-    assert node.load_context(RECIPE, []).node == 0
+    assert context.load_context(RECIPE, []).node == 0
     # Overrides that change the placement change the digest too.
     with pytest.raises(ConfigError, match="re-render"):
-        node.load_context(RECIPE, ["training.world_size=2"])
+        context.load_context(RECIPE, ["training.world_size=2"])
 
 
 def test_job_size_must_match(monkeypatch):
     on_node(monkeypatch, "node4")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[4-5]")
     with pytest.raises(ConfigError, match="2 node"):
-        node.load_context(RECIPE, [])
+        context.load_context(RECIPE, [])
 
 
 def test_slurm_roles_outside_slurm():
     with pytest.raises(ConfigError, match="inside a Slurm job"):
-        node.load_context(RECIPE, [])
+        context.load_context(RECIPE, [])
 
 
 def test_main_dry_prints_one_line(monkeypatch, capsys):
     on_node(monkeypatch, "node5")
     monkeypatch.setenv("HPCTOOLKIT_NODE_DRY", "1")
-    assert node.main(["engine-leader", RECIPE]) == 0
+    assert roles_main.main(["engine-leader", RECIPE]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["role=engine-leader node=node5 engine=0 node_rank=0 gpus=0,1 planned_gpus=0,1 index=1"]
-    assert node.main(["check", RECIPE]) == 0
+    assert roles_main.main(["check", RECIPE]) == 0
 
 
 def test_main_usage_errors():
-    with pytest.raises(ConfigError, match="usage"):
-        node.main([])
-    with pytest.raises(ConfigError, match="unknown role 'boss'"):
-        node.main(["boss", RECIPE])
+    with pytest.raises(ConfigError, match="required: role, recipe"):
+        roles_main.main([])
+    with pytest.raises(ConfigError, match="invalid choice: 'boss'"):
+        roles_main.main(["boss", RECIPE])
 
 
 def test_cli_exit_code_2(monkeypatch, capsys):
     from hpctoolkit.cli import run_cli
 
     with pytest.raises(SystemExit) as err:
-        run_cli(node.main, ["boss", RECIPE])
+        run_cli(roles_main.main, ["boss", RECIPE])
     assert err.value.code == 2
-    assert "unknown role" in capsys.readouterr().err
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_run_task_picks_by_local_id(monkeypatch, capsys):
     plan = make_plan(load_recipe(RECIPE))
     on_node(monkeypatch, "node4", localid=0)
-    assert node.run_task(plan, RECIPE, [], True).startswith("role=master node=node4")
+    assert dispatch.run_task(plan, RECIPE, [], True).startswith("role=master node=node4")
     on_node(monkeypatch, "node4", localid=4)
-    assert node.run_task(plan, RECIPE, [], True).startswith("role=trainer node=node4")
+    assert dispatch.run_task(plan, RECIPE, [], True).startswith("role=trainer node=node4")
     on_node(monkeypatch, "node5", localid=1)
-    assert node.run_task(plan, RECIPE, [], True) is None  # spare task on an engine node
+    assert dispatch.run_task(plan, RECIPE, [], True) is None  # spare task on an engine node
 
 
 def test_run_id_and_engine_shares(monkeypatch):
     on_node(monkeypatch, "node5")
-    assert node.run_id(node.load_context(RECIPE, [])) == "emulated-3node-j42"
-    assert [node.engine_share(12, 3, e) for e in range(3)] == [4, 4, 4]
-    assert [node.engine_share(10, 3, e) for e in range(3)] == [4, 3, 3]
-    assert sum(node.engine_share(7, 2, e) for e in range(2)) == 7
+    assert context.load_context(RECIPE, []).run_id == "emulated-3node-j42"
+    assert [trainer.engine_share(12, 3, e) for e in range(3)] == [4, 4, 4]
+    assert [trainer.engine_share(10, 3, e) for e in range(3)] == [4, 3, 3]
+    assert sum(trainer.engine_share(7, 2, e) for e in range(2)) == 7
 
 
 def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
@@ -159,21 +160,20 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
     addresses = {"node4": "10.0.0.4", "node5": "10.0.0.5", "node6": "10.0.0.6"}
-    monkeypatch.setattr(node.socket, "gethostbyname", lambda h: addresses[h])
-    monkeypatch.setattr(node.envs, "available_cores", lambda: [2, 3])
+    monkeypatch.setattr(context.socket, "gethostbyname", lambda h: addresses[h])
     built = {}
     for name, role in (("node5", "engine-leader"), ("node6", "engine-follower")):
         on_node(monkeypatch, name)
-        ctx = node.load_context(RECIPE, [])
-        args = node.engine_node_args(ctx, node.select_process(ctx, role))
+        ctx = context.load_context(RECIPE, [])
+        args = context.engine_node_args(ctx, context.select_process(ctx, role), cores=[2, 3])
         _, kwargs, env = engine_llm_kwargs(
             ctx.cfg.engine,
             tmp_path,
-            node.store_address(ctx),
+            context.store_address(ctx),
             ctx.cfg.store,
-            node.run_id(ctx),
+            ctx.run_id,
             backend="cpu",
-            fault_dir=fault_dir_for(ctx.cfg.paths.output_dir, 0),
+            fault_dir=fault_dir_for(ctx.run.root, 0),
             **args,
         )
         built[role] = (args, kwargs, env)
@@ -191,16 +191,16 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     check_node_invariant(shared(fk))
     assert lk["kv_transfer_config"]["engine_id"] == "emulated-3node-j42-e0"
     extra = fk["kv_transfer_config"]["kv_connector_extra_config"]["hpctoolkit"]
-    assert extra["fault_dir"] == str(Path(ctx.cfg.paths.output_dir) / "faults" / "engine0")
+    assert extra["fault_dir"] == str(ctx.run.faults(0))
     assert extra["store_address"] == "10.0.0.4:50051"
 
 
 def test_dry_roles_parsing():
-    assert node.dry_roles("1") == {"master", "engine-leader", "engine-follower", "trainer"}
-    assert node.dry_roles(None) == node.dry_roles("0") == node.dry_roles("") == frozenset()
-    assert node.dry_roles("trainer, engine-leader") == {"trainer", "engine-leader"}
+    assert dispatch.dry_roles("1") == {"master", "engine-leader", "engine-follower", "trainer"}
+    assert dispatch.dry_roles(None) == dispatch.dry_roles("0") == dispatch.dry_roles("") == frozenset()
+    assert dispatch.dry_roles("trainer, engine-leader") == {"trainer", "engine-leader"}
     with pytest.raises(ConfigError, match="boss"):
-        node.dry_roles("trainer,boss")
+        dispatch.dry_roles("trainer,boss")
 
 
 def test_wait_reachable():
@@ -210,9 +210,9 @@ def test_wait_reachable():
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        assert node.wait_reachable(f"127.0.0.1:{port}", 5) < 5
+        assert waits.wait_reachable(f"127.0.0.1:{port}", 5) < 5
     with pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
-        node.wait_reachable(f"127.0.0.1:{port}", 0.3)
+        waits.wait_reachable(f"127.0.0.1:{port}", 0.3)
 
 
 def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys):
@@ -222,9 +222,9 @@ def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys):
         port = srv.getsockname()[1]
         on_node(monkeypatch, "node5")
         monkeypatch.setenv("HPCTOOLKIT_NODE_DRY", "engine-leader,engine-follower,trainer")
-        ctx = node.load_context(RECIPE, [f"store.master_port={port}"])
-        monkeypatch.setattr(node.socket, "gethostbyname", lambda h: "127.0.0.1")
-        line = node.run_process(ctx, node.select_process(ctx, "engine-leader"))
+        ctx = context.load_context(RECIPE, [f"store.master_port={port}"])
+        monkeypatch.setattr(context.socket, "gethostbyname", lambda h: "127.0.0.1")
+        line = dispatch.run_process(ctx, context.select_process(ctx, "engine-leader"))
     assert f" store=127.0.0.1:{port} reached_after_s=" in line
 
 
@@ -232,9 +232,9 @@ def test_live_trainer_refuses_an_earlier_runs_checkpoints(monkeypatch, tmp_path)
     on_node(monkeypatch, "node4", procid=0, localid=0)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "")  # the role sets them; restored after the test
-    (tmp_path / "train" / "checkpoints" / "step-00000005").mkdir(parents=True)
-    ctx = node.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
-    with pytest.raises(
-        ConfigError, match=r"checkpoints of an earlier run \(step-00000005\).*fresh paths.output_dir"
-    ):
-        node.run_process(ctx, node.select_process(ctx, "trainer"), dry=False)
+    ctx = context.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
+    # A requeued job finds its own run directory again (same job id).
+    assert ctx.run.root == tmp_path / "emulated-3node-j42"
+    (ctx.run.checkpoints / "step-00000005").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"checkpoints of an earlier attempt \(step-00000005\)"):
+        dispatch.run_process(ctx, context.select_process(ctx, "trainer"), dry=False)

@@ -150,11 +150,26 @@ def start_run(cfg: RecipeConfig) -> RunDir:
     return run
 
 
-def run_local(
-    cfg: RecipeConfig, plan: Plan, run: RunDir, recipe: str, overrides: Sequence[str]
-) -> dict[str, Any]:
+def preflight(cfg: RecipeConfig, plan: Plan) -> None:
+    """What can fail before a run directory exists: a given master that does not answer."""
+    if plan.master is None:
+        from hpctoolkit.store.mooncake import check_reachable
+
+        check_reachable(plan.external_master or "", cfg.store.connect_timeout_s)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_local(cfg: RecipeConfig, plan: Plan, recipe: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """Run the whole job on this machine; returns the summary (also `<run>/summary.json`)."""
+    preflight(cfg, plan)
+    run = start_run(cfg)
     t0 = time.monotonic()
     group = RoleGroup(run, recipe, overrides, plan)
+    # Ended from outside (Ctrl-C, a batch system's SIGTERM): end the roles too.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _start_roles(cfg, plan, group)
         trainers = [p for p in group.procs if p.name.startswith("trainer")]
@@ -166,6 +181,7 @@ def run_local(
         group.wait(group.procs, SERVICE_EXIT_TIMEOUT_S, "the Mooncake master (after the run ended)")
     finally:
         group.stop_all()
+        signal.signal(signal.SIGTERM, previous)
     return _summarize(run, t0)
 
 
@@ -181,9 +197,6 @@ def _start_roles(cfg: RecipeConfig, plan: Plan, group: RoleGroup) -> None:
         )
         say(f"Mooncake master at {read_json(run.master_record)['address']}")
     else:
-        from hpctoolkit.store.mooncake import check_reachable
-
-        check_reachable(plan.external_master or "", cfg.store.connect_timeout_s)
         say(f"run {run.run_id} in {run.root}; Mooncake master {plan.external_master} (external)")
     for e in plan.engines:
         for node in e.nodes:
