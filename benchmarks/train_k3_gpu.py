@@ -92,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
     p.add_argument("--backend", default="flex", choices=["sdpa", "flex"], help="draft attention backend")
     p.add_argument("--out", default="", help="also write the JSON result here")
+    p.add_argument("--ac", type=int, default=0, help="training.activation_checkpoint_layers")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="training.compile")
     p.add_argument(
         "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
     )
@@ -103,7 +105,7 @@ def _next_batch(stream, args, cfg, ctx):
 
     samples = [next(stream) for _ in range(args.batch)]
     batch = collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens)
-    return batch.to(ctx.device, torch.float32)
+    return batch.to(ctx.device, torch.bfloat16)  # as the training loop moves it under bf16
 
 
 KERNEL_CLASSES = (
@@ -130,7 +132,7 @@ def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_p
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from hpctoolkit.train.optim import clip_and_norm
+    from hpctoolkit.train.optim import clip_grad_norm
 
     data_ms = []
 
@@ -146,7 +148,7 @@ def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_p
         den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
         (parts.numerator * (ctx.world_size / den.clamp_min(1e-12)).to(parts.numerator.dtype)).backward()
         rec(2)
-        clip_and_norm(trainer, cfg.grad_clip)
+        clip_grad_norm(trainer, cfg.grad_clip)
         rec(3)
         optimizer.step()
         scheduler.step()
@@ -185,7 +187,7 @@ def main() -> int:
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
     from hpctoolkit.train.loop import forward_backward
-    from hpctoolkit.train.optim import build_optimizer, clip_and_norm
+    from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
     from hpctoolkit.train.synthetic import SyntheticSamples
     from hpctoolkit.train.target_head import TargetHead
     from hpctoolkit.train.trainers import build_trainer
@@ -212,6 +214,8 @@ def main() -> int:
         mixed_precision="bf16",
         min_loss_tokens=14,
         fsdp_mode="full_shard",
+        activation_checkpoint_layers=args.ac,
+        compile=args.compile,
     )
     H, V = config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -254,7 +258,7 @@ def main() -> int:
                 torch.cuda.synchronize()
         t = time.monotonic()
         parts = forward_backward(trainer, batch, step, ctx)
-        gn = clip_and_norm(trainer, cfg.grad_clip)
+        gn = clip_grad_norm(trainer, cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -264,7 +268,7 @@ def main() -> int:
         losses.append(float(parts.numerator.detach()) / max(float(parts.denominator), 1e-9))
         if ctx.is_main:
             print(
-                f"step {step}: {times[-1] * 1e3:.0f} ms, loss {losses[-1]:.4f}, grad_norm {gn:.3f}",
+                f"step {step}: {times[-1] * 1e3:.0f} ms, loss {losses[-1]:.4f}, grad_norm {float(gn):.3f}",
                 flush=True,
             )
     phases = profile = None
@@ -299,6 +303,8 @@ def main() -> int:
         "world_size": world,
         "stubbed_modules": stubbed,
         "attention_backend": config.attention_backend,
+        "activation_checkpoint_layers": args.ac,
+        "compile": args.compile,
         "batch_per_gpu": args.batch,
         "context_tokens_per_sample": args.seq,
         "draft_tokens_per_sample": args.anchors * config.block_size,

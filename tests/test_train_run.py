@@ -194,3 +194,56 @@ def test_an_unservable_draft_is_kept_and_the_refusal_reported(tmp_path):
     summary = train(recipe, src, tmp_path)
     assert "fc_norm" in summary["export_error"] and "export_dir" not in summary
     assert (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+def test_activation_checkpointing_is_a_validated_training_option():
+    from hpctoolkit.errors import ConfigError
+    from hpctoolkit.train.config import TrainingConfig
+
+    TrainingConfig(activation_checkpoint_layers=2).validate()
+    with pytest.raises(ConfigError, match="activation_checkpoint_layers must be >= 0"):
+        TrainingConfig(activation_checkpoint_layers=-1).validate()
+    with pytest.raises(ConfigError, match="compile must be one of"):
+        TrainingConfig(compile="yes").validate()
+
+
+def _step_grads(ctx, cfg, batch):
+    """Loss and full gradients of one sharded DSpark step (tiny MLA draft, fp32, CPU)."""
+    from hpctoolkit.train.fsdp import build_mesh, shard_trainer
+    from hpctoolkit.train.loop import forward_backward
+    from hpctoolkit.train.trainers import build_trainer
+
+    tr = build_trainer(
+        "recipes/draft_models/tiny_k3_dspark_mla.json", resolve_target("builtin:tiny-qwen3"), cfg
+    )
+    shard_trainer(tr, build_mesh(ctx, cfg.fsdp_mode), cfg)
+    parts = forward_backward(tr, batch, 0, ctx)
+    grads = {n: p.grad.full_tensor() for n, p in tr.named_parameters() if p.grad is not None}
+    return float(parts.numerator.detach()) / float(parts.denominator), grads, tr
+
+
+def test_activation_checkpointing_gives_the_same_step(tmp_path):
+    """Recomputing decoder layers in backward changes memory, not the step: same loss, same grads
+    (CPU, fp32, to 1e-6 relative); asking for more layers than the draft has is refused."""
+    from hpctoolkit.errors import ConfigError
+    from hpctoolkit.train.batch import collate
+    from hpctoolkit.train.config import TrainingConfig
+    from hpctoolkit.train.fsdp import init_distributed
+
+    src = SyntheticSamples(
+        num_samples=2, vocab_size=512, hidden_size=128, num_aux=3, lengths=[40, 33], seed=6
+    )
+    batch = collate([src.sample(i) for i in range(2)], max_seq_len=64, min_loss_tokens=14)
+    ctx = init_distributed(0, 1, f"file://{tmp_path / 'rdzv'}", "cpu")
+    try:
+        ref_loss, ref, _ = _step_grads(ctx, TrainingConfig(num_anchors=4), batch)
+        loss, got, tr = _step_grads(ctx, TrainingConfig(num_anchors=4, activation_checkpoint_layers=2), batch)
+        assert tr.draft.checkpoint_layers == 2
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert got.keys() == ref.keys() and any(".layers.1." in n for n in ref)
+        for name, g in ref.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-8, msg=name)
+        with pytest.raises(ConfigError, match="activation_checkpoint_layers=9"):
+            _step_grads(ctx, TrainingConfig(num_anchors=4, activation_checkpoint_layers=9), batch)
+    finally:
+        ctx.close()

@@ -48,6 +48,12 @@ class TrainingConfig:
     dflash_decay_gamma: float = 0.0
     # Export the final draft to <out_dir>/export when training ends.
     export: bool = True
+    # Decoder layers (the first N) whose activations are recomputed in backward instead of kept:
+    # 0 keeps everything. Selective: at long context each layer holds several GiB of K/V-side
+    # activations, so checkpoint just enough layers to fit (`benchmarks/train_k3_gpu.py`).
+    activation_checkpoint_layers: int = 0
+    # torch.compile each decoder layer: "auto" on CUDA only, "on" also on the CPU, "off" never.
+    compile: str = "auto"
 
     def validate(self) -> None:
         positive(
@@ -69,7 +75,8 @@ class TrainingConfig:
         one_of(self, "mixed_precision", ("bf16", "fp32"))
         one_of(self, "data_source", ("live", "offline"))
         one_of(self, "label_source", ("target", "data"))
-        non_negative(self, "dflash_decay_gamma")
+        non_negative(self, "dflash_decay_gamma", "activation_checkpoint_layers")
+        one_of(self, "compile", ("auto", "on", "off"))
         require(
             self.warmup_steps <= self.steps,
             "warmup_steps",

@@ -8,6 +8,14 @@ Gradients are averaged over ranks (FSDP's default), which is what the loss norma
 `losses/__init__.py` is written against. Mixed precision: `bf16` computes in bf16 and reduces in
 fp32; the sharded parameters that AdamW updates stay fp32 (master weights) either way.
 gloo on the CPU, NCCL on GPUs.
+
+`shard_trainer` is the whole per-rank preparation, in this order: activation checkpointing of
+the first `training.activation_checkpoint_layers` decoder layers, `torch.compile` of each
+decoder layer (`training.compile`), then `fully_shard`. Frozen parameters (the draft's
+target-shared embedding and lm_head, 2.35 B at K3 shapes) are left out of FSDP: they are cast
+once to the compute dtype and replicated, like the target head, instead of being kept as fp32
+shards and all-gathered (and cast) every step. With shard groups of one rank, nothing is freed
+by resharding after forward, so layers keep their gathered bf16 weights until backward.
 """
 
 from __future__ import annotations
@@ -87,13 +95,53 @@ def mp_policy(cfg: TrainingConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def compile_enabled(cfg: TrainingConfig) -> bool:
+    return cfg.compile == "on" or (cfg.compile == "auto" and cfg.device == "cuda")
+
+
+def apply_activation_checkpointing(trainer: FamilyTrainer, num_layers: int) -> None:
+    if num_layers == 0:
+        return
+    setter = getattr(trainer.draft, "set_activation_checkpointing", None)
+    if setter is None:
+        raise ConfigError(
+            f"training.activation_checkpoint_layers={num_layers}: the {trainer.family} draft has no "
+            "per-layer activation checkpointing; set it to 0"
+        )
+    try:
+        setter(num_layers)
+    except ConfigError as err:
+        raise ConfigError(f"training.activation_checkpoint_layers={num_layers}: {err}") from err
+
+
+def freeze_to_compute_dtype(trainer: FamilyTrainer, cfg: TrainingConfig) -> set[torch.nn.Parameter]:
+    """Frozen parameters, cast to the compute dtype in place; FSDP is told to ignore them."""
+    frozen = {p for p in trainer.parameters() if not p.requires_grad}
+    dtype = mp_policy(cfg).param_dtype
+    if dtype is not None:
+        for p in frozen:
+            p.data = p.data.to(dtype)
+    return frozen
+
+
 def shard_trainer(trainer: FamilyTrainer, mesh: DeviceMesh, cfg: TrainingConfig) -> FamilyTrainer:
-    """`fully_shard` every decoder layer, then the root (embedding, projections, heads).
+    """Checkpoint, compile, then `fully_shard` every decoder layer and the root (see module doc).
 
     The target head is buffers only, so FSDP leaves it whole on every rank.
     """
+    units = trainer.shard_units()
+    apply_activation_checkpointing(trainer, cfg.activation_checkpoint_layers)
+    if compile_enabled(cfg):
+        compile_draft = getattr(trainer.draft, "compile_layers", None)
+        if compile_draft is not None:
+            compile_draft()
+        else:
+            for unit in units:
+                unit.compile(dynamic=False)
+    frozen = freeze_to_compute_dtype(trainer, cfg)
     policy = mp_policy(cfg)
-    for unit in trainer.shard_units():
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(trainer, mesh=mesh, mp_policy=policy)
+    reshard = mesh.size(mesh.ndim - 1) > 1
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=frozen)
+    fully_shard(trainer, mesh=mesh, mp_policy=policy, ignored_params=frozen)
     return trainer

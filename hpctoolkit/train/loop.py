@@ -1,4 +1,3 @@
-# ruff: noqa: N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """One training rank: build, shard, (resume,) train, checkpoint, export. Called by `run.train`."""
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window
-from hpctoolkit.train.optim import build_optimizer, clip_and_norm
+from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
 from hpctoolkit.train.trainers import FamilyTrainer, build_trainer
 
@@ -68,11 +67,12 @@ def forward_backward(trainer: FamilyTrainer, batch, step: int, ctx: DistContext)
 
     The denominator is summed over ranks and the local numerator scaled by `world_size`, so after
     FSDP averages gradients the step's gradient is that of `sum(numerators) / sum(denominators)`.
+    The scale stays on the device: reading it on the host would stall the queue before backward.
     """
     parts = trainer.run(batch, step)
     den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
-    scale = ctx.world_size / max(float(den), 1e-12)
-    (parts.numerator * scale).backward()
+    scale = (ctx.world_size / den.clamp_min(1e-12)).to(parts.numerator.dtype)
+    (parts.numerator * scale).sum().backward()
     return parts
 
 
@@ -88,9 +88,47 @@ def run_rank(rank: int, world_size: int, job: TrainJob) -> dict[str, Any] | None
         ctx.close()
 
 
-def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
+@dataclass
+class _Run:
+    """One rank's training state between steps."""
+
+    ctx: DistContext
+    job: TrainJob
+    trainer: FamilyTrainer
+    optimizer: Any
+    scheduler: Any
+    ckpt: Checkpointer
+    stream: SampleStream
+    start_step: int
+    window: Window
+    step: int = 0
+    steps_this_run: int = 0
+    tokens_total: float = 0.0
+    last_stats: StepStats | None = None
+    stop_reason: str = ""
+
+    @property
+    def cfg(self) -> TrainingConfig:
+        return self.job.training
+
+    @property
+    def out(self) -> Path:
+        return Path(self.job.out_dir)
+
+    def save(self) -> None:
+        self.ckpt.save(
+            self.step,
+            self.trainer,
+            self.optimizer,
+            self.scheduler,
+            samples_consumed=self.stream.position,
+            meta={"family": self.trainer.family},
+        )
+
+
+def _build(ctx: DistContext, job: TrainJob) -> _Run:
+    """Trainer, sharding, optimizer, checkpointer, and the resumed position."""
     cfg = job.training
-    out = Path(job.out_dir)
     opener = make_opener(job.samples_source, cfg.seed)
     from hpctoolkit.models.registry import load_draft_config
     from hpctoolkit.train.trainers import needs_vocab_counts
@@ -103,7 +141,7 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
     optimizer, scheduler = build_optimizer(trainer, cfg)
-    ckpt = Checkpointer(out / "checkpoints", cfg.keep_checkpoints, ctx)
+    ckpt = Checkpointer(Path(job.out_dir) / "checkpoints", cfg.keep_checkpoints, ctx)
 
     start_step, position = 0, {"epoch": 0, "offset": 0}
     latest = ckpt.latest() if job.resume else None
@@ -112,141 +150,141 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         start_step = int(meta["step"])
         position = meta["samples_consumed"]
     stream = SampleStream(opener, ctx.rank, ctx.world_size, **position)
-    P = trainer.num_positions
-    tb = TensorBoardLog(out / "tensorboard", enabled=ctx.is_main)
     window = Window(max(1, min(20, cfg.steps // 5)))
+    return _Run(ctx, job, trainer, optimizer, scheduler, ckpt, stream, start_step, window, step=start_step)
+
+
+def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[str, float]]:
+    """One optimizer step on `samples`: `(global stats, tokens, scalars)`."""
+    cfg, ctx = run.cfg, run.ctx
+    t0 = time.monotonic()
+    batch = collate(samples, max_seq_len=cfg.max_seq_len, min_loss_tokens=cfg.min_loss_tokens)
+    # FSDP casts the inputs to the compute dtype anyway; moving them in it halves the copy.
+    batch = batch.to(ctx.device, torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32)
+    order_log.write(json.dumps({"step": run.step + 1, "keys": batch.keys}) + "\n")
+    order_log.flush()
+    parts = forward_backward(run.trainer, batch, run.step, ctx)
+    grad_norm = clip_grad_norm(run.trainer, cfg.grad_clip)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    tokens_t = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=ctx.device)
+    vec = ctx.all_reduce_sum(torch.cat([parts.stats_vector(), tokens_t])).cpu()
+    dt = time.monotonic() - t0
+    run.step += 1
+    run.steps_this_run += 1
+    tokens = float(vec[-1])
+    run.tokens_total += tokens
+    stats = StepStats(run.trainer.num_positions, tuple(parts.extras), vec[:-1])
+    if not math.isfinite(stats.loss):
+        raise FloatingPointError(
+            f"loss is {stats.loss} at step {run.step}; stopping instead of training on it"
+        )
+    scalars = {
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "tokens_per_s": tokens / max(dt, 1e-9),
+        "tokens_per_s_per_rank": tokens / max(dt, 1e-9) / ctx.world_size,
+    }
+    return stats, tokens, scalars
+
+
+def _train_steps(run: _Run) -> None:
+    """Steps until `training.steps`, `stop_after`, or the samples run out (`run.stop_reason`)."""
+    cfg, ctx, job = run.cfg, run.ctx, run.job
+    tb = TensorBoardLog(run.out / "tensorboard", enabled=ctx.is_main)
     bar = None
     if ctx.is_main and job.show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"train {trainer.family}", dynamic_ncols=True)
-
-    order_dir = out / "data_order"
+        desc = f"train {run.trainer.family}"
+        bar = tqdm(total=cfg.steps, initial=run.start_step, desc=desc, dynamic_ncols=True)
+    order_dir = run.out / "data_order"
     order_dir.mkdir(parents=True, exist_ok=True)
     # Which samples each step read, per rank: what resume is checked against.
-    order_log = (order_dir / f"rank{ctx.rank}.jsonl").open("a" if start_step else "w")
-    step = start_step
-    last_stats: StepStats | None = None
-    stop_reason = ""
-    tokens_total = 0.0
-    t_start = time.monotonic()
-    steps_this_run = 0
-    train_dtype = torch.float32
-    while step < cfg.steps:
-        if job.stop_after is not None and steps_this_run >= job.stop_after:
-            stop_reason = "stop_after"
-            break
-        samples = stream.next_batch(cfg.batch_size)
-        have = torch.tensor([0.0 if samples is None else 1.0], device=ctx.device)
-        if ctx.world_size > 1:
-            torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
-        if float(have) == 0.0:
-            stop_reason = f"samples source exhausted at step {step}"
-            break
-        t0 = time.monotonic()
-        batch = collate(samples, max_seq_len=cfg.max_seq_len, min_loss_tokens=cfg.min_loss_tokens)
-        batch = batch.to(ctx.device, train_dtype)
-        order_log.write(json.dumps({"step": step + 1, "keys": batch.keys}) + "\n")
-        order_log.flush()
-        parts = forward_backward(trainer, batch, step, ctx)
-        grad_norm = clip_and_norm(trainer, cfg.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        vec = torch.cat(
-            [
-                parts.stats_vector(),
-                torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=ctx.device),
-            ]
-        )
-        vec = ctx.all_reduce_sum(vec).cpu()
-        dt = time.monotonic() - t0
-        step += 1
-        steps_this_run += 1
-        tokens = float(vec[-1])
-        tokens_total += tokens
-        stats = StepStats(P, tuple(parts.extras), vec[:-1])
-        if not math.isfinite(stats.loss):
-            raise FloatingPointError(
-                f"loss is {stats.loss} at step {step}; stopping instead of training on it"
-            )
-        window.add(stats)
-        last_stats = stats
-        if ctx.is_main:
-            scalars = {
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tokens / max(dt, 1e-9),
-                "tokens_per_s_per_rank": tokens / max(dt, 1e-9) / ctx.world_size,
-            }
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                tb.log(step, stats, scalars)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{stats.loss:.3f}",
-                    acc0=f"{stats.pos_accuracy()[0]:.2f}",
-                    tau=f"{stats.acceptance_length_incl_bonus():.2f}",
-                    gn=f"{grad_norm:.2f}",
-                    tok_s=f"{scalars['tokens_per_s']:.0f}",
-                )
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            ckpt.save(
-                step,
-                trainer,
-                optimizer,
-                scheduler,
-                samples_consumed=stream.position,
-                meta={"family": trainer.family},
-            )
+    with (order_dir / f"rank{ctx.rank}.jsonl").open("a" if run.start_step else "w") as order_log:
+        while run.step < cfg.steps:
+            if job.stop_after is not None and run.steps_this_run >= job.stop_after:
+                run.stop_reason = "stop_after"
+                break
+            samples = run.stream.next_batch(cfg.batch_size)
+            have = torch.tensor([0.0 if samples is None else 1.0], device=ctx.device)
+            if ctx.world_size > 1:
+                torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+            if float(have) == 0.0:
+                run.stop_reason = f"samples source exhausted at step {run.step}"
+                break
+            stats, _, scalars = _train_step(run, samples, order_log)
+            run.window.add(stats)
+            run.last_stats = stats
+            if ctx.is_main:
+                if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+                    tb.log(run.step, stats, scalars)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{stats.loss:.3f}",
+                        acc0=f"{stats.pos_accuracy()[0]:.2f}",
+                        tau=f"{stats.acceptance_length_incl_bonus():.2f}",
+                        gn=f"{scalars['grad_norm']:.2f}",
+                        tok_s=f"{scalars['tokens_per_s']:.0f}",
+                    )
+            if run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps:
+                run.save()
     if bar is not None:
         bar.close()
-    order_log.close()
     tb.close()
+
+
+def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
+    run = _build(ctx, job)
+    t_start = time.monotonic()
+    _train_steps(run)
     wall = time.monotonic() - t_start
-
-    finished = step >= cfg.steps
-    if not finished and stop_reason != "stop_after" and step > start_step:
-        # Data ran out early: keep what was trained.
-        ckpt.save(
-            step,
-            trainer,
-            optimizer,
-            scheduler,
-            samples_consumed=stream.position,
-            meta={"family": trainer.family},
-        )
-
+    cfg = run.cfg
+    if run.step < cfg.steps and run.stop_reason != "stop_after" and run.step > run.start_step:
+        run.save()  # data ran out early: keep what was trained
     export_dir, export_error = None, None
-    if cfg.export and stop_reason != "stop_after":
-        state = _full_draft_state(trainer)
+    if cfg.export and run.stop_reason != "stop_after":
+        state = _full_draft_state(run.trainer)
         if ctx.is_main:
-            cpu_draft = _save_training_format(trainer, state, out)
+            cpu_draft = _save_training_format(run.trainer, state, run.out)
             try:
-                export_dir = _export(cpu_draft, out)
+                export_dir = _export(cpu_draft, run.out)
             except ConfigError as err:
                 # The trained draft is kept (out/draft, checkpoints); only vLLM cannot serve it.
                 export_error = str(err)
-                log.error("export to %s refused: %s", out / "export", err)
+                log.error("export to %s refused: %s", run.out / "export", err)
     ctx.barrier()
     if not ctx.is_main:
         return None
-    total = window.total()
+    summary = _summary(run, wall)
+    if export_dir is not None:
+        summary["export_dir"] = str(export_dir)
+    if export_error is not None:
+        summary["export_error"] = export_error
+    (run.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(run: _Run, wall: float) -> dict[str, Any]:
+    ctx, out, trainer = run.ctx, run.out, run.trainer
+    total = run.window.total()
     summary: dict[str, Any] = {
         "family": trainer.family,
-        "steps_trained": step,
-        "steps_this_run": steps_this_run,
-        "resumed_from_step": start_step,
-        "final_loss": last_stats.loss if last_stats else None,
+        "steps_trained": run.step,
+        "steps_this_run": run.steps_this_run,
+        "resumed_from_step": run.start_step,
+        "final_loss": run.last_stats.loss if run.last_stats else None,
         "acceptance_length": total.acceptance_length_incl_bonus() if total else None,
         "acceptance_convention": "acceptance_length includes the +1 bonus token (EAGLE / vLLM convention)",
-        "train_tokens_per_s": tokens_total / max(wall, 1e-9),
-        "train_tokens_per_s_per_rank": tokens_total / max(wall, 1e-9) / ctx.world_size,
+        "train_tokens_per_s": run.tokens_total / max(wall, 1e-9),
+        "train_tokens_per_s_per_rank": run.tokens_total / max(wall, 1e-9) / ctx.world_size,
         "world_size": ctx.world_size,
-        "stop_reason": stop_reason or "completed",
-        "samples_position": stream.position,
-        "checkpoint_dir": str(ckpt.latest()) if ckpt.latest() else None,
+        "stop_reason": run.stop_reason or "completed",
+        "samples_position": run.stream.position,
+        "checkpoint_dir": str(run.ckpt.latest()) if run.ckpt.latest() else None,
         "draft_dir": str(out / "draft") if (out / "draft").is_dir() else None,
         "tensorboard_dir": str(out / "tensorboard"),
     }
@@ -266,11 +304,6 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
                 ),
             )
         )
-    if export_dir is not None:
-        summary["export_dir"] = str(export_dir)
-    if export_error is not None:
-        summary["export_error"] = export_error
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -292,6 +325,6 @@ def _save_training_format(
 
 def _export(cpu_draft: torch.nn.Module, out: Path) -> Path:
     """`out/export`: the vLLM serving checkpoint, through the models' `export_draft`."""
-    from hpctoolkit.export import export_draft
+    from hpctoolkit.models.export import export_draft
 
     return export_draft(cpu_draft, cpu_draft.config, out / "export")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import AttentionMask, GQAAttention, RopePair
@@ -105,15 +106,35 @@ class DFlashDraftModel(nn.Module):
         if c.freeze_lm_head:
             self.lm_head.weight.requires_grad_(False)
         self.rotary_emb = self.build_rotary(c)
+        # The first this many decoder layers recompute their activations in backward.
+        self.checkpoint_layers = 0
+        self._project_context = None  # compiled by `compile_layers`
+
+    def set_activation_checkpointing(self, num_layers: int) -> None:
+        """Recompute the first `num_layers` decoder layers in backward (0: keep all activations).
+
+        Each checkpointed layer keeps only its input; its K/V-side activations (several GiB per
+        layer at 64k context) are rebuilt from it when backward reaches the layer.
+        """
+        if not 0 <= num_layers <= len(self.layers):
+            raise ConfigError(
+                f"activation checkpointing of {num_layers} layers: the draft has {len(self.layers)}"
+            )
+        self.checkpoint_layers = num_layers
 
     def compile_layers(self, **compile_kwargs: object) -> None:
-        """`torch.compile` each decoder layer in place (state-dict names unchanged).
+        """`torch.compile` each decoder layer in place (state-dict names unchanged), and the
+        context projection.
 
         Fuses the norms, rotary and SwiGLU elementwise work around the GEMMs; all layers share
-        one graph. Set `config.attention_backend` before the first forward.
+        one graph. The context projection's per-layer fp32 norms over `[S, L * Ht]` are, eager,
+        the largest saved activations at long context (about 15 GiB at 64k K3 context); fused,
+        only their bf16 input is kept. Set `config.attention_backend` before the first forward.
         """
+        kwargs = {"dynamic": False} | compile_kwargs
         for layer in self.layers:
-            layer.compile(**({"dynamic": False} | compile_kwargs))
+            layer.compile(**kwargs)
+        self._project_context = torch.compile(self.project_context, **kwargs)
 
     def set_attention_backend(self, backend: str) -> None:
         """Switch every layer between `sdpa` and `flex` (e.g. flex on GPU, sdpa for CPU backward)."""
@@ -145,14 +166,17 @@ class DFlashDraftModel(nn.Module):
         self, context_BSC: torch.Tensor, input_ids_BS: torch.Tensor, layout: BlockLayout
     ) -> torch.Tensor:
         """Run the decoder stack; returns final-normed `hidden_BTH`."""
-        context_BSH = self.project_context(context_BSC)
+        context_BSH = (self._project_context or self.project_context)(context_BSC)
         x_BTH = self.embed_tokens(layout.block_input_ids(input_ids_BS, self.config.mask_token_id))
         x_BTH = x_BTH.to(context_BSH.dtype)
         rope_q = self.rotary_emb(layout.q_position_ids())
         rope_k = self.rotary_emb(layout.k_position_ids())
         mask = layout.attention_mask().materialize(self.config.attention_backend)
-        for layer in self.layers:
-            x_BTH = layer(x_BTH, context_BSH, rope_q, rope_k, mask)
+        for i, layer in enumerate(self.layers):
+            if i < self.checkpoint_layers and torch.is_grad_enabled():
+                x_BTH = checkpoint(layer, x_BTH, context_BSH, rope_q, rope_k, mask, use_reentrant=False)
+            else:
+                x_BTH = layer(x_BTH, context_BSH, rope_q, rope_k, mask)
         return getattr(self, self.final_norm_name)(x_BTH)
 
     def compute_logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:

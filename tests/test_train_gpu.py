@@ -1,0 +1,72 @@
+"""GPU checks of the trainer's own step (skipped without CUDA; run on the H200 machine).
+
+    python -m pytest tests/test_train_gpu.py -q
+
+The production path: `build_trainer`, `shard_trainer` (FSDP2 on one rank, compiled decoder
+layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctoolkit.models import load_draft_config
+from hpctoolkit.train.batch import collate
+from hpctoolkit.train.config import TrainingConfig
+from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
+from hpctoolkit.train.loop import forward_backward
+from hpctoolkit.train.synthetic import SyntheticSamples
+from hpctoolkit.train.target_head import TargetHead
+from hpctoolkit.train.trainers import build_trainer
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    c = init_distributed(0, 1, f"file://{tmp_path_factory.mktemp('rdzv') / 'init'}", "cuda")
+    yield c
+    c.close()
+
+
+def _step(ctx, cfg: TrainingConfig, batch):
+    """Loss and full gradients of one step on a freshly built (same-seed) trainer."""
+    config = load_draft_config(RECIPES / "tiny_k3_dspark_mla.json")
+    config.attention_backend = "flex"
+    g = torch.Generator().manual_seed(0)
+    V, H = config.vocab_size, config.hidden_size
+    head = TargetHead((torch.randn(V, H, generator=g) * 0.5).to(torch.bfloat16), torch.ones(H), 1e-6)
+    trainer = build_trainer(config, head, cfg, device=ctx.device)
+    trainer.to(ctx.device)
+    shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
+    parts = forward_backward(trainer, batch.to(ctx.device, torch.float32), 0, ctx)
+    grads = {n: p.grad.full_tensor().float() for n, p in trainer.named_parameters() if p.grad is not None}
+    return float(parts.numerator.detach()) / float(parts.denominator), grads
+
+
+@pytest.mark.parametrize(
+    ("precision", "loss_rtol", "grad_rel"),
+    [("fp32", 1e-5, 1e-5), ("bf16", 1e-3, 1e-2)],
+)
+def test_activation_checkpointing_gives_the_same_step(ctx, precision, loss_rtol, grad_rel):
+    """All decoder layers recomputed in backward vs none: the same loss (to `loss_rtol`) and
+    every gradient to `grad_rel` in relative Frobenius norm (compiled layers, flex, FSDP2)."""
+    src = SyntheticSamples(
+        num_samples=2, vocab_size=512, hidden_size=128, num_aux=3, lengths=[512, 400], seed=3
+    )
+    batch = collate([src.sample(i) for i in range(2)], max_seq_len=512, min_loss_tokens=14)
+    common = {"num_anchors": 24, "device": "cuda", "mixed_precision": precision, "max_seq_len": 512}
+    ref_loss, ref = _step(ctx, TrainingConfig(**common), batch)
+    loss, got = _step(ctx, TrainingConfig(**common, activation_checkpoint_layers=2), batch)
+    assert loss == pytest.approx(ref_loss, rel=loss_rtol)
+    assert got.keys() == ref.keys() and "draft.layers.1.self_attn.q_a_proj.weight" in ref
+    for name, g in ref.items():
+        rel = float((got[name] - g).norm() / g.norm().clamp_min(1e-12))
+        assert rel <= grad_rel, f"{name}: relative difference {rel:.2e} > {grad_rel}"
