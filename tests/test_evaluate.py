@@ -47,12 +47,22 @@ def test_replay_follows_the_verification_schedule():
     assert replay_schedule(m.bool(), 1, 6) == [0, 0, 3]  # chains 1, 2, 3
 
 
-def test_serving_method_from_the_export(tmp_path):
+def test_serving_method_from_the_export(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
     assert serving_method(tmp_path) == "dflash"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Eagle3Qwen3ForCausalLM"]}))
+    assert serving_method(tmp_path) == "eagle3"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
-    with pytest.raises(ConfigError, match="Triton"):
+    with pytest.raises(ConfigError, match=r"cannot serve Qwen3DSparkModel on the CPU: .*Triton"):
         serving_method(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert serving_method(tmp_path) == "dspark"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Nope"]}))
+    with pytest.raises(ConfigError, match=r"no draft registered .*known: "):
+        serving_method(tmp_path)
+    with pytest.raises(ConfigError, match=r"holds no config\.json"):
+        serving_method(tmp_path / "missing")
 
 
 def test_load_audit_names_a_parameter_nothing_loaded():
