@@ -108,13 +108,15 @@ def test_slurm_roles_outside_slurm():
         context.load_context(RECIPE, [])
 
 
-def test_main_dry_prints_one_line(monkeypatch, capsys):
+def test_main_dry_prints_one_line(monkeypatch, capsys, tmp_path):
     on_node(monkeypatch, "node5")
     monkeypatch.setenv("HPCTOOLKIT_NODE_DRY", "1")
     assert roles_main.main(["engine-leader", RECIPE]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["role=engine-leader node=node5 engine=0 node_rank=0 gpus=0,1 planned_gpus=0,1 index=1"]
-    assert roles_main.main(["check", RECIPE]) == 0
+    assert roles_main.main(["check", RECIPE, f"paths.output_dir={tmp_path}"]) == 0
+    # The check step records the resolved recipe in the job's run directory.
+    assert (tmp_path / "emulated-3node-j42" / "config.yaml").is_file()
 
 
 def test_main_usage_errors():

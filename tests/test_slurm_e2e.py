@@ -26,6 +26,7 @@ from slurm_fixtures import emulated_cluster, wait_done, why_not
 
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch
 
@@ -90,12 +91,14 @@ def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp, ex
     assert state == "COMPLETED", log[-6000:]
     assert "trainers exited with status 0" in log
 
-    summary = json.loads((out / "summary.json").read_text())
+    run = RunDir.of(out, slurm_run_id(cfg.name, job))
+    assert (out / "latest").resolve() == run.root.resolve()
+    summary = json.loads(run.summary.read_text())
     assert summary["samples_published"] == cfg.data.num_samples == 12
     assert summary["samples_read"] == summary["samples_published"]
     assert summary["bytes_moved"] > 0
     world = cfg.training.world_size
-    reads = [json.loads((out / "spool" / f"read-rank{r}.json").read_text()) for r in range(world)]
+    reads = [json.loads((run.spool / f"read-rank{r}.json").read_text()) for r in range(world)]
     assert [r["samples"] for r in reads] == [12 // world] * world and all(r["complete"] for r in reads)
     assert summary["keys_left_in_store"] == 0
     assert summary["steps_trained"] == cfg.training.steps == 10
@@ -105,7 +108,7 @@ def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp, ex
     assert list(export.glob("*.safetensors"))
 
     # Every sample was captured by this job's engine, over all its stages.
-    lines = (out / "manifests" / "engine0.jsonl").read_text().splitlines()
+    lines = run.queue(0).read_text().splitlines()
     assert len(lines) == 12
     for line in lines:
         m = json.loads(line)

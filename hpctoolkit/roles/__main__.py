@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.config.load import to_yaml
 from hpctoolkit.plan.placement import ROLES
 from hpctoolkit.roles.context import load_context, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
+from hpctoolkit.rundir.atomic import write_text_atomic
 
 ROLE_CHECK = "check"
 ROLE_EVALUATE = "evaluate"
@@ -21,6 +23,9 @@ def main(argv: list[str]) -> int:
     args = parse(ap, argv)
     ctx = load_context(args.recipe, args.overrides)
     if args.role == ROLE_CHECK:
+        # Once per job, before any step: the run directory and the resolved recipe it ran with.
+        ctx.run.root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
         print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
         return 0
     if args.role == ROLE_EVALUATE:

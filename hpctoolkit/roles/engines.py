@@ -90,7 +90,11 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             **engine_node_args(ctx, proc, cores=_cores()),
         ) as eng:
             started = time.monotonic() - t0
-            say(f"engine {e.index} up in {started:.1f}s on {ctx.nodename}; capturing {len(mine)} prompts")
+            bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-") if eng.backend == "cpu" else "-"
+            say(
+                f"engine {e.index} node_rank 0 up in {started:.1f}s on {ctx.nodename} (cpu bind {bind}); "
+                f"capturing {len(mine)} prompts"
+            )
             batch = cfg.engine.capture_batch
             for i in range(0, len(mine), batch):
                 if stop.is_set():
@@ -154,7 +158,10 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     stop = term_event()
     try:
         follower.start()  # returns once this node's workers joined the leader
-        say(f"engine {e.index} node_rank {proc.node_rank} serving on {ctx.nodename}")
+        say(
+            f"engine {e.index} node_rank {proc.node_rank} serving on {ctx.nodename} "
+            f"(cpu bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')})"
+        )
         follower.wait(stop, poll_s=2.0)  # until the leader leaves or the step is ended
     finally:
         follower.shutdown()
