@@ -269,8 +269,10 @@ def test_worker_publishes_before_the_steps_forward():
     worker = _worker()
     worker.bind_connector_metadata(meta)
     assert sorted(engine_helpers.MEMORY_STORE.keys()) == sorted(f.key for f in m.all_objects)
-    assert worker.num_published == 1
     assert worker.get_finished(set())[0] is None  # reported once vLLM lists it finished
+    assert worker.num_published == 0  # counted when reported
+    assert worker.get_finished({"r1"})[0] == {"r1"}
+    assert worker.num_published == 1
     worker.clear_connector_metadata()
 
 

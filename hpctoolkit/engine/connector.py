@@ -10,8 +10,8 @@ them to the object store in the universal fragment layout of `hpctoolkit.capture
 Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worker-role instance):
 
 1. Step N (the step that computes the request's last prompt token): `S.build_connector_meta`
-   tracks every request's prompt, block ids and computed tokens from the scheduler output, and
-   notes that this one completes in step N: it builds the manifest
+   tracks every request's prompt, block ids and computed tokens from the scheduler output
+   (`tracker.SampleTracker`), and notes that this one completes in step N: it builds the manifest
    (`hpctoolkit.capture.build_manifest`). The target forward runs; the drafter writes the
    chunk's rows into the cache-only layer; the single sampled token (`max_tokens=1`) finishes
    the request.
@@ -24,28 +24,35 @@ Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worke
    parallelism step N+1 is scheduled while step N is still on the later stages, so each stage
    publishes where it would otherwise wait: a non-last stage while the later stages finish the
    request's last chunk, the last stage until the next request's activations arrive. There the
-   put runs on the stage's publisher thread (`_Publisher`), so the step returns at once and the
-   engine core, which waits for every stage's step, is not held up by a put.
+   gather and put run on the stage's publisher thread (`publish.Publisher`), so the step returns
+   at once and the engine core, which waits for every stage's step, is not held up by a put; on
+   CUDA the thread first waits for an event recorded on the worker's stream at hand-out, after
+   the cache writes of step N (`publish.StageRows.ready`).
 3. `S.request_finished_all_groups` (when step N's output is processed; at PP=1 before step N+1
    is scheduled): returns `(True, {"hpctoolkit_manifest": ...})`: blocks stay allocated, and
    the manifest travels to the client in `kv_transfer_params`. It checks that the block ids the
    sample was handed out with are the request's. A request finished before its prefill
-   completed (abort, preemption) is never published; one aborted after its sample was handed
-   out keeps its blocks until the stages reported and returns no manifest (its fragments stay
-   in the store unreferenced, with a warning).
+   completed is never published. One aborted after its sample was handed out keeps its blocks
+   until the stages reported and returns no manifest; the next step tells each stage to remove
+   its fragments after its publish (`HpcConnectorMetadata.discard`). One preempted after its
+   sample was handed out has that sample discarded the same way and is handed out again from its
+   recompute (see `tracker.py`).
 4. `W.get_finished` collects the publishes its thread completed (PP > 1) and reports a
-   published request in `finished_sending` once vLLM lists it among the finished ones. vLLM's
+   published request in `finished_sending` once vLLM lists it among the finished ones and no
+   publish of it is still running on the thread (a preempted request is published twice). vLLM's
    `KVOutputAggregator` reports it finished only once `get_finished_count()` workers did, i.e.
    once every PP stage published; then the scheduler frees the blocks. `num_published` counts
-   this worker's completed publishes; the engine reads it through the worker extension
+   the samples this worker reported published; the engine reads it through the worker extension
    (`worker_ext.py`) to know when a multiprocess engine has published a sample.
 
 Where things are decided: the stage is `get_pp_group().rank_in_group` and the TP rank
 `get_tensor_model_parallel_rank()` (read in `register_kv_caches`, after distributed init);
 `pp_size` is `parallel_config.pipeline_parallel_size`; the ids a stage owns are
 `owned_layers(capture_ids, L, pp_rank, pp_size)` (honouring `VLLM_PP_LAYER_PARTITION`). The
-cache-only layer may carry the global id list (stock vLLM) or only the stage's ids (a PP patch
-sizing it per stage); `rows.head_index_of` accepts both.
+cache-only layer carries the global id list (stock vLLM, PP=1) or, under the PP patch, the
+stage's ids first in a layer of one name and head count on every stage (`rows.stage_heads`),
+so there is one hidden-state KV group and one block table for all stages, hybrid targets
+included; `rows.head_index_of` accepts both.
 
 Fail-closed rules:
 
@@ -376,7 +383,6 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
             )
             self._published.add(pending.req_id)
-            self.num_published += 1
         for gone in connector_metadata.discard:
             manifest = Manifest.from_dict(gone.manifest)
             if self._publisher is not None:
@@ -408,13 +414,14 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 if not self._in_flight[req_id]:
                     del self._in_flight[req_id]
                 self._published.add(req_id)
-                self.num_published += 1
         # vLLM requires a reported id to have been among finished_req_ids, in this or an
         # earlier call; both normally arrive in the same step.
         self._finished_seen |= finished_req_ids
         done = {r for r in self._published & self._finished_seen if r not in self._in_flight}
         self._published -= done
         self._finished_seen -= done
+        # Counted when reported, once per sample (a preempted one is published twice).
+        self.num_published += len(done)
         # Ids this rank will never publish (other TP ranks, unpublished aborts) are not kept.
         if self._tp_rank != 0:
             self._finished_seen.clear()

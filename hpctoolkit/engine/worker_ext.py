@@ -9,7 +9,7 @@ from __future__ import annotations
 
 class CaptureWorkerExtension:
     def hpctoolkit_published_count(self) -> int:
-        """Samples this worker's connector published (0 on TP ranks other than 0)."""
+        """Samples this worker's connector reported published (0 on TP ranks other than 0)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():
