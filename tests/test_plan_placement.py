@@ -192,13 +192,18 @@ def test_tp_spanning_whole_nodes():
         ({"world": 12, "trainer_nodes": 1}, "training.world_size=12"),
         ({"world": 9, "trainer_nodes": 2}, "training.world_size=9"),
         ({"engines": 1, "nnodes": 3, "pp": 2}, "engine.pp_size=2"),  # TP=12 straddles 8-GPU nodes
-        ({"engines": 1, "nnodes": 1, "pp": 3}, "engine.pp_size=3"),
     ],
 )
 def test_refusals_name_the_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
         make_plan(slurm_cfg(**kwargs))
     assert key in str(err.value)
+
+
+def test_pp_must_divide_the_engine_world_is_the_engine_sections_rule():
+    # One place for the rule: the engine section's validate(), which every recipe load runs.
+    with pytest.raises(ConfigError, match="pp_size must divide the engine world size nnodes\*gpus_per_node=8, got 3"):
+        slurm_cfg(engines=1, nnodes=1, pp=3).engine.validate()
 
 
 def test_nodes_message_says_what_to_set():

@@ -5,6 +5,7 @@ They read the target's `config.json` and the draft config JSON (small files); no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,20 @@ def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
             raise ConfigError(f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= {why}")
 
 
+def fill_from_draft(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe with what it leaves to the draft filled in: an empty `engine.target_layer_ids`
+    becomes the draft's (a new config; `cfg` is not changed)."""
+    if cfg.engine.target_layer_ids:
+        return cfg
+    draft_ids = draft_target_layer_ids(read_json(cfg.draft.config, "draft.config"))
+    if draft_ids is None:
+        raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, target_layer_ids=list(draft_ids)))
+
+
 def check_couplings(cfg: RecipeConfig) -> None:
+    """The rules across sections (they read the target's and the draft's configs). Pure: raises
+    `ConfigError` naming the key, changes nothing."""
     target = target_hf_config(cfg.paths.target_model)
     num_layers = target.get("num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:
@@ -90,9 +104,7 @@ def check_couplings(cfg: RecipeConfig) -> None:
     draft_ids = draft_target_layer_ids(draft)
     if draft_ids is None:
         raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")
-    if not e.target_layer_ids:
-        e.target_layer_ids = list(draft_ids)
-    elif list(e.target_layer_ids) != draft_ids:
+    if list(e.target_layer_ids) != draft_ids:
         raise ConfigError(
             f"engine.target_layer_ids={list(e.target_layer_ids)} differ from the draft's target_layer_ids "
             f"{draft_ids} in {cfg.draft.config}; the engine must capture exactly the layers the draft reads"
@@ -112,21 +124,9 @@ def check_couplings(cfg: RecipeConfig) -> None:
 
     _check_family_rules(cfg, draft)
 
-    c = cfg.cluster
-    if c.backend == "slurm":
-        engine_nodes = e.num_engines * e.nnodes
-        if engine_nodes + c.trainer_nodes > c.nodes:
-            raise ConfigError(
-                f"cluster.nodes={c.nodes} is too few: {e.num_engines} engine(s) x {e.nnodes} node(s) "
-                f"+ {c.trainer_nodes} trainer node(s) = {engine_nodes + c.trainer_nodes}"
-            )
-        if e.gpus_per_node > c.gpus_per_node:
-            raise ConfigError(
-                f"engine.gpus_per_node={e.gpus_per_node} exceeds cluster.gpus_per_node={c.gpus_per_node}"
-            )
-        # CPU (gloo) trainers take no GPU; CUDA ranks one each.
-        if cfg.training.device == "cuda" and cfg.training.world_size > c.trainer_nodes * c.gpus_per_node:
-            raise ConfigError(
-                f"training.world_size={cfg.training.world_size} exceeds the trainer GPUs "
-                f"(cluster.trainer_nodes x cluster.gpus_per_node = {c.trainer_nodes * c.gpus_per_node})"
-            )
+    if cfg.data.regenerate_tokens and e.world_size > 1:
+        raise ConfigError(
+            f"data.regenerate_tokens={cfg.data.regenerate_tokens} needs a one-device engine "
+            f"(engine.nnodes x engine.gpus_per_node = {e.world_size}): each leader generates the "
+            "continuations with an engine of its own before it captures"
+        )

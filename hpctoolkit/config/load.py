@@ -20,7 +20,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from hpctoolkit.config.couplings import check_couplings
+from hpctoolkit.config.couplings import check_couplings, fill_from_draft
 from hpctoolkit.config.schema import SECTIONS, RecipeConfig
 from hpctoolkit.errors import ConfigError
 
@@ -119,7 +119,7 @@ def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeCon
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose, then check the couplings across sections (which read the target and draft configs)."""
-    cfg = compose(path, overrides)
+    cfg = fill_from_draft(compose(path, overrides))
     check_couplings(cfg)
     return cfg
 

@@ -296,12 +296,9 @@ def _engine_nodes(tp: int, nnodes: int, gpn: int, first_node: int) -> tuple[Engi
 
 
 def _check_degrees(cfg: RecipeConfig) -> None:
-    e, t = cfg.engine, cfg.training
-    if e.world_size % e.pp_size:
-        raise ConfigError(
-            f"engine.pp_size={e.pp_size} must divide the engine world size "
-            f"engine.nnodes x engine.gpus_per_node = {e.world_size}"
-        )
+    """Placement's own rule on the engine degrees (that pp divides the engine's world is the engine
+    section's, checked when the recipe loads)."""
+    e = cfg.engine
     tp, g = e.tp_size, e.gpus_per_node
     # A TP group either fits inside one node or spans whole nodes; a group straddling a node
     # boundary part-way puts the per-layer all-reduce on the inter-node link for some ranks only.
@@ -310,8 +307,6 @@ def _check_degrees(cfg: RecipeConfig) -> None:
             f"engine.pp_size={e.pp_size} gives TP={tp}, which neither divides nor is a multiple of "
             f"engine.gpus_per_node={g}: a tensor-parallel group would straddle a node boundary"
         )
-    if t.world_size < 1:
-        raise ConfigError(f"training.world_size must be >= 1, got {t.world_size}")
 
 
 def _master(cfg: RecipeConfig, node: int, local: bool) -> tuple[MasterPlacement | None, str | None]:
