@@ -202,7 +202,9 @@ def test_refusals_name_the_key(kwargs, key):
 
 def test_pp_must_divide_the_engine_world_is_the_engine_sections_rule():
     # One place for the rule: the engine section's validate(), which every recipe load runs.
-    with pytest.raises(ConfigError, match="pp_size must divide the engine world size nnodes\*gpus_per_node=8, got 3"):
+    with pytest.raises(
+        ConfigError, match=r"pp_size must divide the engine world size nnodes\*gpus_per_node=8, got 3"
+    ):
         slurm_cfg(engines=1, nnodes=1, pp=3).engine.validate()
 
 
