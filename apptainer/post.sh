@@ -19,6 +19,8 @@
 # install is constrained to the versions the base ships, and the step fails if any of them moved.
 set -euo pipefail
 src=$(cd "${1:?usage: post.sh SRC_DIR}" && pwd)
+# Away from any checkout: python puts the working directory first on its path.
+cd /
 py=${PYTHON:-python3}
 version=${VLLM_VERSION:?VLLM_VERSION must name the vLLM version the base image ships}
 build_info=${BUILD_INFO:-$src/build-info.json}
@@ -59,7 +61,7 @@ for d in m.distributions():
     name = (d.metadata["Name"] or "").lower().replace("_", "-")
     if name and name not in seen:
         seen[name] = d.version
-print("\n".join(f"{n}=={v}" for n, v in sorted(seen.items())))
+print("\n".join(sorted(f"{n}=={v}" for n, v in seen.items())))  # sorted as lines, for comm
 PY
 }
 freeze >"$work/base.txt"

@@ -19,6 +19,8 @@
 #   6. hpctoolkit's connector and Mooncake store modules import against the patched vLLM.
 set -euo pipefail
 src=$(cd "${1:?usage: test.sh SRC_DIR}" && pwd)
+# Away from any checkout: python puts the working directory first on its path.
+cd /
 py=${PYTHON:-python3}
 build_info=${BUILD_INFO:-$src/build-info.json}
 die() { echo "hpctoolkit test: $*" >&2; exit 1; }
