@@ -2,43 +2,104 @@
 """Short FSDP training of the Kimi-K3 DSpark MLA draft on synthetic hidden states at K3 shapes.
 
     PYTHONPATH=. python benchmarks/train_k3_gpu.py                 # one H200 (or all visible GPUs)
+    PYTHONPATH=. python benchmarks/train_k3_gpu.py --profile prof.txt   # + phases, kernel classes
+    PYTHONPATH=. python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 \
+        --sweep 4096:0,16384:0,32768:0,65536:0,65536:2,65536:5      # long context: SEQ:AC layers
     PYTHONPATH=. python benchmarks/train_k3_gpu.py --tiny          # CPU smoke run, tiny shapes
 
-The trainer's own stack end to end: `build_trainer` (DSparkTrainer + K3DSparkModel), FSDP2
-`fully_shard` (full_shard, bf16 compute, fp32 master weights), AdamW, warmup+cosine,
+The trainer's own stack end to end: `build_trainer` (DSparkTrainer + K3DSparkModel),
+`shard_trainer` (activation checkpointing `--ac`, compiled layers `--compile`, FSDP2
+`fully_shard` full_shard, bf16 compute, fp32 master weights), AdamW, warmup+cosine,
 `forward_backward` (DSpark's 0.1 CE + 0.9 L1 + 1.0 BCE with global normalisation), gradient
 clipping. The target head is synthetic (random `[V, H]` bf16 lm_head, unit final norm), and
-hidden states are random: this measures throughput and memory, not learning.
+hidden states are random: this measures throughput and memory, not learning. `--distinct`
+batches are drawn on the host once and cycled; moving them to the GPU is outside the timed step.
+MFU counts model FLOPs only, as `draft_step.py` does (`step_flops` at the anchors drawn), against
+790 TFLOP/s.
 
-Reports, per GPU: context tokens/s, draft-slot tokens/s, median step time, peak allocated memory,
-and the static footprint of parameters, gradients and AdamW state (fp32) it is compared with.
+## Before (measured 2026-12-01, one H200, torch 2.11, code of commit 6aacc55)
 
-Measured 2026-11-30 on one H200 (torch 2.11, transformers 5.17; omegaconf absent and stubbed),
-defaults: batch 1, 4096 context tokens, 512 blocks of 7 = 3584 draft slots per step, flex
-attention, bf16 compute, fp32 master weights, FSDP2 full_shard over one rank:
+`python benchmarks/train_k3_gpu.py --steps 5 --warmup 2 --profile prof.txt`, defaults (batch 1,
+4096 context, 512 blocks of 7 = 3584 draft slots): 357.5 ms median step (355-359 ms), 83.5 model
+TFLOP, 29.5 % MFU, 10.0k draft tok/s/GPU (11.5k context tok/s), peak allocated 65.5 GiB. First
+step 60.6 s (cold compile cache). Where the step went (CUDA events per phase of one step; the
+profiler's kernels of another, by class):
 
-| draft                        | step (median of 6) | context tok/s/GPU | draft tok/s/GPU |
-|------------------------------|--------------------|-------------------|-----------------|
-| K3 DSpark MLA, 5 layers      | 354 ms             | 11.6k             | 10.1k           |
+| phase              | ms    | what runs there                                                    |
+|--------------------|-------|--------------------------------------------------------------------|
+| forward + loss     | 112.8 | draft forward (eager layers), target logits for the labels, DSpark |
+|                    |       | loss forward in 2048-row checkpointed chunks                       |
+| backward           | 176.7 | layer backward, loss chunks recomputed (draft and target logits)   |
+| clip_grad_norm     | 10.0  | norm 3.4 ms + in-place scaling 6.4 ms                              |
+| optimizer          | 57.0  | foreach AdamW over 2.83 B fp32 parameters                          |
 
-(368 ms before the tuned FlexAttention options of `flex_kernel_options`; a re-run on a fresh
-machine gave 355 ms.)
+| kernel class          | ms    | notes                                                            |
+|-----------------------|-------|------------------------------------------------------------------|
+| GEMM                  | 143.3 | ~730 TFLOP/s on ~104 TFLOP: 79 model TFLOP + 25 TFLOP the model  |
+|                       |       | count leaves out (the target lm_head twice, 8.4 TFLOP each: once |
+|                       |       | for the labels in `block_targets`, once for the L1 term; the     |
+|                       |       | draft logits recomputed in backward, 8.4)                        |
+| foreach AdamW + clip  | ~65   | standalone over 2.83 B params: foreach 61.9 ms, fused 22.9 ms    |
+| device copies         | ~50   | FSDP on one rank: fp32 -> bf16 casts of all 5.2 B parameters     |
+|                       |       | (13.4), all-gather copy-out and DtoD copies (24.9), reduce-      |
+|                       |       | scatter copy-in `chunk_cat` (8.3); frozen 2.35 B included        |
+| eager elementwise     | ~50   | DSpark loss softmaxes over `[2048, 163840]` fp32 (9.1 ms) and    |
+|                       |       | its mul/add/abs, forward and recompute; layer norms, rotary, SiLU |
+| FlexAttention         | 26.8  | forward 6.2, backward 20.5                                       |
+| host -> device batch  | 39.2  | pageable fp32 context `[4096, 35840]`: outside the timed step    |
+|                       |       | here, inside the training loop's (synthetic batch 1.1 s on host) |
 
-Memory: peak allocated 64.9 GiB (reserved 82.2 GiB) against a static 53.1 GiB: 2.83 B trainable
+Same call, the ceilings (`--ceilings`, the same measurements): copy 4.28 TB/s, 8k bf16 GEMM
+778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 TFLOP/s), AdamW over
+2.83 B fp32 parameters 61.9 ms foreach / 22.9 ms fused, clip_grad_norm_ 9.8 ms (norm alone 3.4).
+
+## What changed, and the predicted effect (NOT yet measured: no device was lent after the
+## profile above; the commands under "To measure" give the figures)
+
+- Fused AdamW on CUDA (`optim.build_optimizer`): 57 -> ~23 ms (the standalone figures).
+- The DSpark loss fused with its vocabulary GEMMs (`losses/dspark.py`): draft and target logits
+  formed once per chunk, CE + L1 gradients formed in forward, no recompute, anchor rows (1/7,
+  weight 0) skipped, one compiled elementwise kernel per chunk: -8.4 TFLOP of recomputed draft
+  logits, -8.4 of recomputed target logits, -1/7 of the rest (~-30 ms of GEMM), most of the
+  ~50 ms eager elementwise. Tested against plain autograd in fp64 (`tests/test_train_losses.py`).
+- Frozen parameters cast once to bf16 and left out of FSDP (replicated, like the target head):
+  no per-step cast and all-gather of 2.35 B weights, 4.4 GiB less; no reshard after forward at
+  one-rank shard groups (no regather in backward).
+- Decoder layers and the context projection compiled (`training.compile`, auto on CUDA).
+- No host sync between forward and backward; the loop moves batches in bf16 (half the H2D).
+
+Bound at batch 1 x 4096, 3584 slots: the model part at `draft_step.py`'s 72.6 % is 145 ms; fused
+AdamW 22.9 ms, grad norm + scaling 9.8 ms and one target-head pass for the L1 term (10.3 ms) are
+not model FLOPs, so about 188 ms (56 % MFU) is the best this step can reach, and ~199 ms (53 %)
+while `trainers/dflash.py`'s `block_targets` computes the target logits a second time for the
+labels (sharing them with the loss is the next ~11 ms). 60 % needs the optimizer amortised over
+more work per step: batch 2 at 4096 (or one 8192-token sample) is 167 model TFLOP against the
+same ~35 ms of optimizer and clipping.
+
+Model TFLOP per step at 512 anchors (`step_flops`), and the step time 60 % MFU would need:
+4096: 83.4 (176 ms), 16384: 120.5 (254 ms), 32768: 169.7 (358 ms), 65536: 266.8 (563 ms); the
+attention share grows from 4.3 to 70.0 TFLOP, so FlexAttention's backward (~150-190 TFLOP/s at
+these head dims, `flex_sweep.py`) sets the long-context MFU.
+
+## To measure (one H200; each line fits one device call)
+
+    python benchmarks/draft_step.py --variants ours-flex-compiled --no-profile > draft_step.json; \
+    python benchmarks/train_k3_gpu.py --profile prof.txt --out train_4k.json; \
+    python benchmarks/train_k3_gpu.py --ceilings
+    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 \
+        --sweep 16384:0,32768:0,65536:0,65536:2,65536:5
+    python -m pytest -m gpu -q
+
+## Earlier figures (2026-11-30, before this issue's changes)
+
+One H200: 354 ms median step (355 ms on a fresh machine; 368 ms before the tuned FlexAttention
+options), peak allocated 64.9 GiB (reserved 82.2 GiB) against a static 53.1 GiB: 2.83 B trainable
 parameters as fp32 master (10.5 GiB) + fp32 gradients (10.5 GiB) + AdamW moments (21.1 GiB), the
-2.35 B frozen parameters (target-shared embedding and lm_head) kept fp32 in the draft (8.75 GiB),
-and the target head replicated in bf16 (2.2 GiB). The ~12 GiB above static is bf16 all-gathered
-weights of the root FSDP group (embedding, lm_head, fc, markov head stay unsharded from forward
-to backward) plus activations and the chunked `[2048, 163840]` fp32 logits of the DSpark loss.
-The first step (17.8 s; 68 s on a fresh machine, cold compile cache) includes compiling FlexAttention.
-
-Two H200s of one host, FSDP2 full_shard over NCCL (`torchrun --standalone --nproc_per_node 2`),
-same defaults, `--steps 20`, tuned kernels: 349 ms median step (345-353 ms over 18 timed steps),
-11.7k context tok/s/GPU (10.3k draft tok/s/GPU), so per-GPU throughput holds at 2 ranks; peak
-allocated 44.7 GiB per GPU (reserved 60.8 GiB) against a static 27.6 GiB per GPU once
-parameters, gradients and AdamW state are sharded in two. Without the barrier before each timed
-step, rank 0's timer took in the other rank's CPU-side synthetic batch (steps of 650-1200 ms
-among the 350 ms ones, median 354-419 ms over three runs).
+2.35 B frozen parameters kept fp32 in the draft (8.75 GiB; now bf16, 4.4 GiB), and the target head
+replicated in bf16 (2.2 GiB). Two H200s of one host (`torchrun --standalone --nproc_per_node 2`,
+`--steps 20`): 349 ms median step, 11.7k context tok/s/GPU, peak allocated 44.7 GiB per GPU;
+without the barrier before each timed step, rank 0's timer took in the other rank's CPU-side
+synthetic batch (steps of 650-1200 ms among the 350 ms ones).
 """
 
 from __future__ import annotations
@@ -86,12 +147,22 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--batch", type=int, default=1, help="samples per GPU per step")
-    p.add_argument("--seq", type=int, default=4096, help="context tokens per sample")
-    p.add_argument("--anchors", type=int, default=512, help="blocks of block_size per sample")
+    p.add_argument("--seq", type=int, default=None, help="context tokens per sample (4096; --tiny 64)")
+    p.add_argument(
+        "--anchors", type=int, default=None, help="blocks of block_size per sample (512; --tiny 4)"
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from timing")
     p.add_argument("--backend", default="flex", choices=["sdpa", "flex"], help="draft attention backend")
     p.add_argument("--out", default="", help="also write the JSON result here")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="SEQ:AC[,SEQ:AC...]: one process per context length and checkpointed-layer count, "
+        "then a table (the long-context figures)",
+    )
+    p.add_argument("--ceilings", action="store_true", help="only measure copy/GEMM/AdamW ceilings")
+    p.add_argument("--distinct", type=int, default=2, help="distinct synthetic batches, cycled")
     p.add_argument("--ac", type=int, default=0, help="training.activation_checkpoint_layers")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="training.compile")
     p.add_argument(
@@ -100,12 +171,22 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+_BATCHES: list = []
+
+
 def _next_batch(stream, args, cfg, ctx):
+    """The next of `--distinct` CPU batches, cycled (random states at 64k context take ~10 s each
+    to draw on the host), moved to the device as the training loop moves it under bf16."""
     from hpctoolkit.train.batch import collate
 
-    samples = [next(stream) for _ in range(args.batch)]
-    batch = collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens)
-    return batch.to(ctx.device, torch.bfloat16)  # as the training loop moves it under bf16
+    if len(_BATCHES) < args.distinct:
+        samples = [next(stream) for _ in range(args.batch)]
+        _BATCHES.append(collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens))
+        batch = _BATCHES[-1]
+    else:
+        batch = _BATCHES[0]
+        _BATCHES.append(_BATCHES.pop(0))
+    return batch.to(ctx.device, torch.bfloat16)
 
 
 KERNEL_CLASSES = (
@@ -176,8 +257,83 @@ def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_p
     return phases, {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}
 
 
+def ceilings() -> dict[str, float]:
+    """The ceilings the step is held against, measured on this GPU: copy bandwidth, bf16 GEMM,
+    the lm_head GEMM of the loss, and AdamW (foreach vs fused) and clipping over 2.83 B fp32
+    parameters shaped like the K3 draft's."""
+    dev = "cuda"
+
+    def ms(fn, n: int = 5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    out: dict[str, float] = {}
+    src, dst = torch.empty(2**30, device=dev), torch.empty(2**30, device=dev)
+    out["copy_tb_per_s"] = 2 * 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e9
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    out["gemm_8k_tflops"] = 2 * 8192**3 / ms(lambda: a @ b, 20) / 1e9
+    x = torch.randn(3072, 7168, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(163840, 7168, device=dev, dtype=torch.bfloat16)
+    out["lm_head_gemm_3072_rows_ms"] = ms(lambda: x @ w.t(), 10)
+    layer = [(1536, 7168), (12288, 1536), (576, 7168), (16384, 512), (7168, 8192)] + [(18432, 7168)] * 3
+    shapes = layer * 5 + [(7168, 35840), (163840, 256), (163840, 256)]
+    params = [torch.nn.Parameter(torch.randn(sh, device=dev) * 0.02) for sh in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    out["params_b"] = sum(p.numel() for p in params) / 1e9
+    for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), **kw)
+        out[f"adamw_{name}_ms"] = ms(opt.step)
+        del opt
+    out["clip_grad_norm_ms"] = ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0))
+    out["grad_norm_only_ms"] = ms(lambda: torch.nn.utils.get_total_norm([p.grad for p in params]))
+    return out
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Run each `SEQ:AC` of `--sweep` in its own process (a fresh allocator and peak), print a table."""
+    import subprocess
+
+    rows = []
+    for spec in args.sweep.split(","):
+        seq, ac = (int(x) for x in spec.split(":"))
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, "--seq", str(seq), "--ac", str(ac), "--out", f.name]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--anchors", str(args.anchors)] if args.anchors else []
+            cmd += ["--compile", args.compile] + (["--tiny"] if args.tiny else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            res = json.loads(Path(f.name).read_text()) if proc.returncode == 0 else None
+        if res is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+            rows.append(f"| {seq} | {ac} | failed: {tail[0][:90]} | | | |")
+            continue
+        rows.append(
+            f"| {res['context_tokens_per_sample']} | {ac} | {res['step_ms_median']:.0f} ms | "
+            f"{100 * res['mfu']:.1f} % | {res['peak_allocated_gib'] or 0:.1f} GiB | "
+            f"{res['draft_tokens_per_s_per_gpu'] / 1e3:.2f}k |"
+        )
+        print(json.dumps(res), flush=True)
+    print("| context | AC layers | step (median) | MFU | peak allocated | draft tok/s/GPU |")
+    print("|---------|-----------|---------------|-----|----------------|-----------------|")
+    print("\n".join(rows))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.sweep:
+        return sweep(args)
+    if args.ceilings:
+        print(json.dumps(ceilings(), indent=2))
+        return 0
     stubbed = _stub_missing_config_deps()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -196,7 +352,9 @@ def main() -> int:
     config = load_draft_config(ROOT / "recipes" / "draft_models" / recipe)
     config.attention_backend = args.backend if not args.tiny else "sdpa"
     if args.tiny:
-        args.seq, args.anchors, args.steps, args.warmup = 64, 4, 3, 1
+        args.steps, args.warmup = 3, 1
+    args.seq = args.seq or (64 if args.tiny else 4096)
+    args.anchors = args.anchors or (4 if args.tiny else 512)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -36,10 +36,10 @@ def ctx(tmp_path_factory):
     c.close()
 
 
-def _step(ctx, cfg: TrainingConfig, batch):
+def _step(ctx, cfg: TrainingConfig, batch, backend: str = "flex"):
     """Loss and full gradients of one step on a freshly built (same-seed) trainer."""
     config = load_draft_config(RECIPES / "tiny_k3_dspark_mla.json")
-    config.attention_backend = "flex"
+    config.attention_backend = backend
     g = torch.Generator().manual_seed(0)
     V, H = config.vocab_size, config.hidden_size
     head = TargetHead((torch.randn(V, H, generator=g) * 0.5).to(torch.bfloat16), torch.ones(H), 1e-6)

@@ -118,7 +118,7 @@ class DFlashDraftModel(nn.Module):
         """
         if not 0 <= num_layers <= len(self.layers):
             raise ConfigError(
-                f"activation checkpointing of {num_layers} layers: the draft has {len(self.layers)}"
+                f"cannot checkpoint {num_layers} decoder layers: the draft has {len(self.layers)}"
             )
         self.checkpoint_layers = num_layers
 
