@@ -34,7 +34,7 @@ exec "$@"
 FAKE_SCONTROL = """#!/bin/bash
 printf 'node1\\nnode2\\nnode3\\n'
 """
-# Stands in for `python3 -m hpctoolkit.node ROLE RECIPE ...`.
+# Stands in for `python3 -m hpctoolkit.roles ROLE RECIPE ...`.
 FAKE_PYTHON = """#!/bin/bash
 role=$3
 case $role in
