@@ -44,7 +44,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         norm = norm.full_tensor()
     return norm
 
-
-def clip_and_norm(model: nn.Module, max_norm: float) -> float:
-    """`clip_grad_norm` as a float (waits for the device)."""
-    return float(clip_grad_norm(model, max_norm))
