@@ -17,7 +17,7 @@ batches are drawn on the host once and cycled; moving them to the GPU is outside
 MFU counts model FLOPs only, as `draft_step.py` does (`step_flops` at the anchors drawn), against
 790 TFLOP/s.
 
-## Before (measured 2026-12-01, one H200, torch 2.11, code of commit 6aacc55)
+## Before (measured 2026-12-01, one H200, torch 2.11, trainer code of commit 6aacc55)
 
 `python benchmarks/train_k3_gpu.py --steps 5 --warmup 2 --profile prof.txt`, defaults (batch 1,
 4096 context, 512 blocks of 7 = 3584 draft slots): 357.5 ms median step (355-359 ms), 83.5 model
@@ -49,12 +49,17 @@ profiler's kernels of another, by class):
 | host -> device batch  | 39.2  | pageable fp32 context `[4096, 35840]`: outside the timed step    |
 |                       |       | here, inside the training loop's (synthetic batch 1.1 s on host) |
 
-Same call, the ceilings (`--ceilings`, the same measurements): copy 4.28 TB/s, 8k bf16 GEMM
-778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 TFLOP/s), AdamW over
+The host was ahead of the device throughout: the launch queue filled (the profiler's "Command
+Buffer Full", 239 ms of host waiting), so Python, FSDP hooks and anchor sampling are hidden at
+this size. Same call, the ceilings (what `--ceilings` measures): copy 4.28 TB/s, 8k bf16
+GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 TFLOP/s), AdamW over
 2.83 B fp32 parameters 61.9 ms foreach / 22.9 ms fused, clip_grad_norm_ 9.8 ms (norm alone 3.4).
 
-## What changed, and the predicted effect (NOT yet measured: no device was lent after the
-## profile above; the commands under "To measure" give the figures)
+## What changed, and the predicted effect
+
+NOT yet measured: no device was lent again after the profile above. The commands under "To
+measure" give the after-figures and the long-context table; until they run, what follows are
+predictions, each from the measured figure it would remove.
 
 - Fused AdamW on CUDA (`optim.build_optimizer`): 57 -> ~23 ms (the standalone figures).
 - The DSpark loss fused with its vocabulary GEMMs (`losses/dspark.py`): draft and target logits
@@ -76,6 +81,10 @@ labels (sharing them with the loss is the next ~11 ms). 60 % needs the optimizer
 more work per step: batch 2 at 4096 (or one 8192-token sample) is 167 model TFLOP against the
 same ~35 ms of optimizer and clipping.
 
+Static memory after the changes (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, frozen
+weights in bf16 4.4 GiB, target head 2.2 GiB, layers' gathered bf16 weights kept from forward to
+backward at one rank 5.3 GiB: 54 GiB, leaving ~75 GiB of the 130 GiB goal for activations.
+
 Model TFLOP per step at 512 anchors (`step_flops`), and the step time 60 % MFU would need:
 4096: 83.4 (176 ms), 16384: 120.5 (254 ms), 32768: 169.7 (358 ms), 65536: 266.8 (563 ms); the
 attention share grows from 4.3 to 70.0 TFLOP, so FlexAttention's backward (~150-190 TFLOP/s at
@@ -92,14 +101,11 @@ these head dims, `flex_sweep.py`) sets the long-context MFU.
 
 ## Earlier figures (2026-11-30, before this issue's changes)
 
-One H200: 354 ms median step (355 ms on a fresh machine; 368 ms before the tuned FlexAttention
-options), peak allocated 64.9 GiB (reserved 82.2 GiB) against a static 53.1 GiB: 2.83 B trainable
-parameters as fp32 master (10.5 GiB) + fp32 gradients (10.5 GiB) + AdamW moments (21.1 GiB), the
-2.35 B frozen parameters kept fp32 in the draft (8.75 GiB; now bf16, 4.4 GiB), and the target head
-replicated in bf16 (2.2 GiB). Two H200s of one host (`torchrun --standalone --nproc_per_node 2`,
-`--steps 20`): 349 ms median step, 11.7k context tok/s/GPU, peak allocated 44.7 GiB per GPU;
-without the barrier before each timed step, rank 0's timer took in the other rank's CPU-side
-synthetic batch (steps of 650-1200 ms among the 350 ms ones).
+One H200: 354 ms median step (368 ms before the tuned FlexAttention options), peak allocated
+64.9 GiB against a static 53.1 GiB (frozen weights then fp32, 8.75 GiB). Two H200s of one host
+(`torchrun --standalone --nproc_per_node 2`, `--steps 20`): 349 ms median step, 11.7k context
+tok/s/GPU, 44.7 GiB peak per GPU. Multi-rank timing needs the barrier before each timed step,
+or rank 0's timer takes in the other rank's CPU-side synthetic batch (650-1200 ms steps).
 """
 
 from __future__ import annotations
