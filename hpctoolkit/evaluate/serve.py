@@ -57,7 +57,7 @@ def _engine_environment() -> None:
 class LoadAudit:
     """Wraps a vLLM draft class's `load_weights`: NaN-fills its parameters first, keeps the instance."""
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: Any) -> None:
         self.cls = cls
         self.original = cls.load_weights
         self.instances: list[torch.nn.Module] = []

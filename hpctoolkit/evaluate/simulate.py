@@ -30,7 +30,7 @@ from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
-from hpctoolkit.train.trainers import init_from_target, trainer_class_for
+from hpctoolkit.train.trainers import FamilyTrainer, init_from_target, trainer_class_for
 
 
 def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.PathLike):
@@ -86,6 +86,7 @@ def _replay_summary(accepted: list[int], k: int) -> dict[str, Any]:
 
 
 def _served_stats(
+    trainer_cls: type[FamilyTrainer],
     draft: torch.nn.Module,
     head: TargetHead,
     k: int,
@@ -99,7 +100,7 @@ def _served_stats(
     P, M, L = len(prompt), len(out), len(seq)
     if M < 2:
         return None
-    chains = trainer_class_for(draft.config).served_chains(draft, head, k, P, M, L)
+    chains = trainer_cls.served_chains(draft, head, k, P, M, L)
     context = aux.permute(1, 0, 2).reshape(1, L, -1)
     with torch.no_grad():
         parts = chains.trainer(
@@ -126,8 +127,11 @@ def simulate(
     """The trainer's simulated acceptance of the exported draft on prompt + served output."""
     k = num_speculative_tokens
     draft, head = load_exported_draft(export_dir, target_dir)
-    raw_cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    hf_indices = [i + 1 for i in draft_target_layer_ids(raw_cfg)]
+    trainer_cls = trainer_class_for(load_draft_config(export_dir))
+    layer_ids = draft_target_layer_ids(json.loads((Path(export_dir) / "config.json").read_text()))
+    if layer_ids is None:
+        raise DataIntegrityError(f"export {export_dir} names no target layers in its config.json")
+    hf_indices = [i + 1 for i in layer_ids]
     sequences = [p + o for p, o in zip(prompts_token_ids, outputs, strict=True)]
     # vLLM keeps verifying until the request holds max_tokens, so its last chains reach up to k
     # tokens past the output; extend each sequence greedily by k so those chains are defined.
@@ -136,7 +140,7 @@ def simulate(
     total = None
     replayed: list[int] = []
     for prompt, out, seq, (aux, last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
-        got = _served_stats(draft, head, k, prompt, out, seq, aux, last)
+        got = _served_stats(trainer_cls, draft, head, k, prompt, out, seq, aux, last)
         if got is None:
             continue
         replayed += got[0]
