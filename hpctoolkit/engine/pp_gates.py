@@ -15,9 +15,9 @@ Per-stage capture (`check_per_stage_capture`)
     before allowing Eagle3 capture with PP (`verify_supports_aux_hidden_states_over_pp` in
     `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`), and in 0.32 the decoders that set it are
     exactly the ones whose forward calls `pack_local_aux_hidden_states` (qwen2, llama, sarvam,
-    deepseek_v4, minimax_m3, kimi_k3). Our PP patch pops those `aux_hidden_states_*` keys on each
-    non-last rank and caches them there (`_pop_local_aux_hidden_states`). Neither `SupportsPP` nor `SupportsEagle3` on
-    the top-level class implies it: a mixin decoder without the flag (e.g. `Qwen3MoeModel`, or
+    deepseek_v4, minimax_m3, kimi_k3). Our PP patch keeps those `aux_hidden_states_*` keys out of
+    what each non-last rank sends and caches them there (`_split_local_aux_hidden_states`).
+    Neither `SupportsPP` nor `SupportsEagle3` on the top-level class implies it: a mixin decoder without the flag (e.g. `Qwen3MoeModel`, or
     `MiMoModel`, which sets it to False explicitly) drops its aux list on non-last ranks, and
     `DeepseekV2Model` keeps its own aux list outside the mixin; either way the non-last rank has
     nothing to export and the run dies in `_dummy_run` with `too many values to unpack`.
