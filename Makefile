@@ -38,6 +38,7 @@ dry-run: setup
 lint: setup
 	$(VENV)/bin/ruff check hpctoolkit tests benchmarks
 	$(VENV)/bin/ruff format --check hpctoolkit tests benchmarks
+	$(VENV)/bin/mypy
 	shellcheck $$(git ls-files '*.sh' '*.sbatch' .ci/run)
 
 test: setup lint

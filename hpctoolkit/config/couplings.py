@@ -56,12 +56,6 @@ def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def is_dspark(draft: dict[str, Any]) -> bool:
-    """Unused here; kept only until roles/evaluate.py asks `models.families.serving_for`."""
-    names = [*(draft.get("architectures") or []), str(draft.get("model_type", ""))]
-    return any("dspark" in n.lower() for n in names)
-
-
 def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
     """The rules a draft family adds to the recipe, read from its `Serving` record."""
     # The family table is pure, but the hpctoolkit.models package inits still import torch;

@@ -15,16 +15,12 @@ def say(msg: str) -> None:
 
 
 def not_served_reason(draft_config: str) -> str | None:
-    """Why vLLM (CPU build) cannot serve this draft family, or None."""
-    from hpctoolkit.config.couplings import is_dspark
-    from hpctoolkit.config.couplings import read_json as read_draft
+    """Why vLLM on this machine cannot serve this draft family, or None."""
+    import torch
 
-    if is_dspark(read_draft(draft_config, "draft.config")):
-        return (
-            "vLLM 0.32 serves DSpark only in its V2 model runner, which needs Triton; the CPU build "
-            "has none, so only the trainer's simulated acceptance is reported"
-        )
-    return None
+    from hpctoolkit.models.families import serving_for
+
+    return None if torch.cuda.is_available() else serving_for(draft_config).cpu_unservable
 
 
 def run_evaluate(ctx: NodeContext) -> int:
