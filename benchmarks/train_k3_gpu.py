@@ -3,8 +3,7 @@
 
     PYTHONPATH=. python benchmarks/train_k3_gpu.py                 # one H200 (or all visible GPUs)
     PYTHONPATH=. python benchmarks/train_k3_gpu.py --profile prof.txt   # + phases, kernel classes
-    PYTHONPATH=. python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 \
-        --sweep 4096:0,16384:0,32768:0,65536:0,65536:2,65536:5      # long context: SEQ:AC layers
+    PYTHONPATH=. python benchmarks/train_k3_gpu.py --sweep 16384:0,65536:5   # SEQ:AC layers, a table
     PYTHONPATH=. python benchmarks/train_k3_gpu.py --tiny          # CPU smoke run, tiny shapes
 
 The trainer's own stack end to end: `build_trainer` (DSparkTrainer + K3DSparkModel),
@@ -27,8 +26,7 @@ profiler's kernels of another, by class):
 
 | phase              | ms    | what runs there                                                    |
 |--------------------|-------|--------------------------------------------------------------------|
-| forward + loss     | 112.8 | draft forward (eager layers), target logits for the labels, DSpark |
-|                    |       | loss forward in 2048-row checkpointed chunks                       |
+| forward + loss     | 112.8 | eager layers, target logits for the labels, DSpark loss chunks     |
 | backward           | 176.7 | layer backward, loss chunks recomputed (draft and target logits)   |
 | clip_grad_norm     | 10.0  | norm 3.4 ms + in-place scaling 6.4 ms                              |
 | optimizer          | 57.0  | foreach AdamW over 2.83 B fp32 parameters                          |
@@ -46,8 +44,7 @@ profiler's kernels of another, by class):
 | eager elementwise     | ~50   | DSpark loss softmaxes over `[2048, 163840]` fp32 (9.1 ms) and    |
 |                       |       | its mul/add/abs, forward and recompute; layer norms, rotary, SiLU |
 | FlexAttention         | 26.8  | forward 6.2, backward 20.5                                       |
-| host -> device batch  | 39.2  | pageable fp32 context `[4096, 35840]`: outside the timed step    |
-|                       |       | here, inside the training loop's (synthetic batch 1.1 s on host) |
+| host -> device batch  | 39.2  | pageable fp32 context: outside this timed step, inside the loop's |
 
 The host was ahead of the device throughout: the launch queue filled (the profiler's "Command
 Buffer Full", 239 ms of host waiting), so Python, FSDP hooks and anchor sampling are hidden at
@@ -95,9 +92,10 @@ these head dims, `flex_sweep.py`) sets the long-context MFU.
     python benchmarks/draft_step.py --variants ours-flex-compiled --no-profile > draft_step.json; \
     python benchmarks/train_k3_gpu.py --profile prof.txt --out train_4k.json; \
     python benchmarks/train_k3_gpu.py --ceilings
-    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 \
-        --sweep 16384:0,32768:0,65536:0,65536:2,65536:5
-    python -m pytest -m gpu -q
+    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep 16384:0,32768:0,65536:0
+    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep 65536:2,65536:5
+    python -m pytest -m gpu -q   # collecting needs omegaconf, absent there: carry its wheel
+                                 # (`.whl`, device README) and install it first
 
 ## Earlier figures (2026-11-30, before this issue's changes)
 
@@ -267,37 +265,27 @@ def ceilings() -> dict[str, float]:
     """The ceilings the step is held against, measured on this GPU: copy bandwidth, bf16 GEMM,
     the lm_head GEMM of the loss, and AdamW (foreach vs fused) and clipping over 2.83 B fp32
     parameters shaped like the K3 draft's."""
-    dev = "cuda"
+    from triton.testing import do_bench
 
-    def ms(fn, n: int = 5) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+    def ms(fn) -> float:
+        return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
+    torch.set_default_device("cuda")
     out: dict[str, float] = {}
-    src, dst = torch.empty(2**30, device=dev), torch.empty(2**30, device=dev)
+    src, dst = torch.empty(2**30), torch.empty(2**30)
     out["copy_tb_per_s"] = 2 * 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e9
-    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    out["gemm_8k_tflops"] = 2 * 8192**3 / ms(lambda: a @ b, 20) / 1e9
-    x = torch.randn(3072, 7168, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(163840, 7168, device=dev, dtype=torch.bfloat16)
-    out["lm_head_gemm_3072_rows_ms"] = ms(lambda: x @ w.t(), 10)
+    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16) for _ in range(2))
+    out["gemm_8k_tflops"] = 2 * 8192**3 / ms(lambda: a @ b) / 1e9
+    x, w = torch.randn(3072, 7168, dtype=torch.bfloat16), torch.randn(163840, 7168, dtype=torch.bfloat16)
+    out["lm_head_gemm_3072_rows_ms"] = ms(lambda: x @ w.t())
     layer = [(1536, 7168), (12288, 1536), (576, 7168), (16384, 512), (7168, 8192)] + [(18432, 7168)] * 3
     shapes = layer * 5 + [(7168, 35840), (163840, 256), (163840, 256)]
-    params = [torch.nn.Parameter(torch.randn(sh, device=dev) * 0.02) for sh in shapes]
+    params = [torch.nn.Parameter(torch.randn(sh) * 0.02) for sh in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     out["params_b"] = sum(p.numel() for p in params) / 1e9
     for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), **kw)
-        out[f"adamw_{name}_ms"] = ms(opt.step)
-        del opt
+        out[f"adamw_{name}_ms"] = ms(torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), **kw).step)
     out["clip_grad_norm_ms"] = ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0))
     out["grad_norm_only_ms"] = ms(lambda: torch.nn.utils.get_total_norm([p.grad for p in params]))
     return out
@@ -312,7 +300,14 @@ def sweep(args: argparse.Namespace) -> int:
         seq, ac = (int(x) for x in spec.split(":"))
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--seq", str(seq), "--ac", str(ac), "--out", f.name]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += [
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--distinct",
+                str(args.distinct),
+            ]
             cmd += ["--anchors", str(args.anchors)] if args.anchors else []
             cmd += ["--compile", args.compile] + (["--tiny"] if args.tiny else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
