@@ -43,4 +43,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
-
