@@ -46,10 +46,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hpctoolkit.models import build_draft_model, load_draft_config
 from hpctoolkit.models.common.attention import flex_kernel_options
-from hpctoolkit.models.dflash import IGNORE_INDEX, make_block_layout, sample_anchors
-from hpctoolkit.models.dspark import dspark_loss
+from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 H200_BF16_PEAK_FLOPS = 790e12
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"

@@ -32,7 +32,7 @@ import statistics
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from hpctoolkit.models.dflash import make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.layout import make_block_layout, sample_anchors
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps) for the backward kernel.
 BWD = [

@@ -340,7 +340,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from draft_step import H200_BF16_PEAK_FLOPS, step_flops
 
-    from hpctoolkit.models import load_draft_config
+    from hpctoolkit.models.registry import load_draft_config
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
     from hpctoolkit.train.loop import forward_backward

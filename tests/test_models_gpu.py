@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctoolkit.models import build_draft_model, load_draft_config
 from hpctoolkit.models.common.attention import attend, flex_kernel_options
-from hpctoolkit.models.dflash import make_block_layout, sample_anchors
-from hpctoolkit.models.dspark import dspark_loss
+from hpctoolkit.models.dflash.layout import make_block_layout, sample_anchors
+from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctoolkit.models import load_draft_config
+from hpctoolkit.models.registry import load_draft_config
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer

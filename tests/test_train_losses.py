@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctoolkit.models.dflash import IGNORE_INDEX
+from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.testing.tiny_target import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig

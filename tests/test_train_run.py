@@ -134,7 +134,7 @@ def test_bf16_mixed_precision_trains(tmp_path):
 
 
 def test_options_without_effect_are_named(caplog):
-    from hpctoolkit.models import load_draft_config
+    from hpctoolkit.models.registry import load_draft_config
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.trainers import warn_unused_options
 
@@ -153,7 +153,7 @@ def test_train_and_evaluate_import_without_vllm_or_mooncake():
     import sys
 
     code = (
-        "import sys, hpctoolkit.train.run, hpctoolkit.evaluate, hpctoolkit.models;"
+        "import sys, hpctoolkit.train.run, hpctoolkit.evaluate, hpctoolkit.models.registry;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'mooncake')];"
         "assert not bad, bad"
     )

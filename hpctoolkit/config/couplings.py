@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.families import serving_for
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
@@ -58,10 +59,6 @@ def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
 
 def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
     """The rules a draft family adds to the recipe, read from its `Serving` record."""
-    # The family table is pure, but the hpctoolkit.models package inits still import torch;
-    # couplings itself must stay importable without it.
-    from hpctoolkit.models.families import serving_for
-
     try:
         serving = serving_for(draft)
     except ConfigError as err:

@@ -311,7 +311,8 @@ def _save_training_format(
     trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path
 ) -> torch.nn.Module:
     """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
-    from hpctoolkit.models import build_draft_model, save_draft
+    from hpctoolkit.models.checkpoint import save_draft
+    from hpctoolkit.models.registry import build_draft_model
 
     cpu_model = build_draft_model(trainer.draft.config)
     missing, unexpected = cpu_model.load_state_dict(state, strict=False)

@@ -1,6 +1,5 @@
-"""Kimi-K3 DSpark MLA draft."""
+"""Kimi-K3 DSpark MLA draft.
 
-from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
-from hpctoolkit.models.k3_dspark.model import K3DSparkModel
-
-__all__ = ["K3DSparkConfig", "K3DSparkModel"]
+`config` (`K3DSparkConfig`), `model` (`K3DSparkModel`) and `serving` (the family record). Import
+the names from their modules; this package init imports nothing.
+"""
