@@ -11,7 +11,8 @@ from hpctoolkit.plan.config import ClusterConfig
 
 def test_defaults_are_valid():
     ClusterConfig().validate()
-    ClusterConfig(backend="slurm", nodes=5).validate()  # no container: steps run the python on PATH
+    ClusterConfig(backend="slurm", nodes=5, network="ib0").validate()  # no container: the python on PATH
+    ClusterConfig(backend="slurm", nodes=1).validate()  # one node: loopback is its data plane
 
 
 @pytest.mark.parametrize(
@@ -22,6 +23,8 @@ def test_defaults_are_valid():
         ({"trainer_nodes": 3, "nodes": 2}, "trainer_nodes"),
         ({"job_name": "two words"}, "job_name"),
         ({"container": ""}, "container"),
+        ({"backend": "slurm", "nodes": 2}, "network"),  # several nodes must name their network
+        ({"network": ""}, "network"),
         ({"signal_before_s": 0}, "signal_before_s"),
         ({"sbatch_extra": ["-p gpu"]}, "sbatch_extra"),
         ({"sbatch_extra": ["--qos=a\n#SBATCH --x"]}, "sbatch_extra"),

@@ -313,3 +313,26 @@ def test_k3_recipe_loads_once_its_paths_are_given(tmp_path):
         ],
     )
     assert make_plan(cfg).to_dict() == make_plan(slurm_cfg()).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("port", "clash"),
+    [(29500, "the trainers' rendezvous"), (29600, "engine 0's vLLM rendezvous")],
+)
+def test_two_listeners_on_one_port_of_a_node_are_refused(port, clash):
+    cfg = slurm_cfg(engines=1, nnodes=1, pp=1, trainer_nodes=1, nodes=2)
+    cfg.store.master_port = port
+    if port == 29600:
+        # Engine 0's leader is node 1; the master is node 0: no clash until they share a node.
+        make_plan(cfg)
+        return
+    with pytest.raises(ConfigError, match=f"both listen on port {port} of node n0") as err:
+        make_plan(cfg)
+    assert clash in str(err.value) and "store.master_port=29500" in str(err.value)
+
+
+def test_master_and_metrics_on_one_port_are_refused():
+    cfg = slurm_cfg(engines=1, nnodes=1, pp=1, trainer_nodes=1, nodes=2)
+    cfg.store.master_port = cfg.store.metrics_port = 50051
+    with pytest.raises(ConfigError, match=r"store.metrics_port=50051"):
+        make_plan(cfg)

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit.config.load import load_recipe
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.roles import __main__ as roles_main
 from hpctoolkit.roles import context, dispatch, trainer, waits
+from hpctoolkit.roles.network import HostAddress, choose
+from hpctoolkit.rundir.atomic import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "tests/golden/emulated_3node.yaml"
@@ -29,6 +31,18 @@ def _clean_env(monkeypatch):
         "HPCTOOLKIT_NODE_DRY",
     ):
         monkeypatch.delenv(name, raising=False)
+
+
+ADDRESSES = {"node4": "10.0.0.4", "node5": "10.0.0.5", "node6": "10.0.0.6"}
+
+
+def on_host(monkeypatch, name: str) -> None:
+    """This process's data-plane address is `name`'s (as `cluster.network` would find it there)."""
+    monkeypatch.setattr(context, "local_address", lambda net, host: HostAddress("eth0", ADDRESSES[name]))
+
+
+def master_up(ctx, address: str = "10.0.0.4:50051") -> None:
+    write_json_atomic(ctx.run.master_record, {"run_id": ctx.run_id, "address": address})
 
 
 def on_node(monkeypatch, name: str, procid: int = 0, localid: int = 0, cvd: str = "0,1") -> None:
@@ -56,9 +70,10 @@ def test_engine_roles_find_their_node(monkeypatch):
         context.select_process(ctx, "engine-leader")
 
 
-def test_trainer_rank_comes_from_procid(monkeypatch):
+def test_trainer_rank_comes_from_procid(monkeypatch, tmp_path):
     on_node(monkeypatch, "node4", procid=3, localid=3, cvd="0,1,2,3")
-    ctx = context.load_context(RECIPE, [])
+    on_host(monkeypatch, "node4")
+    ctx = context.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
     proc = context.select_process(ctx, "trainer")
     assert (proc.node_rank, proc.local_rank, proc.gpus) == (3, 3, (3,))
     env = context.trainer_env(ctx, proc)
@@ -67,11 +82,12 @@ def test_trainer_rank_comes_from_procid(monkeypatch):
         "LOCAL_RANK": "3",
         "WORLD_SIZE": "4",
         "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "node4",
+        "MASTER_ADDR": "10.0.0.4",  # its own node's data-plane address, never a name lookup
         "MASTER_PORT": "29500",
     }
-    monkeypatch.setattr(context.socket, "gethostbyname", lambda h: {"node4": "10.0.0.4"}[h])
+    master_up(ctx)
     assert context.store_address(ctx) == "10.0.0.4:50051"
+    assert context.client_store_config(ctx).bind_host == "10.0.0.4"  # what its readers advertise
     assert "rank=3 local_rank=3" in dispatch.dry_line(ctx, proc)
 
 
@@ -161,12 +177,14 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     from hpctoolkit.engine.follower import NODE_KEYS, check_node_invariant
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
-    addresses = {"node4": "10.0.0.4", "node5": "10.0.0.5", "node6": "10.0.0.6"}
-    monkeypatch.setattr(context.socket, "gethostbyname", lambda h: addresses[h])
     built = {}
+    out = f"paths.output_dir={tmp_path / 'out'}"
     for name, role in (("node5", "engine-leader"), ("node6", "engine-follower")):
         on_node(monkeypatch, name)
-        ctx = context.load_context(RECIPE, [])
+        on_host(monkeypatch, name)
+        ctx = context.load_context(RECIPE, [out])
+        context.note_host(ctx)  # what every role does first: the follower learns the leader's address
+        master_up(ctx)
         args = context.engine_node_args(ctx, context.select_process(ctx, role), cores=[2, 3])
         _, kwargs, env = engine_llm_kwargs(
             ctx.cfg.engine,
@@ -217,15 +235,15 @@ def test_wait_reachable():
         waits.wait_reachable(f"127.0.0.1:{port}", 0.3)
 
 
-def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys):
+def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys, tmp_path):
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
         on_node(monkeypatch, "node5")
         monkeypatch.setenv("HPCTOOLKIT_NODE_DRY", "engine-leader,engine-follower,trainer")
-        ctx = context.load_context(RECIPE, [f"store.master_port={port}"])
-        monkeypatch.setattr(context.socket, "gethostbyname", lambda h: "127.0.0.1")
+        ctx = context.load_context(RECIPE, [f"store.master_port={port}", f"paths.output_dir={tmp_path}"])
+        master_up(ctx, f"127.0.0.1:{port}")  # the real master's record of where it listens
         line = dispatch.run_process(ctx, context.select_process(ctx, "engine-leader"))
     assert f" store=127.0.0.1:{port} reached_after_s=" in line
 
@@ -240,3 +258,37 @@ def test_live_trainer_refuses_an_earlier_runs_checkpoints(monkeypatch, tmp_path)
     (ctx.run.checkpoints / "step-00000005").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"checkpoints of an earlier attempt \(step-00000005\)"):
         dispatch.run_process(ctx, context.select_process(ctx, "trainer"), dry=False)
+
+
+def test_network_choice_by_interface_or_cidr():
+    ifaces = {"lo": "127.0.0.1", "eth0": "192.168.5.2", "ib0": "10.1.3.4"}
+    assert choose("ib0", ifaces, "h") == HostAddress("ib0", "10.1.3.4")
+    assert choose("10.1.0.0/16", ifaces, "h") == HostAddress("ib0", "10.1.3.4")
+    assert choose("lo", ifaces, "h").loopback
+    with pytest.raises(
+        ConfigError, match=r"cluster.network='ib1': host h has no address on it.*ib0=10.1.3.4"
+    ):
+        choose("ib1", ifaces, "h")
+    with pytest.raises(ConfigError, match=r"cluster.network='10.9.0.0/16'"):
+        choose("10.9.0.0/16", ifaces, "h")
+    with pytest.raises(ConfigError, match="neither an interface nor a CIDR"):
+        choose("10.9.0.0/99", ifaces, "h")
+
+
+def test_a_multi_node_slurm_job_must_name_its_network(tmp_path):
+    with pytest.raises(ConfigError, match=r"cluster\.network"):
+        load_recipe(RECIPE, ["cluster.network=null"])
+
+
+def test_a_host_without_the_network_fails_naming_the_setting(monkeypatch):
+    on_node(monkeypatch, "node5")
+    with pytest.raises(ConfigError, match=r"cluster.network='ib9': host node5 has no address on it"):
+        context.load_context(RECIPE, ["cluster.network=ib9"])
+
+
+def test_a_follower_waits_for_its_leaders_address_and_names_it(monkeypatch, tmp_path):
+    on_node(monkeypatch, "node6")
+    on_host(monkeypatch, "node6")
+    ctx = context.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
+    with pytest.raises(StoreError, match=r"no role on node n1 \(node5\) recorded its address"):
+        context.address_of(ctx, 1, timeout_s=0.3)

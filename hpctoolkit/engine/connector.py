@@ -339,7 +339,10 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 from hpctoolkit.store.config import StoreConfig
 
-                cfg = StoreConfig(**self._extra.store_config)
+                # The client advertises this node's address (vLLM's, from the role's
+                # `cluster.network`), not the one in the shared kwargs, which every node gets.
+                here = os.environ.get("VLLM_HOST_IP") or self._extra.store_config.get("bind_host")
+                cfg = StoreConfig(**{**self._extra.store_config, "bind_host": here})
                 self._store = factory(self._extra.store_address, cfg, "writer")
             except StoreError:
                 raise

@@ -33,6 +33,10 @@ class ClusterConfig:
     # Seconds of warning before the time limit: the batch shell gets SIGUSR2 and forwards it to
     # the trainers, which checkpoint (`--signal=B:USR2@N`).
     signal_before_s: int = 120
+    # The data-plane network every role binds and advertises (hpctoolkit.roles.network): an
+    # interface (`ib0`, `eth0`) or a CIDR (`10.1.0.0/16`). Each process finds its own address on
+    # it. Unset: `lo` on the local backend; a Slurm job of several nodes must set it.
+    network: str | None = None
     # Extra `#SBATCH` lines, e.g. ["--qos=high", "--constraint=h100"].
     sbatch_extra: list[str] | None = None
 
@@ -51,6 +55,14 @@ class ClusterConfig:
             "must be one word",
             self.job_name,
         )
+        require(
+            self.network is not None or self.backend == "local" or self.nodes == 1,
+            "network",
+            "must name the data-plane network of a job of several nodes: an interface every node "
+            "has (ib0, eth0) or a CIDR (10.1.0.0/16)",
+            self.network,
+        )
+        require(self.network != "", "network", "must name an interface or a CIDR, or be unset", self.network)
         require(self.container != "", "container", "must name an image or be unset", self.container)
         for line in self.sbatch_extra or []:
             require(

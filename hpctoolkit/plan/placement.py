@@ -383,6 +383,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     )
     master, external = _master(cfg, 0, local=False)
     plan = Plan("slurm", needed, gpn, (None,) * needed, master, external, engines, trainer)
+    _check_ports(plan, cfg)
     _assert_consistent(plan)
     return plan
 
@@ -418,8 +419,40 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
     )
     master, external = _master(cfg, 0, local=True)
     plan = Plan("local", 1, pool, (LOCALHOST,), master, external, tuple(engines), trainer)
+    _check_ports(plan, cfg)
     _assert_consistent(plan)
     return plan
+
+
+def _check_ports(plan: Plan, cfg: RecipeConfig) -> None:
+    """No two listeners of the plan share a port on one node (fixed ports only: 0 is picked at start)."""
+    taken: dict[tuple[int, int], str] = {}
+
+    def claim(node: int, port: int, what: str) -> None:
+        if port == 0:
+            return
+        other = taken.setdefault((node, port), what)
+        if other != what:
+            raise ConfigError(
+                f"{what} and {other} both listen on port {port} of node n{node}; give one another port"
+            )
+
+    if plan.master is not None:
+        claim(
+            plan.master.node, plan.master.port, f"the Mooncake master (store.master_port={plan.master.port})"
+        )
+        claim(
+            plan.master.node,
+            cfg.store.metrics_port,
+            f"its metrics (store.metrics_port={cfg.store.metrics_port})",
+        )
+    claim(
+        plan.trainer.nodes[0],
+        plan.trainer.master_port,
+        f"the trainers' rendezvous (port {plan.trainer.master_port})",
+    )
+    for e in plan.engines:
+        claim(e.leader.node, e.master_port, f"engine {e.index}'s vLLM rendezvous (port {e.master_port})")
 
 
 def _assert_consistent(plan: Plan) -> None:

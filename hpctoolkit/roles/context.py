@@ -8,8 +8,8 @@ put it stops with a `ConfigError`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,12 +20,17 @@ from hpctoolkit.config.load import load_recipe
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
-from hpctoolkit.rundir.atomic import read_json
+from hpctoolkit.roles.network import LOOPBACK, HostAddress, local_address
+from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.env import SlurmEnvironment
+from hpctoolkit.store.config import StoreConfig
 
 # The master's record of its addresses (it starts with the other roles and imports torch first).
 MASTER_RECORD_TIMEOUT_S = 120.0
+LOOPBACK_ADDRESS = HostAddress(LOOPBACK, "127.0.0.1")
+# Another node's address record (its roles start with this one).
+HOST_RECORD_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class NodeContext:
     nodename: str
     slurm: SlurmEnvironment | None
     run: RunDir
+    # This host's interface and address on the data-plane network (`cluster.network`).
+    host_address: HostAddress = LOOPBACK_ADDRESS
     # This process's trainer rank when the local launcher started it (Slurm: SLURM_PROCID).
     local_rank_env: int = 0
 
@@ -90,12 +97,20 @@ def load_context(
                 f"the job has {len(senv.nodelist)} node(s) but the plan places {plan.num_nodes}"
             )
         run = RunDir.of(cfg.paths.output_dir, run_id_for(cfg.name, senv, env))
-        return NodeContext(cfg, plan, senv.node_index, senv.nodelist, senv.nodename or "?", senv, run)
+        name = senv.nodename or "?"
+        here = local_address(cfg.cluster.network or LOOPBACK, name)
+        if plan.num_nodes > 1 and here.loopback and cfg.cluster.network != LOOPBACK:
+            raise ConfigError(
+                f"cluster.network={cfg.cluster.network!r} gives host {name} the loopback address "
+                f"{here.address}, which other hosts cannot reach"
+            )
+        return NodeContext(cfg, plan, senv.node_index, senv.nodelist, name, senv, run, here)
     if plan.backend != "local":
         raise ConfigError("the slurm backend's roles run inside a Slurm job (SLURM_JOB_ID is unset)")
     run = RunDir.of(cfg.paths.output_dir, run_id_for(cfg.name, None, env))
     rank = int(env.get("RANK", "0"))
-    return NodeContext(cfg, plan, 0, (LOCALHOST,), LOCALHOST, None, run, rank)
+    here = local_address(cfg.cluster.network or LOOPBACK, LOCALHOST)
+    return NodeContext(cfg, plan, 0, (LOCALHOST,), LOCALHOST, None, run, here, rank)
 
 
 def select_process(ctx: NodeContext, role: str) -> Process:
@@ -120,34 +135,59 @@ def select_process(ctx: NodeContext, role: str) -> Process:
     return proc
 
 
-def node_address(host: str) -> str:
-    """`host` as an address (the same lookup on every node); the name itself if it does not resolve."""
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
+def note_host(ctx: NodeContext) -> None:
+    """Record this node's data-plane address in the run directory, for the roles on other nodes."""
+    record = {
+        "node": ctx.node,
+        "nodename": ctx.nodename,
+        "address": ctx.host_address.address,
+        "ifname": ctx.host_address.ifname,
+    }
+    if read_json(ctx.run.host(ctx.node)) != record:
+        write_json_atomic(ctx.run.host(ctx.node), record)
+
+
+def address_of(ctx: NodeContext, node: int, timeout_s: float = HOST_RECORD_TIMEOUT_S) -> str:
+    """Node `node`'s data-plane address, as the roles on that node recorded it (a bounded wait)."""
+    if node == ctx.node or ctx.slurm is None:
+        return ctx.host_address.address
+    path = ctx.run.host(node)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = read_json(path)
+        if isinstance(record, dict) and record.get("address"):
+            return str(record["address"])
+        if time.monotonic() > deadline:
+            raise StoreError(
+                f"no role on node n{node} ({ctx.host(node)}) recorded its address in {path} within "
+                f"{timeout_s:.0f}s; is its step running?"
+            )
+        time.sleep(0.2)
 
 
 def master_bind_host(ctx: NodeContext) -> str:
-    """The address the master binds and everyone dials: the recipe's, or its node's host name
-    resolved to an address (the same lookup on every node of the job)."""
+    """The address the master binds: the recipe's `store.bind_host` on the local backend, else its
+    node's data-plane address."""
     m = ctx.plan.master
     if m is None:
         raise ConfigError("store.master_address is set: this run connects to an external master")
-    return m.bind_host or node_address(ctx.host(m.node))
+    return m.bind_host or ctx.host_address.address
 
 
 def store_address(ctx: NodeContext) -> str:
-    """host:port every engine and trainer uses to reach the Mooncake master."""
+    """host:port every engine and trainer uses to reach the Mooncake master: the given one, or what
+    this run's master recorded once it answered (the address it bound, the port it got)."""
     plan = ctx.plan
     if plan.external_master:
         return plan.external_master
     if plan.master is None:  # pragma: no cover - make_plan always sets one of the two
         raise AssertionError("plan has neither a master nor an external master")
-    if plan.master.port == 0:
-        # The local backend picks the master's port at start: its record names it.
-        return read_master_record(ctx)["address"]
-    return f"{master_bind_host(ctx)}:{plan.master.port}"
+    return str(read_master_record(ctx)["address"])
+
+
+def client_store_config(ctx: NodeContext) -> StoreConfig:
+    """The store section for this node's Mooncake clients: they bind and advertise its address."""
+    return dataclasses.replace(ctx.cfg.store, bind_host=ctx.host_address.address)
 
 
 def read_master_record(ctx: NodeContext, timeout_s: float = MASTER_RECORD_TIMEOUT_S) -> dict[str, Any]:
@@ -173,7 +213,7 @@ def trainer_env(ctx: NodeContext, proc: Process) -> dict[str, str]:
         "LOCAL_RANK": str(proc.local_rank),
         "WORLD_SIZE": str(t.world_size),
         "LOCAL_WORLD_SIZE": str(t.ranks_per_node),
-        "MASTER_ADDR": node_address(ctx.host(t.nodes[0])),
+        "MASTER_ADDR": address_of(ctx, t.nodes[0]),
         "MASTER_PORT": str(t.master_port),
     }
 
@@ -187,11 +227,11 @@ def engine_node_args(ctx: NodeContext, proc: Process, cores: Any = None) -> dict
     args: dict[str, Any] = {"engine_index": e.index}
     if ctx.slurm is not None:
         # The node's own address and cores: vLLM and gloo bind the one, the workers split the other.
-        args.update(host_ip=node_address(ctx.nodename), cores=cores)
+        args.update(host_ip=ctx.host_address.address, cores=cores)
     if e.nnodes > 1:
         args.update(
             node_rank=proc.node_rank,
-            master_addr=node_address(ctx.host(e.leader.node)),
+            master_addr=address_of(ctx, e.leader.node),
             master_port=e.master_port,
         )
     return args

@@ -25,7 +25,7 @@ from hpctoolkit.plan.placement import (
     Plan,
     Process,
 )
-from hpctoolkit.roles.context import NodeContext, load_context, store_address
+from hpctoolkit.roles.context import NodeContext, load_context, note_host, store_address
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
 from hpctoolkit.roles.master import run_master
 from hpctoolkit.roles.trainer import run_trainer
@@ -85,6 +85,10 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
     if dry is None:
         dry = proc.role in (dry_set or ())
     if not dry:
+        note_host(ctx)
+        # gloo and NCCL (trainers, vLLM's workers) use the data-plane interface too.
+        ifname = ctx.host_address.ifname
+        os.environ.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
         return ROLE_FUNCS[proc.role](ctx, proc)
     line = dry_line(ctx, proc)
     if dry_set is not None and ROLE_MASTER not in dry_set and ctx.plan.master and proc.role != ROLE_MASTER:

@@ -17,7 +17,13 @@ from typing import Any
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Process
-from hpctoolkit.roles.context import NodeContext, read_master_record, store_address, trainer_env
+from hpctoolkit.roles.context import (
+    NodeContext,
+    client_store_config,
+    read_master_record,
+    store_address,
+    trainer_env,
+)
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 
@@ -89,7 +95,9 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
     return LiveSource(
         "",
         expected=sum(expected),
-        store_factory=functools.partial(MooncakeStore, store_address(ctx), cfg.store, role="reader"),
+        store_factory=functools.partial(
+            MooncakeStore, store_address(ctx), client_store_config(ctx), role="reader"
+        ),
         retry_max_wait_s=cfg.store.get_retry_max_wait_seconds,
         follow=ManifestQueues(str(ctx.run.root), prefixes, expected, QUEUE_STALL_TIMEOUT_S),
         spool_dir=str(ctx.run.spool),

@@ -13,6 +13,7 @@ Inside a run directory (every node of a Slurm job shares it):
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
     manifests/engine<i>.closed   engine i's leader released its store segment and left
     faults/engine<i>/            store errors the engine's workers recorded
+    hosts/n<k>.json              node k's data-plane address, recorded by its roles
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record
     train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json
     evaluate.json                served vs simulated acceptance (local backend)
@@ -91,6 +92,9 @@ class RunDir:
 
     def faults(self, engine: int) -> Path:
         return self.root / "faults" / f"engine{engine}"
+
+    def host(self, node: int) -> Path:
+        return self.root / "hosts" / f"n{node}.json"
 
     @property
     def spool(self) -> Path:
