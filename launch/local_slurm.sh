@@ -8,6 +8,15 @@
 #   launch/local_slurm.sh status
 #   launch/local_slurm.sh stop            # stops only the daemons in our pid files
 #
+# Emulated hosts with their own addresses (HPCTOOLKIT_SLURM_HOSTS=1, or the `up` / `down` actions):
+# each node is a host in its own network namespace (hpct-n<i>, interface eth0, address
+# 198.18.0.<10+i>), on a bridge in a namespace of its own (hpct-sw); this host reaches them as
+# 198.18.0.1 (veth hpct-head), where slurmctld listens. The nodes are named host1..hostN and their
+# names are never put in /etc/hosts: nothing may find a node's address by its name. slurmd runs in
+# its node's namespace (NodeAddr = its address), so job steps on node K use node K's network.
+#   launch/local_slurm.sh up [NODES]      # hosts + daemons; idempotent
+#   launch/local_slurm.sh down            # the daemons, then every namespace, veth and bridge it made
+#
 # Clients need the config:  export SLURM_CONF=${HPCTOOLKIT_SLURM_STATE:-/tmp/hpctoolkit-slurm}/etc/slurm.conf
 #
 # Knobs: HPCTOOLKIT_SLURM_STATE (state folder), HPCTOOLKIT_SLURM_CPUS [16] CPUs declared per node
@@ -30,6 +39,12 @@ CLUSTER=hpctoolkit
 CTLD_PORT=6817
 DBD_PORT=6819
 NODE_PORT_BASE=17000
+HOSTS_MODE=${HPCTOOLKIT_SLURM_HOSTS:-0}
+# The project's own test hosts, and nothing else: 198.18.0.0/15 is reserved for network
+# benchmarking (RFC 2544); the hosts use 198.18.0.0/24 only, and nothing routes out of it.
+NET=198.18.0
+HEAD_IP=$NET.1
+NS=hpct
 ETC=$STATE/etc
 export SLURM_CONF=$ETC/slurm.conf
 T0=$(date +%s%N)
@@ -73,6 +88,63 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 munge_ok() { munge -n | unmunge; }
 ctld_up() { scontrol ping | grep -q UP; }
 
+node_ip() { echo "$NET.$((10 + $1))"; }
+
+hosts_up() {  # hosts_up N: the namespaces, the bridge and a veth per host; idempotent
+  local i ns
+  ip netns list | grep -qw "$NS-sw" || ip netns add "$NS-sw"
+  ip -n "$NS-sw" link show br0 >/dev/null 2>&1 || ip -n "$NS-sw" link add br0 type bridge
+  ip -n "$NS-sw" link set lo up
+  ip -n "$NS-sw" link set br0 up
+  if ! ip link show "$NS-head" >/dev/null 2>&1; then
+    ip link add "$NS-head" type veth peer name head netns "$NS-sw"
+    ip addr add "$HEAD_IP/24" dev "$NS-head"
+  fi
+  ip link set "$NS-head" up
+  ip -n "$NS-sw" link set head master br0 up
+  for ((i = 1; i <= $1; i++)); do
+    ns=$NS-n$i
+    ip netns list | grep -qw "$ns" || ip netns add "$ns"
+    if ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
+      ip link add "$ns-v" type veth peer name "p$i" netns "$NS-sw"
+      ip link set "$ns-v" netns "$ns" name eth0
+      ip -n "$ns" addr add "$(node_ip "$i")/24" dev eth0
+    fi
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    ip -n "$NS-sw" link set "p$i" master br0 up
+  done
+  # Nothing leaves the namespaces: a host has routes into the test subnet only (no default route).
+  for ((i = 1; i <= $1; i++)); do
+    if ip -n "$NS-n$i" route show | grep -v "^$NET\.0/24 " | grep -q .; then
+      die "host$i has a route outside $NET.0/24: $(ip -n "$NS-n$i" route show | tr '\n' ';')"
+    fi
+  done
+  say "hosts up: host1..host$1 at $(node_ip 1)..$(node_ip "$1"), controller at $HEAD_IP"
+}
+
+hosts_down() {  # every namespace and veth hosts_up made, and nothing else
+  local ns
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^$NS-(n[0-9]+|sw)$" || true); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$ns"
+  done
+  ip link del "$NS-head" 2>/dev/null || true
+}
+
+case $ACTION in
+  up)
+    HOSTS_MODE=1
+    ACTION=start
+    ;;
+  down)
+    stop_daemons
+    hosts_down
+    say "slurm daemons stopped, emulated hosts removed (munged and mariadb left running)"
+    exit 0
+    ;;
+esac
+
 case $ACTION in
   stop)
     stop_daemons
@@ -86,20 +158,28 @@ case $ACTION in
     exit 0
     ;;
   start) ;;
-  *) echo "usage: $0 start|stop|status [NODES]" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|status|up|down [NODES]" >&2; exit 2 ;;
 esac
 
 [[ $NNODES =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, got $NNODES"
 [[ $(id -u) == 0 ]] || die "run as root"
-for bin in munged slurmctld slurmd slurmdbd mysql; do
+for bin in munged slurmctld slurmd slurmdbd mysql ip nsenter; do
   command -v "$bin" >/dev/null || die "$bin is missing; run launch/system_deps.sh"
 done
 
-# Node names must resolve on this host (the batch script and the roles use them).
-names=$(seq -f 'node%g' -s ' ' 1 "$NNODES")
-if ! grep -qx "127.0.0.1 $names # hpctoolkit-slurm" /etc/hosts; then
-  sed -i '/# hpctoolkit-slurm$/d' /etc/hosts
-  echo "127.0.0.1 $names # hpctoolkit-slurm" >>/etc/hosts
+if [[ $HOSTS_MODE == 1 ]]; then
+  PREFIX=host
+  CTLD_HOST="$(hostname)($HEAD_IP)"
+  hosts_up "$NNODES"
+else
+  PREFIX=node
+  CTLD_HOST=localhost
+  # Node names must resolve on this host (the batch script and the roles use them).
+  names=$(seq -f 'node%g' -s ' ' 1 "$NNODES")
+  if ! grep -qx "127.0.0.1 $names # hpctoolkit-slurm" /etc/hosts; then
+    sed -i '/# hpctoolkit-slurm$/d' /etc/hosts
+    echo "127.0.0.1 $names # hpctoolkit-slurm" >>/etc/hosts
+  fi
 fi
 
 # munge: the host's key and daemon, created/started only when missing.
@@ -130,7 +210,7 @@ for ((g = 0; g < GPUS; g++)); do ln -s /dev/null "$STATE/fakegpu/nvidia$g"; done
 cat >"$SLURM_CONF" <<EOF
 # generated by launch/local_slurm.sh
 ClusterName=$CLUSTER
-SlurmctldHost=localhost
+SlurmctldHost=$CTLD_HOST
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -165,11 +245,13 @@ JobCompLoc=$STATE/jobcomp.log
 GresTypes=gpu
 EOF
 for ((i = 1; i <= NNODES; i++)); do
-  echo "NodeName=node$i NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((NODE_PORT_BASE + i)) CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS" >>"$SLURM_CONF"
+  addr=127.0.0.1
+  [[ $HOSTS_MODE == 1 ]] && addr=$(node_ip "$i")
+  echo "NodeName=$PREFIX$i NodeHostname=localhost NodeAddr=$addr Port=$((NODE_PORT_BASE + i)) CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS" >>"$SLURM_CONF"
 done
-echo "PartitionName=debug Nodes=node[1-$NNODES] Default=YES MaxTime=INFINITE State=UP" >>"$SLURM_CONF"
-printf 'AutoDetect=off\nNodeName=node[1-%d] Name=gpu File=%s/fakegpu/nvidia[0-%d]\n' \
-  "$NNODES" "$STATE" $((GPUS - 1)) >"$ETC/gres.conf"
+echo "PartitionName=debug Nodes=${PREFIX}[1-$NNODES] Default=YES MaxTime=INFINITE State=UP" >>"$SLURM_CONF"
+printf 'AutoDetect=off\nNodeName=%s[1-%d] Name=gpu File=%s/fakegpu/nvidia[0-%d]\n' \
+  "$PREFIX" "$NNODES" "$STATE" $((GPUS - 1)) >"$ETC/gres.conf"
 
 # Accounting: mariadb (the host's service) and our slurmdbd.
 if ! mysqladmin ping >/dev/null 2>&1; then
@@ -210,11 +292,11 @@ say "slurmctld up"
 mapfile -t CORES < <(taskset -pc $$ | sed 's/.*: //' | tr ',' '\n' |
   awk -F- '{ if (NF == 2) { for (c = $1; c <= $2; c++) print c } else print $1 }')
 for ((i = 1; i <= NNODES; i++)); do
-  if [[ $PIN == 1 ]]; then
-    taskset -c "${CORES[$(((i - 1) % ${#CORES[@]}))]}" slurmd -N "node$i"
-  else
-    slurmd -N "node$i"
-  fi
+  run=()
+  # `ip netns exec` would remount /sys without the cgroup filesystem, which slurmd needs.
+  [[ $HOSTS_MODE == 1 ]] && run=(nsenter "--net=/run/netns/$NS-n$i")
+  [[ $PIN == 1 ]] && run+=(taskset -c "${CORES[$(((i - 1) % ${#CORES[@]}))]}")
+  "${run[@]}" slurmd -N "$PREFIX$i"
 done
 
 idle=0

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 from hpctoolkit import envs
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import (
     ROLE_ENGINE_FOLLOWER,
     ROLE_ENGINE_LEADER,
@@ -30,6 +30,7 @@ from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
 from hpctoolkit.roles.master import run_master
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
+from hpctoolkit.roles.watch import PeerWatch, Probe
 from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.slurm.env import SlurmEnvironment
 
@@ -89,7 +90,9 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
         # gloo and NCCL (trainers, vLLM's workers) use the data-plane interface too.
         ifname = ctx.host_address.ifname
         os.environ.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
-        return ROLE_FUNCS[proc.role](ctx, proc)
+        if ctx.slurm is None or ctx.plan.num_nodes == 1:
+            return ROLE_FUNCS[proc.role](ctx, proc)
+        return _watched(ctx, proc)
     line = dry_line(ctx, proc)
     if dry_set is not None and ROLE_MASTER not in dry_set and ctx.plan.master and proc.role != ROLE_MASTER:
         # The master runs for real: prove this node reaches it at the planned address.
@@ -98,6 +101,25 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
         line += f" store={address} reached_after_s={waited:.1f}"
     print(line, flush=True)
     return line
+
+
+def _watched(ctx: NodeContext, proc: Process) -> int:
+    """Run the role while watching the job's other hosts; a lost host is the error, whatever the
+    role itself then saw (an interrupted wait, a failed put, a stopped capture)."""
+    probe = Probe(ctx)
+    watch = PeerWatch(ctx).start()
+    try:
+        code = ROLE_FUNCS[proc.role](ctx, proc)
+    except BaseException as err:
+        if watch.lost:
+            raise StoreError(watch.lost) from err
+        raise
+    finally:
+        watch.stop()
+        probe.close()
+    if watch.lost:
+        raise StoreError(watch.lost)
+    return code
 
 
 def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> str | int | None:

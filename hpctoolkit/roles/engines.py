@@ -17,6 +17,7 @@ from hpctoolkit.capture.queue import QueueWriter, wait_drained
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.plan.placement import Process
+from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
 from hpctoolkit.roles.context import NodeContext, engine_node_args, store_address
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, term_event, wait_reachable
@@ -91,14 +92,18 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
                 f"capturing {len(mine)} prompts"
             )
             batch = cfg.engine.capture_batch
+            # Between batches: wait while the trainers leave too much unread in a segment.
+            gate = backpressure.for_engine(ctx, e.index, say)
             for i in range(0, len(mine), batch):
                 if stop.is_set():
                     raise DataIntegrityError(
                         f"engine {e.index} stopped after {queue.published} of {len(mine)} samples"
                     )
+                gate.wait(stop)
                 # A batch's manifests come back once all of its fragments are published.
                 for m in eng.capture(mine[i : i + batch]):
                     queue.append(m.to_json())
+                    gate.published(m)
                 say(f"engine {e.index}: published {queue.published}/{len(mine)} samples")
             queue.done()
             say(

@@ -195,7 +195,12 @@ def _start_roles(cfg: RecipeConfig, plan: Plan, group: RoleGroup) -> None:
             MASTER_START_TIMEOUT_S,
             "the Mooncake master did not start",
         )
-        say(f"Mooncake master at {read_json(run.master_record)['address']}")
+        master = read_json(run.master_record)
+        if master is None:
+            raise RoleFailedError(
+                f"the Mooncake master's record {run.master_record} vanished after it started"
+            )
+        say(f"Mooncake master at {master['address']}")
     else:
         say(f"run {run.run_id} in {run.root}; Mooncake master {plan.external_master} (external)")
     for e in plan.engines:

@@ -63,6 +63,23 @@ def _train_fields(result: dict[str, Any] | None) -> dict[str, Any]:
     return {k: result.get(k) for k in ("steps_trained", "final_loss", "acceptance_length", "export_dir")}
 
 
+def _hosts(ctx: NodeContext, source: Any) -> dict[str, Any]:
+    """Where each role ran (the address its node recorded) and the bytes trainer ranks read from
+    other hosts: all of a rank's bytes when its node runs no engine (the fragments live in the
+    engines' store segments)."""
+    hosts = {}
+    for node in range(ctx.plan.num_nodes):
+        rec = read_json(ctx.run.host(node)) or {}
+        roles = sorted({p.role for p in ctx.plan.on_node(node)})
+        hosts[f"n{node}"] = {"host": rec.get("nodename"), "address": rec.get("address"), "roles": roles}
+    engine_nodes = {n.node for e in ctx.plan.engines for n in e.nodes}
+    across = 0
+    for r in ctx.plan.trainer.ranks:
+        if r.node not in engine_nodes:
+            across += int((read_json(source.read_record(r.rank)) or {}).get("bytes", 0))
+    return {"hosts": hosts, "bytes_across_hosts": across}
+
+
 def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
     """(samples, bytes, every rank complete) from the ranks' read records."""
     n = nbytes = 0
@@ -86,6 +103,8 @@ def _published(ctx: NodeContext, prefixes: Sequence[str]) -> int | None:
 
 
 def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
+    from hpctoolkit.config.fields import parse_size
+    from hpctoolkit.plan.sizing import check_counts
     from hpctoolkit.store.mooncake import MooncakeStore
     from hpctoolkit.train.source import LiveSource, ManifestQueues
 
@@ -101,6 +120,10 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
         retry_max_wait_s=cfg.store.get_retry_max_wait_seconds,
         follow=ManifestQueues(str(ctx.run.root), prefixes, expected, QUEUE_STALL_TIMEOUT_S),
         spool_dir=str(ctx.run.spool),
+        # One pass spools nothing; replays are bounded (plan.sizing checked both at load).
+        epochs=check_counts(cfg).epochs,
+        spool_max_bytes=parse_size(cfg.training.spool_max_size, "training.spool_max_size"),
+        engine_prefixes=prefixes,
     )
 
 
@@ -202,6 +225,7 @@ def _live_summary(
         **_train_fields(result),
         "drained_after_s": round(watch.result["at_s"], 1) if "at_s" in watch.result else None,
         "train_wall_seconds": round(time.monotonic() - t0, 1),
+        **_hosts(ctx, source),
     }
     if published is None or read != published:
         # Not an error (training.steps may end before one pass), but never silent.
