@@ -71,6 +71,7 @@ def _corrupt(path, value):
         (("fragments", 0, "dtype"), "int64", "fragments[0]"),
         (("fragments", 3, "role"), "aux", "fragments[3]"),
         (("fragments", 2, "key"), "other_layer5", "fragments[2]"),
+        (("fragments", 1, "layer_id"), None, "fragments[1]"),
         (("input_ids", "shape"), [11], "input_ids"),
         (("input_ids", "stage"), 1, "input_ids"),
         (("partition",), [1, 1, 1], "partition"),
@@ -105,3 +106,41 @@ def test_sanitize_key():
     assert a != b
     assert all(c.isalnum() or c in "._-" for c in a + b)
     assert len(sanitize_key("x" * 1000)) <= 200
+
+
+def test_loss_mask_object_is_named_with_shape_and_dtype_and_roundtrips():
+    from hpctoolkit.capture.manifest import with_loss_mask
+
+    m = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16"))
+    assert m.loss_mask is not None
+    assert (m.loss_mask.key, m.loss_mask.role, m.loss_mask.shape, m.loss_mask.dtype, m.loss_mask.stage) == (
+        "k_loss_mask",
+        "loss_mask",
+        (10,),
+        "uint8",
+        0,
+    )
+    assert (
+        m.all_objects[-1] == m.loss_mask
+        and m.nbytes == build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").nbytes + 10
+    )
+    assert Manifest.from_json(m.to_json()) == m
+    plain = build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16")
+    assert plain.loss_mask is None and Manifest.from_json(plain.to_json()).loss_mask is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("shape", [9], "uint8 of shape"),
+        ("dtype", "int64", "uint8 of shape"),
+        ("key", "x_loss_mask", "key 'k_loss_mask'"),
+    ],
+)
+def test_malformed_loss_mask_names_the_field(field, value, match):
+    from hpctoolkit.capture.manifest import with_loss_mask
+
+    d = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16")).to_dict()
+    d["loss_mask"][field] = value
+    with pytest.raises(DataIntegrityError, match=rf"sample 'k'.*'loss_mask'.*{match}"):
+        Manifest.from_dict(d)

@@ -321,3 +321,78 @@ def test_mooncake_module_is_not_imported_by_the_package():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the loss mask object ----------------------------------------------------------------------
+
+
+def _masked(key: str):
+    from hpctoolkit.capture.manifest import with_loss_mask
+
+    m = with_loss_mask(make_manifest(key))
+    mask = (torch.arange(m.num_tokens) % 3 != 0).to(torch.uint8)
+    return m, mask
+
+
+def test_loss_mask_travels_with_the_sample_through_the_store_and_is_removed():
+    st = MemoryStore()
+    m, mask = _masked("m")
+    publish_all(st, m)
+    assert fragments.publish_loss_mask(st, m, mask) == m.num_tokens
+    s = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    assert s.loss_mask is not None and torch.equal(s.loss_mask, mask)
+    assert s.loss_mask.untyped_storage().data_ptr() == s.input_ids.untyped_storage().data_ptr()
+    assert st.keys() == []
+
+
+def test_a_missing_loss_mask_object_is_named():
+    st = MemoryStore()
+    m, _ = _masked("n")
+    publish_all(st, m)
+    with pytest.raises(DataIntegrityError, match=r"objects \['n_loss_mask'\] still missing"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (torch.ones(15, dtype=torch.uint8), r"p_loss_mask.*shape \[15\]"),
+        (torch.full((16,), 2, dtype=torch.int64), "other than 0 and 1"),
+        (torch.ones(16), "float loss_mask"),
+    ],
+)
+def test_publish_loss_mask_refuses_a_wrong_mask(bad, match):
+    m, _ = _masked("p")
+    with pytest.raises(DataIntegrityError, match=match):
+        fragments.publish_loss_mask(MemoryStore(), m, bad)
+
+
+def test_publish_loss_mask_needs_the_manifest_to_name_it():
+    with pytest.raises(DataIntegrityError, match="names no loss_mask"):
+        fragments.publish_loss_mask(MemoryStore(), make_manifest("q"), torch.ones(16, dtype=torch.uint8))
+
+
+def test_a_corrupted_mask_in_the_store_is_refused_on_fetch():
+    st = MemoryStore()
+    m, _ = _masked("r")
+    publish_all(st, m)
+    st.put_many([("r_loss_mask", torch.full((16,), 7, dtype=torch.uint8))])
+    with pytest.raises(DataIntegrityError, match=r"r_loss_mask.*other than 0 and 1"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+
+
+def test_loss_mask_is_a_tensor_in_offline_shards(tmp_path):
+    from hpctoolkit.data.offline import ShardReader, ShardWriter
+
+    st = MemoryStore()
+    m, mask = _masked("s")
+    publish_all(st, m)
+    fragments.publish_loss_mask(st, m, mask)
+    with ShardWriter(tmp_path) as w:
+        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "shard-00000.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("s_loss_mask"), mask)
+    back = ShardReader(tmp_path)[0]
+    assert back.loss_mask is not None and torch.equal(back.loss_mask, mask)

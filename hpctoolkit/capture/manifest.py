@@ -4,7 +4,10 @@ One sample is published as separate store objects, whatever the pipeline size:
 
 * `<key>_layer<id>` for every capture id, shape `[num_tokens, hidden_size]`, written by the stage
   that owns that id (`layout.stage_of`);
-* `<key>_input_ids`, shape `[num_tokens]`, int64, written once, by stage 0.
+* `<key>_input_ids`, shape `[num_tokens]`, int64, written once, by stage 0;
+* `<key>_loss_mask`, shape `[num_tokens]`, uint8 (1 where the token is supervised), optional:
+  the engine leader publishes it beside the fragments and names it in `loss_mask` (None: the
+  sample carries no mask and every token may be supervised).
 
 The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
 shape or a dtype. It carries metadata only (JSON-native values, never a tensor) and travels from
@@ -26,8 +29,10 @@ MANIFEST_SCHEMA_VERSION = 1
 ROLE_AUX = "aux"
 ROLE_LAST = "last_hidden_states"
 ROLE_INPUT_IDS = "input_ids"
+ROLE_LOSS_MASK = "loss_mask"
 # Element sizes of the dtypes a fragment may carry; the names are torch's.
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 MAX_KEY_LEN = 200
 
@@ -55,12 +60,16 @@ def input_ids_key(sample_key: str) -> str:
     return f"{sample_key}_input_ids"
 
 
+def loss_mask_key(sample_key: str) -> str:
+    return f"{sample_key}_loss_mask"
+
+
 @dataclass(frozen=True)
 class FragmentSpec:
     """One store object of a sample."""
 
     key: str
-    role: str  # "aux" | "last_hidden_states" | "input_ids"
+    role: str  # "aux" | "last_hidden_states" | "input_ids" | "loss_mask"
     stage: int
     shape: tuple[int, ...]
     dtype: str
@@ -88,10 +97,19 @@ class Manifest:
     fragments: tuple[FragmentSpec, ...]
     schema_version: int = MANIFEST_SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+    loss_mask: FragmentSpec | None = None
 
     @property
     def layer_ids(self) -> list[int]:
-        return [f.layer_id for f in self.fragments]  # type: ignore[misc]
+        """The capture id of each of `fragments`, in order; a fragment without one is malformed."""
+        ids = []
+        for i, f in enumerate(self.fragments):
+            if f.layer_id is None:
+                raise DataIntegrityError(
+                    f"manifest of sample {self.sample_key!r}: field 'fragments[{i}]' has no layer_id"
+                )
+            ids.append(f.layer_id)
+        return ids
 
     @property
     def aux(self) -> tuple[FragmentSpec, ...]:
@@ -103,7 +121,8 @@ class Manifest:
 
     @property
     def all_objects(self) -> tuple[FragmentSpec, ...]:
-        return (self.input_ids, *self.fragments)
+        mask = () if self.loss_mask is None else (self.loss_mask,)
+        return (self.input_ids, *self.fragments, *mask)
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +136,7 @@ class Manifest:
         d["partition"] = list(self.partition)
         d["extra"] = dict(self.extra)
         d["fragments"] = list(d["fragments"])
-        for f in [d["input_ids"], *d["fragments"]]:
+        for f in [d["input_ids"], *d["fragments"], *([d["loss_mask"]] if d["loss_mask"] else [])]:
             f["shape"] = list(f["shape"])
         return d
 
@@ -171,6 +190,7 @@ class Manifest:
             input_ids=frag(d["input_ids"], "input_ids"),
             fragments=tuple(frag(f, f"fragments[{i}]") for i, f in enumerate(d["fragments"])),
             extra=dict(d.get("extra") or {}),
+            loss_mask=None if d.get("loss_mask") is None else frag(d["loss_mask"], "loss_mask"),
         )
         m.validate()
         return m
@@ -192,9 +212,10 @@ class Manifest:
 
         if sanitize_key(key) != key:
             raise bad("sample_key", "contains characters outside [A-Za-z0-9._-]")
+        layer_ids = self.layer_ids
         try:
             parts = pp_partition(self.num_layers, self.pp_size, list(self.partition))
-            check_layer_layout(self.layer_ids, self.num_layers)
+            check_layer_layout(layer_ids, self.num_layers)
         except ConfigError as err:
             raise bad("fragments" if "capture" in str(err) else "partition", str(err)) from err
         ii = self.input_ids
@@ -202,24 +223,30 @@ class Manifest:
             raise bad("input_ids", f"must be role 'input_ids' with key {input_ids_key(key)!r}")
         if ii.shape != (self.num_tokens,) or ii.dtype != "int64" or ii.stage != 0:
             raise bad("input_ids", f"must be int64 of shape [{self.num_tokens}] written by stage 0")
-        for i, f in enumerate(self.fragments):
+        for i, (f, layer_id) in enumerate(zip(self.fragments, layer_ids, strict=True)):
             where = f"fragments[{i}]"
             want_role = ROLE_LAST if i == len(self.fragments) - 1 else ROLE_AUX
             if f.role != want_role:
                 raise bad(where, f"has role {f.role!r}, expected {want_role!r}")
-            if f.key != fragment_key(key, f.layer_id):  # type: ignore[arg-type]
-                raise bad(where, f"has key {f.key!r}, expected {fragment_key(key, f.layer_id)!r}")  # type: ignore[arg-type]
+            if f.key != fragment_key(key, layer_id):
+                raise bad(where, f"has key {f.key!r}, expected {fragment_key(key, layer_id)!r}")
             if f.shape != (self.num_tokens, self.hidden_size):
                 raise bad(
                     where, f"has shape {list(f.shape)}, expected [{self.num_tokens}, {self.hidden_size}]"
                 )
-            if f.dtype not in DTYPE_BYTES or f.dtype.startswith("int"):
+            if f.dtype not in FLOAT_DTYPES:
                 raise bad(where, f"has dtype {f.dtype!r}, expected a floating dtype")
-            want_stage = stage_of(f.layer_id, self.num_layers, self.pp_size, parts)  # type: ignore[arg-type]
+            want_stage = stage_of(layer_id, self.num_layers, self.pp_size, parts)
             if f.stage != want_stage:
                 raise bad(
-                    where, f"says stage {f.stage} but capture id {f.layer_id} is owned by stage {want_stage}"
+                    where, f"says stage {f.stage} but capture id {layer_id} is owned by stage {want_stage}"
                 )
+        lm = self.loss_mask
+        if lm is not None:
+            if lm.role != ROLE_LOSS_MASK or lm.key != loss_mask_key(key):
+                raise bad("loss_mask", f"must be role 'loss_mask' with key {loss_mask_key(key)!r}")
+            if lm.shape != (self.num_tokens,) or lm.dtype != "uint8" or lm.stage != 0:
+                raise bad("loss_mask", f"must be uint8 of shape [{self.num_tokens}] on stage 0")
 
 
 def build_manifest(
@@ -260,5 +287,21 @@ def build_manifest(
         fragments=frags,
         extra=dict(extra or {}),
     )
+    m.validate()
+    return m
+
+
+def with_loss_mask(manifest: Manifest) -> Manifest:
+    """`manifest` naming its sample's `<key>_loss_mask` object (published beside the fragments)."""
+    import dataclasses
+
+    spec = FragmentSpec(
+        key=loss_mask_key(manifest.sample_key),
+        role=ROLE_LOSS_MASK,
+        stage=0,
+        shape=(manifest.num_tokens,),
+        dtype="uint8",
+    )
+    m = dataclasses.replace(manifest, loss_mask=spec)
     m.validate()
     return m

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from hpctoolkit.config.fields import non_negative, positive
+from hpctoolkit.config.fields import positive
+from hpctoolkit.data.config import DataConfig
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.store.config import StoreConfig
@@ -35,26 +36,6 @@ class DraftSection:
 
     def validate(self) -> None:
         pass
-
-
-@dataclass
-class DataConfig:
-    # "builtin:tiny" (a prompt set built locally), or a JSONL file with {"text": ...} or
-    # {"messages": [...]} per line.
-    prompts: str = "builtin:tiny"
-    num_samples: int = 32
-    max_prompt_tokens: int = 512
-    # Where the local run keeps the samples it read (offline shards, replayable); "" means
-    # <output_dir>/shards.
-    offline_dir: str = ""
-    # Before capture, extend each prompt with the target's own greedy continuation of up to
-    # this many tokens (self-distillation: the draft learns what the verifier will accept).
-    # 0 captures the prompts as they are (for data that already holds target responses).
-    regenerate_tokens: int = 0
-
-    def validate(self) -> None:
-        positive(self, "num_samples", "max_prompt_tokens")
-        non_negative(self, "regenerate_tokens")
 
 
 @dataclass

@@ -41,6 +41,7 @@ _ST_DTYPES = {
     torch.float64: "F64",
     torch.int64: "I64",
     torch.int32: "I32",
+    torch.uint8: "U8",
 }
 
 
@@ -63,7 +64,8 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _, t in tensors:
-            f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            # ndarray has the buffer protocol; numpy's stubs do not declare it for Python 3.11.
+            f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))  # type: ignore[arg-type]
         f.flush()
         os.fsync(f.fileno())
 
@@ -214,7 +216,7 @@ class ShardReader:
                     raise StoreError(f"object {key!r} holds {size} bytes, destination expects {want}")
                 if not dst.is_contiguous() or dst.device.type != "cpu":
                     raise StoreError(f"object {key!r}: destination must be contiguous CPU memory")
-                view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+                view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]  # buffer protocol
                 with open(path, "rb") as f:
                     f.seek(offset)
                     got = f.readinto(view)

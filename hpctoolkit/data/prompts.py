@@ -1,18 +1,39 @@
-"""Prompt sets: a deterministic builtin set for the tiny target, or a JSONL file.
+"""The run's samples: rows read (`formats`), mixed by weight, rendered and masked (`template`).
 
-A JSONL line is `{"text": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}`; messages
-go through the target tokenizer's chat template.
+`load_rows(cfg, num)` gives the first `num` normalised rows of the mix; `encode_row` turns one
+into `{"input_ids", "loss_mask"}`; `load_samples` does both (tokenization runs as a `datasets`
+map over the file, so it is cached and runs on `data.num_proc` processes). A builtin set
+(`builtin:tiny`) is plain text built locally.
+
+Mixing: source `i` of weight `w_i` contributes `round(num * w_i / sum(w))` rows (largest
+remainder, ties to the earlier source), its first ones; a source with fewer rows is an error.
+The mixed rows keep source order, or are shuffled with `data.shuffle_seed`.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from hpctoolkit.data.config import DataConfig, DataSource
+from hpctoolkit.data.template import ChatSpec, encode_chat, prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.testing.tiny_target import CORPUS
+
+BUILTINS = ("builtin:tiny",)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+    origin: str = ""
+
+    @property
+    def supervised(self) -> int:
+        return sum(self.loss_mask)
 
 
 def _builtin_texts(n: int, seed: int) -> list[str]:
@@ -26,37 +47,170 @@ def _builtin_texts(n: int, seed: int) -> list[str]:
     return texts
 
 
-def _jsonl_texts(path: Path, tokenizer: Any) -> list[str]:
-    if not path.is_file():
-        raise ConfigError(f"data.prompts: {path} does not exist")
-    texts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+def chat_spec(cfg: DataConfig) -> ChatSpec:
+    return ChatSpec(
+        template_kwargs=dict(cfg.chat_template_kwargs),
+        loss_mask=cfg.loss_mask,
+        mask_method=cfg.mask_method,
+        end_of_turn_tokens=tuple(cfg.end_of_turn_tokens),
+        system_prompt_policy=cfg.system_prompt_policy,
+        system_prompt=cfg.system_prompt,
+    )
+
+
+def sources_of(cfg: DataConfig) -> list[DataSource]:
+    if cfg.sources:
+        return list(cfg.sources)
+    return [DataSource(path=cfg.prompts, weight=1.0, format=cfg.format)]
+
+
+def shares(weights: Sequence[float], num: int) -> list[int]:
+    """Largest-remainder split of `num` by `weights` (ties to the earlier source)."""
+    total = float(sum(weights))
+    exact = [num * w / total for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: num - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _source_rows(src: DataSource, n: int, cfg: DataConfig, seed: int) -> Any:
+    """The first `n` normalised rows of one source: a list (builtin) or a `datasets.Dataset`."""
+    if src.path.startswith("builtin:"):
+        if src.path not in BUILTINS:
+            raise ConfigError(
+                f"data.prompts: unknown builtin prompt set {src.path!r}; known: {list(BUILTINS)}"
+            )
+        return [
+            {
+                "kind": "text",
+                "messages": [],
+                "text": t,
+                "input_ids": [],
+                "loss_mask": [],
+                "origin": f"{src.path}: row {i}",
+            }
+            for i, t in enumerate(_builtin_texts(n, seed))
+        ]
+    from hpctoolkit.data.formats import load_rows as read_file
+
+    ds = read_file(src.path, src.format, num_proc=cfg.num_proc)
+    if len(ds) < n:
+        raise ConfigError(
+            f"data: {src.path} holds {len(ds)} rows, {n} needed (its share of data.num_samples)"
+        )
+    return ds.select(range(n))
+
+
+def _mixed(parts: list[list[Any]], cfg: DataConfig) -> list[Any]:
+    rows = [r for part in parts for r in part]
+    if cfg.shuffle_seed >= 0:
+        random.Random(cfg.shuffle_seed).shuffle(rows)
+    return rows
+
+
+def load_rows(cfg: DataConfig, num: int, *, offset: int = 0, seed: int = 0) -> list[dict[str, Any]]:
+    """Rows `offset .. offset + num` of the mix, normalised (not tokenized)."""
+    srcs = sources_of(cfg)
+    counts = shares([s.weight for s in srcs], num + offset)
+    parts = [list(_source_rows(s, n, cfg, seed)) if n else [] for s, n in zip(srcs, counts, strict=True)]
+    return _mixed(parts, cfg)[offset : offset + num]
+
+
+def _clean(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    # Arrow gives every message every key; a template tests `is defined`, so drop the empty ones.
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def encode_row(row: dict[str, Any], tok: Any, spec: ChatSpec, max_tokens: int) -> Encoded:
+    """One normalised row -> ids and mask, cut to `max_tokens`. Raises naming the row."""
+    origin = row.get("origin", "")
+    kind = row["kind"]
+    if kind == "chat":
+        msgs = _clean(row["messages"])
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"data.prompts: {path}:{lineno} is not valid JSON ({err.msg})") from err
-        if "messages" in row:
-            texts.append(tokenizer.apply_chat_template(row["messages"], tokenize=False))
-        elif "text" in row:
-            texts.append(str(row["text"]))
-        else:
-            raise ConfigError(f"data.prompts: {path}:{lineno} has neither 'text' nor 'messages'")
-    return texts
+            ids, mask = encode_chat(tok, msgs, spec)
+        except ConfigError as err:
+            raise ConfigError(f"data: {origin}: {err}") from None
+        if not any(mask):
+            raise ConfigError(
+                f"data: {origin}: field 'messages' has no assistant turn to supervise "
+                "(set data.regenerate_tokens to have the target answer it)"
+            )
+    elif kind == "text":
+        ids = list(tok(row["text"], add_special_tokens=False).input_ids)
+        mask = [1] * len(ids)
+    elif kind == "tokens":
+        ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+        vocab = len(tok)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ConfigError(
+                f"data: {origin}: field 'input_ids' holds {bad}, outside the vocabulary ({vocab})"
+            )
+    else:
+        raise ConfigError(f"data: {origin}: unknown row kind {kind!r}")
+    if not ids:
+        raise ConfigError(f"data: {origin}: renders to no tokens")
+    return Encoded(ids[:max_tokens], mask[:max_tokens], origin)
+
+
+def _encode_batch(
+    batch: dict[str, list[Any]], tok: Any, spec: ChatSpec, max_tokens: int
+) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "origin": []}
+    for j in range(len(batch["kind"])):
+        e = encode_row({k: batch[k][j] for k in batch}, tok, spec, max_tokens)
+        out["input_ids"].append(e.input_ids)
+        out["loss_mask"].append(e.loss_mask)
+        out["origin"].append(e.origin)
+    return out
+
+
+def load_samples(cfg: DataConfig, tok: Any, num: int, *, offset: int = 0, seed: int = 0) -> list[Encoded]:
+    """`num` encoded samples of the mix (no regeneration), skipping the first `offset`."""
+    spec = chat_spec(cfg)
+    srcs = sources_of(cfg)
+    counts = shares([s.weight for s in srcs], num + offset)
+    parts: list[list[Encoded]] = []
+    for s, n in zip(srcs, counts, strict=True):
+        rows = _source_rows(s, n, cfg, seed) if n else []
+        if isinstance(rows, list):
+            parts.append([encode_row(r, tok, spec, cfg.max_prompt_tokens) for r in rows])
+            continue
+        enc = rows.map(
+            _encode_batch,
+            batched=True,
+            fn_kwargs={"tok": tok, "spec": spec, "max_tokens": cfg.max_prompt_tokens},
+            remove_columns=rows.column_names,
+            num_proc=cfg.num_proc if cfg.num_proc > 1 and len(rows) > 1 else None,
+        )
+        parts.append([Encoded(list(r["input_ids"]), list(r["loss_mask"]), r["origin"]) for r in enc])
+    return _mixed(parts, cfg)[offset : offset + num]
+
+
+def row_prompt_ids(row: dict[str, Any], tok: Any, spec: ChatSpec, max_tokens: int) -> list[int]:
+    """What the target should answer for a row: the history before its last assistant turn (or the
+    whole conversation) with the generation prompt; a text row as it is."""
+    if row["kind"] == "chat":
+        msgs = _clean(row["messages"])
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))
+        from hpctoolkit.data.template import apply_system_policy
+
+        return prompt_ids(tok, apply_system_policy(msgs[:last] or msgs, spec), spec)[:max_tokens]
+    if row["kind"] == "tokens":
+        return list(row["input_ids"])[:max_tokens]
+    return list(tok(row["text"], add_special_tokens=False).input_ids)[:max_tokens]
 
 
 def load_prompt_ids(
     spec: str, tokenizer: Any, num: int, max_tokens: int, *, seed: int = 0, offset: int = 0
 ) -> list[list[int]]:
-    """`num` tokenised prompts (truncated to `max_tokens`), skipping the first `offset`."""
-    if spec == "builtin:tiny":
-        texts = _builtin_texts(num + offset, seed)
-    elif spec.startswith("builtin:"):
-        raise ConfigError(f"data.prompts: unknown builtin prompt set {spec!r}; known: ['builtin:tiny']")
-    else:
-        texts = _jsonl_texts(Path(spec), tokenizer)
-    texts = texts[offset : offset + num]
-    if len(texts) < num:
-        raise ConfigError(f"data.prompts: {spec} holds {len(texts) + offset} prompts, {num + offset} needed")
-    return [tokenizer(t, add_special_tokens=False).input_ids[:max_tokens] for t in texts]
+    """`num` prompts of one source (truncated to `max_tokens`), skipping the first `offset`: what the
+    target is asked (evaluation)."""
+    cfg = DataConfig(prompts=spec)
+    rows = load_rows(cfg, num, offset=offset, seed=seed)
+    if len(rows) < num:
+        raise ConfigError(f"data.prompts: {spec} holds {len(rows) + offset} prompts, {num + offset} needed")
+    return [row_prompt_ids(r, tokenizer, chat_spec(cfg), max_tokens) for r in rows]

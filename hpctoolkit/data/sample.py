@@ -2,10 +2,11 @@
 
 A sample's fragments are fetched straight into one contiguous byte buffer laid out as
 
-    [ input_ids : T x int64 | layer 0 : T x H | layer 1 : T x H | ... | last : T x H ]
+    [ input_ids : T x int64 | layer 0 : T x H | layer 1 : T x H | ... | last : T x H | loss_mask : T x uint8 ]
 
-in manifest order, so one batched `get_into` fills the whole sample and no tensor is assembled by
-concatenating copies. `input_ids`, `aux_hidden_states` and `last_hidden_states` are views into it.
+in manifest order (the mask only when the manifest names one), so one batched `get_into` fills the
+whole sample and no tensor is assembled by concatenating copies. `input_ids`, `aux_hidden_states`,
+`last_hidden_states` and `loss_mask` are views into it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _DTYPES = {
     "float64": torch.float64,
     "int64": torch.int64,
     "int32": torch.int32,
+    "uint8": torch.uint8,
 }
 
 
@@ -81,6 +83,8 @@ class Sample:
     aux_hidden_states: torch.Tensor
     last_hidden_states: torch.Tensor
     manifest: Manifest
+    # `[T]` uint8, 1 where the token is supervised; None when the manifest names no mask.
+    loss_mask: torch.Tensor | None = None
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
 
@@ -109,6 +113,10 @@ class Sample:
     def empty_for(cls, manifest: Manifest, pool: BufferPool | None = None) -> Sample:
         """The sample's single buffer, uninitialised (from `pool` when given), with its views."""
         hidden_dtypes = {f.dtype for f in manifest.fragments}
+        if not hidden_dtypes:
+            raise DataIntegrityError(
+                f"manifest of sample {manifest.sample_key!r}: field 'fragments' is empty"
+            )
         if len(hidden_dtypes) != 1:
             raise DataIntegrityError(
                 f"manifest of sample {manifest.sample_key!r}: field 'fragments' mixes dtypes "
@@ -118,17 +126,21 @@ class Sample:
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
         ids_bytes = t * 8
         elem = torch.empty((), dtype=dtype).element_size()
-        total = ids_bytes + n * t * h * elem
+        hidden_bytes = n * t * h * elem
+        mask_bytes = t if manifest.loss_mask is not None else 0
+        total = ids_bytes + hidden_bytes + mask_bytes
         backing = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
         buf = backing[:total]
         ids = buf[:ids_bytes].view(torch.int64)
-        hidden = buf[ids_bytes:].view(dtype).view(n, t, h)
+        hidden = buf[ids_bytes : ids_bytes + hidden_bytes].view(dtype).view(n, t, h)
+        mask = buf[ids_bytes + hidden_bytes :] if mask_bytes else None
         return cls(
             key=manifest.sample_key,
             input_ids=ids,
             aux_hidden_states=hidden[: n - 1],
             last_hidden_states=hidden[n - 1],
             manifest=manifest,
+            loss_mask=mask,
             _buffer=backing,
             _pool=pool,
         )
@@ -140,4 +152,10 @@ class Sample:
         n_aux = self.aux_hidden_states.shape[0]
         for i, f in enumerate(m.fragments):
             out.append((f.key, self.aux_hidden_states[i] if i < n_aux else self.last_hidden_states))
+        if m.loss_mask is not None:
+            if self.loss_mask is None:
+                raise DataIntegrityError(
+                    f"sample {self.key!r}: the manifest names a loss_mask the sample lacks"
+                )
+            out.append((m.loss_mask.key, self.loss_mask))
         return out

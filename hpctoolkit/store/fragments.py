@@ -19,6 +19,11 @@ Fetch (trainer side)
     lease); "not found" counts as removed. A sample that fails is left in the store for
     inspection and never returned.
 
+Loss mask (engine leader side)
+    `publish_loss_mask` puts a sample's `[num_tokens]` uint8 mask under the key its manifest's
+    `loss_mask` names (`capture.manifest.with_loss_mask`), after checking its shape and that it
+    holds only 0 and 1. The reader fetches it with the sample's other objects and checks the same.
+
 Manifest `extra` keys this module reads
     `input_ids_sha256` (`INPUT_IDS_SHA256`): hex SHA-256 of the sample's `input_ids` as
     little-endian int64 bytes (`input_ids_digest`). The engine sets it when it builds the manifest;
@@ -34,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hpctoolkit.capture.manifest import ROLE_INPUT_IDS, FragmentSpec, Manifest
+from hpctoolkit.capture.manifest import FragmentSpec, Manifest
 from hpctoolkit.data.sample import BufferPool, Sample, dtype_name
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store.api import MissingKeysError, ObjectStore
@@ -80,8 +85,9 @@ def publish_stage(
     key = manifest.sample_key
     if not 0 <= stage < manifest.pp_size:
         raise DataIntegrityError(f"sample {key!r}: stage {stage} is outside [0, {manifest.pp_size})")
-    owned = manifest.fragments_of_stage(stage)
-    want_layers = {f.layer_id: f for f in owned if f.role != ROLE_INPUT_IDS}
+    want_layers = {
+        k: f for f, k in zip(manifest.fragments, manifest.layer_ids, strict=True) if f.stage == stage
+    }
     given = set(layers)
     if given != set(want_layers):
         missing = sorted(set(want_layers) - given)
@@ -114,8 +120,38 @@ def publish_stage(
     return sum(t.numel() * t.element_size() for _, t in items)
 
 
+def _check_mask_values(manifest: Manifest, mask: torch.Tensor) -> None:
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise DataIntegrityError(
+            f"sample {manifest.sample_key!r}, object {manifest.loss_mask.key if manifest.loss_mask else '?'!r}: "
+            "loss_mask holds values other than 0 and 1"
+        )
+
+
+def publish_loss_mask(store: ObjectStore, manifest: Manifest, loss_mask: torch.Tensor) -> int:
+    """Put the sample's loss mask (`[num_tokens]`, 0/1) under `manifest.loss_mask.key`; bytes put."""
+    spec = manifest.loss_mask
+    if spec is None:
+        raise DataIntegrityError(f"sample {manifest.sample_key!r}: the manifest names no loss_mask object")
+    mask = loss_mask.detach().to("cpu")
+    if mask.dtype != torch.uint8:
+        if mask.dtype.is_floating_point:
+            raise DataIntegrityError(
+                f"sample {manifest.sample_key!r}, object {spec.key!r}: a float loss_mask"
+            )
+        _check_mask_values(manifest, mask)
+        mask = mask.to(torch.uint8)
+    _check_tensor(manifest, spec, mask)
+    _check_mask_values(manifest, mask)
+    mask = mask.contiguous()
+    store.put_many([(spec.key, mask)])
+    return mask.numel()
+
+
 def _check_sample(sample: Sample, expected_input_ids: torch.Tensor | None) -> None:
     m = sample.manifest
+    if sample.loss_mask is not None:
+        _check_mask_values(m, sample.loss_mask)
     ids_key = m.input_ids.key
     want_sha = m.extra.get(INPUT_IDS_SHA256)
     if want_sha is not None and input_ids_digest(sample.input_ids) != want_sha:
