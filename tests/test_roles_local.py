@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import processes_with_env
 
 from hpctoolkit.rundir.layout import RunDir
 
@@ -37,17 +38,7 @@ def error_lines(stderr: str) -> list[str]:
 
 def role_processes(run_id: str) -> list[str]:
     """Role processes of this run still alive (they carry the run id in their environment)."""
-    left = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if f"HPCTOOLKIT_RUN_ID={run_id}".encode() in environ:
-            left.append(pid)
-    return left
+    return processes_with_env(f"HPCTOOLKIT_RUN_ID={run_id}")
 
 
 @pytest.mark.real

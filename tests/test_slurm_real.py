@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_fixtures import emulated_cluster, wait_done, why_not
+from conftest import wait_done
 
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import ROLE_TRAINER, Plan, make_plan
@@ -22,26 +22,9 @@ from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.submit import submit_sbatch, submit_submitit
 
 ROOT = Path(__file__).resolve().parents[1]
-NODES = 8
+SLURM_NODES = 8
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = why_not()
-    if why:
-        pytest.skip(why)
-    with emulated_cluster(tmp_path_factory.mktemp("slurm-state"), NODES) as (_, conf):
-        saved = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = conf  # submitit's own sbatch/sacct calls read it
-        try:
-            yield {**os.environ, "SLURM_CONF": conf}
-        finally:
-            if saved is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = saved
 
 
 def parse_lines(lines: list[str]) -> list[dict[str, str]]:
@@ -78,7 +61,7 @@ def check_placement(plan: Plan, hosts: tuple[str, ...], landed: list[dict[str, s
 
 
 @pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory):
+def jobs(slurm_cluster, tmp_path_factory):
     """Submit all three jobs at once (the cluster has room); each test then waits for its own."""
     recipe = "tests/golden/emulated_3node.yaml"
     out = tmp_path_factory.mktemp("run")
@@ -86,7 +69,7 @@ def jobs(cluster, tmp_path_factory):
     cfg = load_recipe(ROOT / recipe, overrides)
     plan = make_plan(cfg)
     text = render_sbatch(cfg, plan, recipe_path=recipe, overrides=overrides)
-    env = {**cluster, "HPCTOOLKIT_NODE_DRY": "1", "HPCTOOLKIT_PYTHON": sys.executable}
+    env = {**slurm_cluster, "HPCTOOLKIT_NODE_DRY": "1", "HPCTOOLKIT_PYTHON": sys.executable}
     t0 = time.monotonic()
     # The Mooncake master runs for real; the GPU roles are dry and first dial it from their nodes.
     placed_env = {**env, "HPCTOOLKIT_NODE_DRY": "engine-leader,engine-follower,trainer"}
@@ -156,7 +139,7 @@ def test_stale_script_fails_before_any_step(jobs):
     assert "trainer" not in steps and "master" not in steps
 
 
-def test_submitit_job_places_every_role(jobs, cluster):
+def test_submitit_job_places_every_role(jobs, slurm_cluster):
     job, plan = jobs["submitit"]
     results = job.results()
     print(
@@ -165,7 +148,7 @@ def test_submitit_job_places_every_role(jobs, cluster):
     assert len(results) == plan.num_nodes * plan.max_processes_per_node()
     lines = [r for r in results if r is not None]
     assert len(lines) == len(plan.processes())
-    alloc = shell.run(["sacct", "-X", "-n", "-P", "-j", str(job.job_id), "-o", "NodeList"], env=cluster)
+    alloc = shell.run(["sacct", "-X", "-n", "-P", "-j", str(job.job_id), "-o", "NodeList"], env=slurm_cluster)
     hosts = expand_hostlist(alloc.strip())
     landed = parse_lines(lines)
     assert {d["node"] for d in landed} == set(hosts)

