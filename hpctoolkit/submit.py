@@ -1,20 +1,96 @@
-"""`python -m hpctoolkit.submit RECIPE [section.key=value ...] [--dry-run] [--render-sbatch]`
+"""`python -m hpctoolkit.submit RECIPE [section.key=value ...] [--dry-run [--json]] [--render-sbatch]`
 
-Validates the recipe and its overrides, plans where every part runs, then either prints that plan
-(`--dry-run`), prints the batch script (`--render-sbatch`), runs the whole job on this machine
-(`cluster.backend: local`) or submits it to Slurm (`cluster.backend: slurm`).
+Validates the recipe and its overrides, plans where every part runs and sizes the store, then
+either prints that plan (`--dry-run`; `--json`: as one JSON object), prints the batch script
+(`--render-sbatch`), runs the whole job on this machine (`cluster.backend: local`) or submits it
+to Slurm (`cluster.backend: slurm`). Before a dry run or a submission ends, the files the run reads
+(target, draft, prompts) must exist, and where `sinfo` reports node memory the busiest node's
+store segments, buffers and workers must fit in it.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
+from hpctoolkit.plan.sizing import StoreSizing, check_node_memory, size_store
 from hpctoolkit.rundir.layout import slurm_run_id
+
+
+def check_files(cfg: RecipeConfig) -> None:
+    """The files the run reads exist here (the submit host sees the shared paths the nodes do)."""
+    wanted = [
+        ("paths.target_model", cfg.paths.target_model, "dir"),
+        ("draft.config", cfg.draft.config, "file"),
+    ]
+    wanted.append(("data.prompts", cfg.data.prompts, "file"))
+    wanted += [(f"data.sources[{i}].path", src.path, "file") for i, src in enumerate(cfg.data.sources)]
+    for key, path, kind in wanted:
+        if not path or path.startswith("builtin:"):
+            continue
+        p = Path(path)
+        ok = p.is_dir() and (p / "config.json").is_file() if kind == "dir" else p.is_file()
+        if not ok:
+            what = "a model directory with config.json" if kind == "dir" else "a file"
+            raise ConfigError(f"{key}={path} is not {what}")
+
+
+def sizing(cfg: RecipeConfig, plan: Plan) -> StoreSizing:
+    from hpctoolkit.config.couplings import target_hf_config
+
+    return size_store(cfg, target_hf_config(cfg.paths.target_model), plan)
+
+
+def check_memory(cfg: RecipeConfig, sized: StoreSizing) -> int | None:
+    """Where `sinfo` reports the partition's node memory, the busiest node must fit in it."""
+    if cfg.cluster.backend != "slurm":
+        return None
+    from hpctoolkit.slurm.sinfo import node_memory_bytes
+
+    have = node_memory_bytes(cfg.cluster.partition)
+    if have is not None:
+        check_node_memory(sized.nodes, have, cfg.cluster.partition)
+    return have
+
+
+def plan_json(cfg: RecipeConfig, plan: Plan, sized: StoreSizing, node_memory: int | None) -> dict[str, Any]:
+    return {
+        "recipe": cfg.name,
+        "backend": plan.backend,
+        "digest": plan.digest(),
+        "nodes": plan.num_nodes,
+        "total_gpus": plan.total_gpus,
+        "inference_gpus": plan.engine_gpus,
+        "training_gpus": plan.trainer_gpus,
+        "engines": [
+            {
+                "index": e.index,
+                "tp": e.tp,
+                "pp": e.pp,
+                "nodes": [n.node for n in e.nodes],
+                "gpus_per_node": len(e.leader.gpus),
+                "leader": e.leader.node,
+            }
+            for e in plan.engines
+        ],
+        "trainer": {
+            "world_size": plan.trainer.world_size,
+            "nodes": list(plan.trainer.nodes),
+            "ranks_per_node": plan.trainer.ranks_per_node,
+            "gpus": [[r.node, r.gpu] for r in plan.trainer.ranks],
+            "fsdp_mode": plan.trainer.fsdp_mode,
+        },
+        "master": None if plan.master is None else {"node": plan.master.node, "port": plan.master.port},
+        "store": sized.to_dict(),
+        "node_memory_bytes": node_memory,
+    }
 
 
 def describe(cfg: RecipeConfig, plan: Plan | None) -> str:
@@ -46,8 +122,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("recipe", help="recipe YAML, e.g. recipes/local.yaml")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--render-sbatch", action="store_true", help="print the Slurm batch script and exit")
     args = parse(ap, argv)
+    if args.json and not args.dry_run:
+        raise ConfigError("--json prints the plan of a dry run: give --dry-run too")
 
     if args.render_sbatch:
         # The script is rendered before the job's paths exist: `???` values stay open and become
@@ -61,7 +140,14 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
     plan = make_plan(cfg)
+    sized = sizing(cfg, plan)
+    check_files(cfg)
+    node_memory = check_memory(cfg, sized)
+    if args.json:
+        print(json.dumps(plan_json(cfg, plan, sized, node_memory), indent=2))
+        return 0
     print(describe(cfg, plan))
+    print(sized.describe())
     if args.dry_run:
         print("\ndry run: recipe is valid; nothing was started.")
         return 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.families import serving_for
+from hpctoolkit.plan.sizing import size_store
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
@@ -114,6 +115,8 @@ def check_couplings(cfg: RecipeConfig) -> None:
         )
 
     _check_family_rules(cfg, draft)
+    # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
+    size_store(cfg, target)
 
     if cfg.data.regenerate_tokens and e.world_size > 1:
         raise ConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctoolkit.config.fields import one_of, positive, require
+from hpctoolkit.config.fields import one_of, parse_size, positive, require
 
 
 @dataclass
@@ -19,6 +19,16 @@ class ClusterConfig:
     # Nodes (of `nodes`) reserved for FSDP trainers; the rest host engines. The Mooncake master
     # runs on the first trainer node (node 0 of the allocation, which also runs the batch script).
     trainer_nodes: int = 1
+    # "own_nodes": the trainer nodes above are their own, the engines take whole nodes after them.
+    # "engine_nodes": the trainers run on the first `trainer_nodes` engine nodes, on the GPUs
+    # beyond engine.gpus_per_node (`nodes` is then the engines' nodes alone; the master runs on
+    # node 0, engine 0's leader). Uses partly filled nodes; costs TP crossing nodes when an
+    # engine stage spans several (recipes/k3_8nodes.yaml).
+    trainer_placement: str = "own_nodes"
+    # Host memory each GPU worker (vLLM worker, trainer rank) needs beside the store's segments
+    # and buffers, e.g. "48GB". Set: the batch script asks `--mem` for the busiest node's segments
+    # + buffers + this per worker (hpctoolkit.plan.sizing.node_memory). Unset: no `--mem`.
+    host_memory_per_worker: str = ""
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
@@ -43,6 +53,9 @@ class ClusterConfig:
     def validate(self) -> None:
         one_of(self, "backend", ("local", "slurm"))
         positive(self, "nodes", "gpus_per_node", "trainer_nodes", "signal_before_s")
+        one_of(self, "trainer_placement", ("own_nodes", "engine_nodes"))
+        if self.host_memory_per_worker:
+            parse_size(self.host_memory_per_worker, "host_memory_per_worker")
         require(
             self.trainer_nodes <= self.nodes,
             "trainer_nodes",

@@ -349,22 +349,38 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             "(every trainer node runs the same number of FSDP ranks)"
         )
     per_node = t.world_size // c.trainer_nodes
-    if on_gpu and per_node > gpn:
+    # Trainers on engine nodes take the GPUs the engine leaves (cluster.trainer_placement).
+    shared = c.trainer_placement == "engine_nodes"
+    free = gpn - e.gpus_per_node if shared else gpn
+    if on_gpu and per_node > free:
         raise ConfigError(
             f"training.world_size={t.world_size} needs {per_node} GPUs on each of cluster.trainer_nodes="
-            f"{c.trainer_nodes} node(s), but cluster.gpus_per_node={gpn}; raise cluster.trainer_nodes"
+            f"{c.trainer_nodes} node(s), but cluster.gpus_per_node={gpn}"
+            + (f" leaves {free} beside engine.gpus_per_node={e.gpus_per_node}" if shared else "")
+            + "; raise cluster.trainer_nodes"
         )
-    needed = c.trainer_nodes + e.num_engines * e.nnodes
+    if shared and c.trainer_nodes > e.num_engines * e.nnodes:
+        raise ConfigError(
+            f"cluster.trainer_nodes={c.trainer_nodes} exceeds the {e.num_engines * e.nnodes} engine node(s) "
+            "the trainers share (cluster.trainer_placement=engine_nodes)"
+        )
+    own = 0 if shared else c.trainer_nodes
+    needed = own + e.num_engines * e.nnodes
     if c.nodes != needed:
         why = "too few" if c.nodes < needed else "more than the placement uses (the rest would sit idle)"
         raise ConfigError(
-            f"cluster.nodes={c.nodes} is {why}: {c.trainer_nodes} trainer node(s) + {e.num_engines} engine(s) "
+            f"cluster.nodes={c.nodes} is {why}: {own} trainer node(s) + {e.num_engines} engine(s) "
             f"x {e.nnodes} node(s) = {needed}; set cluster.nodes={needed}"
         )
 
     trainer_nodes = tuple(range(c.trainer_nodes))
     ranks = tuple(
-        TrainerRank(rank=r, node=r // per_node, local_rank=r % per_node, gpu=r % per_node if on_gpu else None)
+        TrainerRank(
+            rank=r,
+            node=r // per_node,
+            local_rank=r % per_node,
+            gpu=(gpn - free) + r % per_node if on_gpu else None,
+        )
         for r in range(t.world_size)
     )
     trainer = TrainerPlacement(
@@ -376,7 +392,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             nnodes=e.nnodes,
             tp=e.tp_size,
             pp=e.pp_size,
-            nodes=_engine_nodes(e.tp_size, e.nnodes, e.gpus_per_node, c.trainer_nodes + i * e.nnodes),
+            nodes=_engine_nodes(e.tp_size, e.nnodes, e.gpus_per_node, own + i * e.nnodes),
             master_port=ENGINE_PORT_BASE + i,
         )
         for i in range(e.num_engines)
@@ -399,13 +415,13 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
     for i in range(e.num_engines):
         nodes = []
         for k in range(e.nnodes):
-            ranks = range(k * e.gpus_per_node, (k + 1) * e.gpus_per_node)
+            world_ranks = range(k * e.gpus_per_node, (k + 1) * e.gpus_per_node)
             gpus = tuple(range(next_gpu, next_gpu + e.gpus_per_node))
             next_gpu += e.gpus_per_node
-            nodes.append(EngineNode(0, k, gpus, tuple(r // e.tp_size for r in ranks)))
+            nodes.append(EngineNode(0, k, gpus, tuple(r // e.tp_size for r in world_ranks)))
         engines.append(EnginePlacement(i, e.nnodes, e.tp_size, e.pp_size, tuple(nodes), ENGINE_PORT_BASE + i))
     on_gpu = t.device == "cuda"
-    ranks = []
+    ranks: list[TrainerRank] = []
     for r in range(t.world_size):
         ranks.append(TrainerRank(r, 0, r, next_gpu if on_gpu else None))
         next_gpu += 1 if on_gpu else 0

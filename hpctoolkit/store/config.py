@@ -22,7 +22,10 @@ class StoreConfig:
     get_retry_max_wait_seconds: float = 60.0
     # Pin published fragments so eviction cannot take them before the trainer reads them.
     enable_hard_pin: bool = False
-    # Memory each writer contributes to the store, and each client's registered transfer buffer.
+    # Memory each *writer* mounts into the store, in the host memory of its node: one writer per
+    # PP stage per engine (the stage's TP rank 0), holding that stage's fragments of every unread
+    # sample of its engine (hpctoolkit.plan.sizing). Readers mount none. `local_buffer_size` is
+    # every client's (writers and trainer ranks) registered transfer buffer.
     global_segment_size: str = "512MB"
     local_buffer_size: str = "256MB"
     protocol: str = "tcp"
@@ -40,11 +43,24 @@ class StoreConfig:
     # A put refused with NO_AVAILABLE_HANDLE (writer segment full) is retried with backoff for at
     # most this long before the writer raises.
     put_retry_max_wait_seconds: float = 30.0
+    # Backpressure: an engine leader pauses capture, between batches, while the unread bytes in
+    # one of its writers' segments are above `backpressure_high` of the segment, and resumes
+    # below `backpressure_low`. A pause longer than `backpressure_max_pause_s` fails the engine.
+    backpressure_high: float = 0.8
+    backpressure_low: float = 0.5
+    backpressure_max_pause_s: float = 3600.0
 
     def validate(self) -> None:
         positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
         positive(self, "master_startup_timeout_s")
         non_negative(self, "put_retry_max_wait_seconds")
+        positive(self, "backpressure_max_pause_s")
+        require(
+            0 < self.backpressure_low < self.backpressure_high < 1,
+            "backpressure_high",
+            f"must lie in (backpressure_low={self.backpressure_low:g}, 1)",
+            self.backpressure_high,
+        )
         non_negative(self, "master_port", "metrics_port")
         require(self.master_port <= 65535, "master_port", "must be <= 65535", self.master_port)
         require(self.metrics_port <= 65535, "metrics_port", "must be <= 65535", self.metrics_port)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctoolkit.config.fields import non_negative, one_of, positive, require
+from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
 
 
 @dataclass
@@ -36,6 +36,12 @@ class TrainingConfig:
     keep_checkpoints: int = 2
     log_every: int = 1
     seed: int = 0
+    # Passes over the published samples (hpctoolkit.plan.sizing.check_counts): 0 derives it from
+    # steps x batch_size x world_size and data.num_samples. One pass reads the store only; more
+    # spool each rank's first pass to the run directory and replay it, at most spool_max_size
+    # (all ranks together; refused at load when the longest samples could pass it).
+    epochs: int = 0
+    spool_max_size: str = "64GB"
     # "live": read from the Mooncake store as the engine publishes; "offline": replay shards.
     data_source: str = "live"
     # What the hard-label losses (DFlash CE, DSpark's CE term) predict. "target": the target's
@@ -70,6 +76,8 @@ class TrainingConfig:
             "log_every",
         )
         non_negative(self, "weight_decay", "warmup_steps", "grad_clip", "min_loss_tokens", "seed")
+        non_negative(self, "epochs")
+        parse_size(self.spool_max_size, "spool_max_size")
         one_of(self, "fsdp_mode", ("full_shard", "replicate"))
         one_of(self, "device", ("cpu", "cuda"))
         one_of(self, "mixed_precision", ("bf16", "fp32"))

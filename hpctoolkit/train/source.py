@@ -154,14 +154,20 @@ class LiveSource:
     address, store_cfg, role="reader")`; picklable, so spawned ranks can open their own). Each
     rank wraps `HiddenStateDataset(manifests, store, rank=rank, world_size=world_size,
     skip=skip)`, so it fetches (and removes) only its own share. The store hands each sample out
-    once: epochs after the first are empty, and training ends cleanly when the first one does.
+    once: the first epoch reads the store, later ones only replay a spool.
 
     `follow`, when set, replaces following `manifests_path`: a picklable callable returning the
     manifests in one order every rank agrees on (a Slurm run passes `ManifestQueues`, all engines'
-    queues). `spool_dir`, when set, keeps this rank's samples as offline shards under
-    `spool_dir/rank<r>` while the first pass reads them, and later epochs replay them from there
-    (as the local pipeline trains from its shards); `spool_dir/read-rank<r>.json` tracks
-    `{"samples", "bytes", "complete"}` of the first pass, for the run's accounting.
+    queues). `spool_dir`, when set, holds `read-rank<r>.json`, this rank's read record of the
+    first pass: `{"samples", "bytes", "complete"}`, plus, with `engine_prefixes` (engine i's sample
+    key prefix at i), `"engines": [{"samples", "stage_bytes": [per PP stage]}, ...]`, which an
+    engine leader's backpressure reads (`read_stage_bytes`). It is rewritten after every sample.
+
+    `epochs` (`training.epochs`): 1 reads the store once and spools nothing, so training ends
+    when the first pass does; E > 1 also keeps this rank's samples as offline shards under
+    `spool_dir/rank<r>` and replays them in epochs 1..E-1; 0 replays every later epoch the stream
+    asks for. `spool_max_bytes` bounds the spool of all ranks together (each rank keeps at most
+    its `1/world_size`); a sample that would pass it raises, never silently goes unspooled.
     """
 
     manifests_path: str
@@ -171,11 +177,18 @@ class LiveSource:
     follow_timeout_s: float = 1800.0
     follow: Callable[[], Iterable[Any]] | None = None
     spool_dir: str | None = None
+    epochs: int = 0
+    spool_max_bytes: int | None = None
+    engine_prefixes: tuple[str, ...] = ()
+
+    @property
+    def spools(self) -> bool:
+        return self.spool_dir is not None and self.epochs != 1
 
     def __call__(self, rank: int, world_size: int, epoch: int, skip: int) -> Iterator[Any]:
         if epoch > 0:
-            if self.spool_dir is not None:
-                yield from self._replay(rank, skip)
+            if self.spools and (self.epochs == 0 or epoch < self.epochs):
+                yield from self._replay(Path(str(self.spool_dir)), rank, skip)
             return
         from hpctoolkit.data.dataset import HiddenStateDataset
 
@@ -201,7 +214,7 @@ class LiveSource:
             if self.spool_dir is None:
                 yield from samples
             else:
-                yield from self._spool(samples, rank)
+                yield from self._read(Path(self.spool_dir), samples, rank, world_size)
         finally:
             close = getattr(store, "close", None)
             if close is not None:
@@ -210,34 +223,50 @@ class LiveSource:
     def read_record(self, rank: int) -> Path:
         return Path(self.spool_dir or ".") / f"read-rank{rank}.json"
 
-    def _spool(self, samples: Iterable[Any], rank: int) -> Iterator[Any]:
+    def _read(self, spool_dir: Path, samples: Iterable[Any], rank: int, world_size: int) -> Iterator[Any]:
+        import contextlib
         import shutil
 
         from hpctoolkit.data.offline import ShardWriter
+        from hpctoolkit.errors import DataIntegrityError
         from hpctoolkit.rundir.atomic import write_json_atomic
 
-        shard_dir = Path(self.spool_dir) / f"rank{rank}"
+        shard_dir = spool_dir / f"rank{rank}"
         shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
-        shard_dir.parent.mkdir(parents=True, exist_ok=True)
+        spool_dir.mkdir(parents=True, exist_ok=True)
         record = self.read_record(rank)
+        bound = None if self.spool_max_bytes is None else self.spool_max_bytes // world_size
         n = nbytes = 0
+        engines: list[dict[str, Any]] = [{"samples": 0, "stage_bytes": []} for _ in self.engine_prefixes]
 
         def note(complete: bool) -> None:
-            write_json_atomic(record, {"samples": n, "bytes": nbytes, "complete": complete})
+            rec: dict[str, Any] = {"samples": n, "bytes": nbytes, "complete": complete}
+            if engines:
+                rec["engines"] = engines
+            write_json_atomic(record, rec)
 
         note(False)
-        # Flushed per sample: a shard is the replay's copy, and the run may stop at any step.
-        with ShardWriter(shard_dir, max_shard_bytes=1) as writer:
+        with contextlib.ExitStack() as stack:
+            # Flushed per sample: a shard is the replay's copy, and the run may stop at any step.
+            writer = stack.enter_context(ShardWriter(shard_dir, max_shard_bytes=1)) if self.spools else None
             for sample in samples:
-                writer.add(sample)
-                writer.flush()
+                m = sample.manifest
+                if writer is not None:
+                    if bound is not None and nbytes + m.nbytes > bound:
+                        raise DataIntegrityError(
+                            f"rank {rank}'s spool would pass its {bound} bytes of training.spool_max_size "
+                            f"({self.spool_max_bytes} over {world_size} rank(s)) at sample {n + 1}; raise it"
+                        )
+                    writer.add(sample)
+                    writer.flush()
                 n += 1
-                nbytes += sample.manifest.nbytes
+                nbytes += m.nbytes
+                _count_engine(engines, self.engine_prefixes, m)
                 note(False)
                 yield sample
         note(True)
 
-    def _replay(self, rank: int, skip: int) -> Iterator[Any]:
+    def _replay(self, spool_dir: Path, rank: int, skip: int) -> Iterator[Any]:
         import json
 
         from hpctoolkit.data.offline import ShardReader
@@ -245,9 +274,39 @@ class LiveSource:
         record = self.read_record(rank)
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
-        reader = ShardReader(Path(self.spool_dir) / f"rank{rank}")
+        reader = ShardReader(spool_dir / f"rank{rank}")
         for i in range(skip, len(reader)):
             yield reader[i]
+
+
+def _count_engine(engines: list[dict[str, Any]], prefixes: tuple[str, ...], manifest: Any) -> None:
+    for i, prefix in enumerate(prefixes):
+        if manifest.sample_key.startswith(prefix + "-"):
+            e = engines[i]
+            e["samples"] += 1
+            stage_bytes = e["stage_bytes"]
+            stage_bytes.extend([0] * (manifest.pp_size - len(stage_bytes)))
+            for s in range(manifest.pp_size):
+                stage_bytes[s] += sum(f.nbytes for f in manifest.fragments_of_stage(s))
+            return
+
+
+def read_stage_bytes(spool_dir: str | os.PathLike, world_size: int, engine: int, pp_size: int) -> list[int]:
+    """Bytes of engine `engine`'s samples that the trainer ranks have read, per PP stage, summed
+    over their read records (`LiveSource`); a rank without a record yet has read nothing."""
+    import json
+
+    total = [0] * pp_size
+    for r in range(world_size):
+        try:
+            rec = json.loads((Path(spool_dir) / f"read-rank{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        engines = rec.get("engines") or []
+        if engine < len(engines):
+            for s, b in enumerate(engines[engine].get("stage_bytes", [])[:pp_size]):
+                total[s] += int(b)
+    return total
 
 
 @dataclass
