@@ -60,7 +60,8 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
 
 def _train_fields(result: dict[str, Any] | None) -> dict[str, Any]:
     result = result or {}
-    return {k: result.get(k) for k in ("steps_trained", "final_loss", "acceptance_length", "export_dir")}
+    keys = ("steps_trained", "final_loss", "acceptance_length", "supervised_tokens", "export_dir")
+    return {k: result.get(k) for k in keys}
 
 
 def _hosts(ctx: NodeContext, source: Any) -> dict[str, Any]:

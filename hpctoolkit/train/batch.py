@@ -8,6 +8,10 @@ A `Batch` carries everything every draft family reads, right-padded to the longe
   order, `[B, S, n_aux * H]` (what DFlash's `fc` and Eagle3's `fc` read);
 - `last_BSH` the target's last hidden state (pre-norm when `last_prenorm`);
 - `valid_BS` True on real (non-pad) positions;
+- `supervised_BS` True on the tokens the loss may be computed on: real tokens of a sample with
+  nonzero weight where the sample's loss mask is 1 (a sample without a mask: all its tokens).
+  Families read it where their targets are: Eagle3 at each TTT step's target token, DFlash and
+  DSpark only draw anchors whose whole block is supervised;
 - `weight_B` 1.0, or 0.0 for a sample shorter than `min_loss_tokens`. Such a sample still runs
   through forward and backward, so every rank issues the same collectives; it just contributes
   nothing to the loss.
@@ -38,6 +42,17 @@ class Batch:
     weight_B: torch.Tensor
     last_prenorm: bool
     truncated: int = 0
+    # `supervised_BS` as collated; None (a batch built by hand) means every valid token.
+    supervised: torch.Tensor | None = None
+
+    @property
+    def supervised_BS(self) -> torch.Tensor:
+        return self.loss_mask_BS() if self.supervised is None else self.supervised
+
+    @property
+    def supervised_tokens(self) -> int:
+        """Tokens the loss may be computed on (see `supervised_BS`)."""
+        return int(self.supervised_BS.sum())
 
     @property
     def batch_size(self) -> int:
@@ -69,6 +84,7 @@ class Batch:
             mv(self.weight_B),
             self.last_prenorm,
             self.truncated,
+            None if self.supervised is None else mv(self.supervised),
         )
 
 
@@ -105,6 +121,7 @@ def collate(samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int) -
     context = torch.zeros(B, S, n_aux * H, dtype=first.aux_hidden_states.dtype)
     last = torch.zeros(B, S, first.last_hidden_states.shape[-1], dtype=first.last_hidden_states.dtype)
     valid = torch.zeros(B, S, dtype=torch.bool)
+    masked = torch.zeros(B, S, dtype=torch.bool)
     for b, (s, n) in enumerate(zip(samples, lengths, strict=True)):
         aux = s.aux_hidden_states
         if aux.shape[0] != n_aux or aux.shape[-1] != H or aux.shape[1] != s.input_ids.shape[0]:
@@ -122,6 +139,15 @@ def collate(samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int) -
         context[b, :n] = aux[:, :n].permute(1, 0, 2).reshape(n, n_aux * H)
         last[b, :n] = s.last_hidden_states[:n]
         valid[b, :n] = True
+        mask = getattr(s, "loss_mask", None)
+        if mask is None:
+            masked[b, :n] = True
+        else:
+            if mask.shape[0] != s.input_ids.shape[0]:
+                raise DataIntegrityError(
+                    f"sample {s.key}: loss_mask has {mask.shape[0]} entries, input_ids {s.input_ids.shape[0]}"
+                )
+            masked[b, :n] = mask[:n].bool()
     lengths_t = torch.tensor(lengths, dtype=torch.long)
     weight = (lengths_t >= max(min_loss_tokens, 2)).float()
     if truncated:
@@ -136,4 +162,5 @@ def collate(samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int) -
         weight_B=weight,
         last_prenorm=prenorm.pop(),
         truncated=truncated,
+        supervised=valid & masked & (weight > 0).unsqueeze(1),
     )

@@ -43,15 +43,49 @@ class TrainJob:
     # Stop after this many steps of this invocation (tests interrupt a run to resume it).
     stop_after: int | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
+    # A pruned Eagle3 vocabulary saved by an earlier run (`draft_vocab.json`); "" counts this data's.
+    draft_vocab: str = ""
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def _vocab_counts(job: TrainJob, opener, ctx: DistContext, vocab_size: int) -> torch.Tensor:
+    """Counts of the supervised tokens (loss mask 1) of each rank's first samples, summed."""
+    from hpctoolkit.train.trainers.eagle3 import supervised_token_counts
+
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for i, s in enumerate(opener(ctx.rank, ctx.world_size, 0, 0)):
         if i >= VOCAB_SCAN_SAMPLES:
             break
-        counts += torch.bincount(s.input_ids.long(), minlength=vocab_size)[:vocab_size].to(torch.float64)
+        counts += supervised_token_counts(s, vocab_size)
     return ctx.all_reduce_sum(counts.to(ctx.device)).cpu()
+
+
+def _saved_vocab_counts(path: str, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """Counts that choose exactly the target ids of a saved vocabulary."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"data.draft_vocab: {p} does not exist")
+    saved = json.loads(p.read_text())
+    ids = saved.get("target_ids")
+    if saved.get("vocab_size") != vocab_size or not isinstance(ids, list) or len(ids) != draft_vocab_size:
+        raise ConfigError(
+            f"data.draft_vocab: {p} holds {len(ids) if isinstance(ids, list) else 'no'} ids of a "
+            f"{saved.get('vocab_size')}-token vocabulary; this draft needs {draft_vocab_size} of {vocab_size}"
+        )
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    counts[torch.tensor(ids, dtype=torch.long)] = 1.0
+    return counts
+
+
+def _save_vocab(trainer: FamilyTrainer, out: Path, source: str) -> None:
+    """`out/draft_vocab.json`: the target id of every draft token (`data.draft_vocab` reuses it)."""
+    draft: Any = trainer.draft
+    ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    c = draft.config
+    body = {"vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size, "source": source}
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({**body, "target_ids": ids.cpu().tolist()}))
 
 
 def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
@@ -104,6 +138,7 @@ class _Run:
     step: int = 0
     steps_this_run: int = 0
     tokens_total: float = 0.0
+    supervised_total: float = 0.0
     last_stats: StepStats | None = None
     stop_reason: str = ""
 
@@ -136,8 +171,15 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     draft_cfg = load_draft_config(job.draft_config)
     counts = None
     if needs_vocab_counts(draft_cfg):
-        counts = _vocab_counts(job, opener, ctx, draft_cfg.vocab_size)
+        if job.draft_vocab:
+            counts = _saved_vocab_counts(job.draft_vocab, draft_cfg.vocab_size, draft_cfg.draft_vocab_size)
+        else:
+            counts = _vocab_counts(job, opener, ctx, draft_cfg.vocab_size)
     trainer = build_trainer(draft_cfg, job.target_dir, cfg, vocab_counts=counts)
+    if counts is not None and ctx.is_main:
+        Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+        how = job.draft_vocab or f"supervised tokens of the first {VOCAB_SCAN_SAMPLES} samples per rank"
+        _save_vocab(trainer, Path(job.out_dir), how)
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
     optimizer, scheduler = build_optimizer(trainer, cfg)
@@ -169,14 +211,17 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    tokens_t = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=ctx.device)
+    tokens_t = torch.tensor(
+        [float(batch.supervised_tokens), float(batch.num_tokens)], dtype=torch.float64, device=ctx.device
+    )
     vec = ctx.all_reduce_sum(torch.cat([parts.stats_vector(), tokens_t])).cpu()
     dt = time.monotonic() - t0
     run.step += 1
     run.steps_this_run += 1
     tokens = float(vec[-1])
     run.tokens_total += tokens
-    stats = StepStats(run.trainer.num_positions, tuple(parts.extras), vec[:-1])
+    run.supervised_total += float(vec[-2])
+    stats = StepStats(run.trainer.num_positions, tuple(parts.extras), vec[:-2])
     if not math.isfinite(stats.loss):
         raise FloatingPointError(
             f"loss is {stats.loss} at step {run.step}; stopping instead of training on it"
@@ -186,6 +231,7 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
         "lr": lr,
         "tokens_per_s": tokens / max(dt, 1e-9),
         "tokens_per_s_per_rank": tokens / max(dt, 1e-9) / ctx.world_size,
+        "supervised_tokens": float(vec[-2]),
     }
     return stats, tokens, scalars
 
@@ -280,6 +326,8 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
         "acceptance_length": total.acceptance_length_incl_bonus() if total else None,
         "acceptance_convention": "acceptance_length includes the +1 bonus token (EAGLE / vLLM convention)",
         "train_tokens_per_s": run.tokens_total / max(wall, 1e-9),
+        # Tokens the loss could be computed on (loss mask 1), over every rank, this invocation.
+        "supervised_tokens": int(run.supervised_total),
         "train_tokens_per_s_per_rank": run.tokens_total / max(wall, 1e-9) / ctx.world_size,
         "world_size": ctx.world_size,
         "stop_reason": run.stop_reason or "completed",

@@ -85,6 +85,7 @@ def train(
         samples_source=samples_source,
         out_dir=str(out),
         resume=resume,
+        draft_vocab=str(getattr(getattr(cfg, "data", None), "draft_vocab", "") or ""),
     )
     summary = launch(job, cfg.training.world_size)
     return summary or {}

@@ -15,10 +15,23 @@ from hpctoolkit.train.target_head import TargetHead
 from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows, sample_generator
 
 
+def block_supervised(supervised_BS: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[B, S]` True at `a` where the tokens a block anchored there predicts, `a + 1 .. a + K - 1`,
+    are all supervised (False where the block runs past the end)."""
+    B, S = supervised_BS.shape
+    c = torch.zeros(B, S + 1, dtype=torch.long)
+    c[:, 1:] = supervised_BS.long().cumsum(1)
+    a = torch.arange(S)
+    end = (a + block_size).clamp(max=S)  # exclusive end of a + 1 .. a + K - 1
+    inside = c[:, end] - c[:, (a + 1).clamp(max=S)]
+    return (inside == block_size - 1) & (a + block_size <= S)
+
+
 class DFlashTrainer(FamilyTrainer):
     """`num_anchors` blocks per sample, whatever its length, so attention shapes stay static.
 
-    An anchor needs its whole block inside the sample; a sample with fewer eligible positions
+    An anchor needs its whole block inside the sample and every token its block predicts
+    supervised (`Batch.supervised_BS`); a sample with fewer eligible positions
     repeats an anchor and the surplus blocks are computed but carry no loss.
     """
 
@@ -56,7 +69,7 @@ class DFlashTrainer(FamilyTrainer):
         K, N = self.block_size, self.cfg.num_anchors
         pos_BS = torch.arange(batch.seq_len).unsqueeze(0)
         fits_BS = pos_BS + K - 1 < batch.lengths_B.cpu().unsqueeze(1)
-        eligible_BS = batch.loss_mask_BS().cpu() & fits_BS
+        eligible_BS = batch.loss_mask_BS().cpu() & fits_BS & block_supervised(batch.supervised_BS.cpu(), K)
         anchors = torch.zeros(batch.batch_size, N, dtype=torch.long)
         ok = torch.zeros(batch.batch_size, N, dtype=torch.bool)
         if batch.seq_len >= N:

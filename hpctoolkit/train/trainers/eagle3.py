@@ -20,6 +20,7 @@ from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.eagle3.model import KVCache
+from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
 from hpctoolkit.train.losses.common import per_position
@@ -33,6 +34,15 @@ def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
     if n < x_BS.shape[1]:
         out[:, : x_BS.shape[1] - n] = x_BS[:, n:]
     return out
+
+
+def supervised_token_counts(sample: object, vocab_size: int) -> torch.Tensor:
+    """`[V]` float64 counts of a sample's supervised tokens (all of them without a loss mask)."""
+    ids = sample.input_ids.long()  # type: ignore[attr-defined]
+    mask = getattr(sample, "loss_mask", None)
+    if mask is not None:
+        ids = ids[mask.bool()]
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size].to(torch.float64)
 
 
 def draft_vocab_from_counts(counts_V: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -82,8 +92,11 @@ class Eagle3Trainer(FamilyTrainer):
     def token_counts(self, samples: Iterable) -> torch.Tensor:
         counts = torch.zeros(self.draft.config.vocab_size, dtype=torch.float64)
         for s in samples:
-            counts += torch.bincount(s.input_ids.long(), minlength=counts.numel()).to(torch.float64)
+            counts += supervised_token_counts(s, counts.numel())
         return counts
+
+    def step_inputs(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+        return {"label_mask_BS": batch.supervised_BS}
 
     def forward(
         self,
@@ -94,7 +107,10 @@ class Eagle3Trainer(FamilyTrainer):
         lengths_B,
         *,
         last_prenorm: bool,
+        label_mask_BS: torch.Tensor | None = None,
     ) -> LossParts:
+        """`label_mask_BS` (the batch's supervised tokens; None: every token) keeps step `i` at
+        position `t` only where its target token `t + 2 + i` is supervised."""
         B, S = input_ids_BS.shape
         P = self.num_positions
         pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
@@ -107,6 +123,8 @@ class Eagle3Trainer(FamilyTrainer):
         kv_cache = KVCache()
         for i in range(P):
             in_range_BS = (pos_BS + 1 + i < lengths_B.unsqueeze(1)) & loss_mask_BS
+            if label_mask_BS is not None:
+                in_range_BS = in_range_BS & shift_left(label_mask_BS, i + 2)
             out = self.draft(
                 context_BSC if i == 0 else None,
                 shift_left(input_ids_BS, i + 1),
@@ -130,7 +148,10 @@ class Eagle3Trainer(FamilyTrainer):
             sups.append(sup_N)
             hidden_BSH = out.prenorm_BSH
         kl_NP, match_NP, sup_NP = (torch.stack(x, dim=1) for x in (kls, matches, sups))
-        chain_ok_N = ((pos_BS + P < lengths_B.unsqueeze(1)) & loss_mask_BS).flatten()
+        chain_ok_BS = (pos_BS + P < lengths_B.unsqueeze(1)) & loss_mask_BS
+        if label_mask_BS is not None:
+            chain_ok_BS = chain_ok_BS & shift_left(label_mask_BS, 2)
+        chain_ok_N = chain_ok_BS.flatten()
         loss_sum, loss_w = per_position(kl_NP, sup_NP)
         in_chain_NP = chain_ok_N.unsqueeze(1).expand_as(match_NP)
         correct, count = per_position(match_NP, in_chain_NP)
