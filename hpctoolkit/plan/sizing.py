@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 # loss mask (counted always: an upper bound).
 INPUT_IDS_BYTES = DTYPE_BYTES["int64"]
 LOSS_MASK_BYTES = 1
+# Mooncake's client refuses a smaller segment ("Total size must be at least 16777216").
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 def fmt_bytes(n: float) -> str:
@@ -273,6 +275,11 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
     per_token = stage_bytes_per_token(capture, num_layers, e.pp_size, hidden, e.dtype)
     parts = pp_partition(num_layers, e.pp_size)
     seg = s.segment_bytes
+    if seg < MIN_SEGMENT_BYTES:
+        raise ConfigError(
+            f"store.global_segment_size={s.global_segment_size} is below Mooncake's smallest segment "
+            f"({fmt_bytes(MIN_SEGMENT_BYTES)}): the writer's client setup would fail"
+        )
     stages = tuple(
         StageSizing(
             st,
