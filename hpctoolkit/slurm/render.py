@@ -28,6 +28,7 @@ from hpctoolkit.plan.placement import (
     ROLE_TRAINER,
     Plan,
 )
+from hpctoolkit.plan.sizing import node_memory
 from hpctoolkit.slurm import container
 
 # Stands in for a `???` value while rendering; the value must come as an sbatch argument.
@@ -102,6 +103,10 @@ def _sbatch_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
     ]
     if c.exclusive:
         lines.append("--exclusive")
+    if c.host_memory_per_worker:
+        # The busiest node's store segments + buffers + its workers' allowance (plan.sizing).
+        need = max(n.total_bytes for n in node_memory(cfg, plan))
+        lines.append(f"--mem={-(-need // (1 << 20))}M")
     lines.append(f"--time={c.time}")
     if c.partition:
         lines.append(f"--partition={c.partition}")
