@@ -76,6 +76,9 @@ def pick_free_port(host: str) -> int:
 def _port_is_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: connections of an earlier master in TIME_WAIT (a requeued job, the next run
+        # on the same port) do not count; a live listener still does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
