@@ -11,6 +11,7 @@ import pytest
 
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.plan.placement import (
     ENGINE_PORT_BASE,
     LOCALHOST,
@@ -52,7 +53,8 @@ def slurm_cfg(
     return cfg
 
 
-def check_invariants(plan: Plan) -> None:
+def check_invariants(plan: Plan, shared: bool = False) -> None:
+    """`shared`: the trainers run on engine nodes (cluster.trainer_placement=engine_nodes)."""
     procs = plan.processes()
     # Every GPU of every node is used at most once, and exists.
     used = [(p.node, g) for p in procs for g in p.gpus]
@@ -63,8 +65,11 @@ def check_invariants(plan: Plan) -> None:
     assert {p.node for p in procs} == set(range(plan.num_nodes))
     engine_nodes = [n.node for e in plan.engines for n in e.nodes]
     assert len(engine_nodes) == len(set(engine_nodes))
-    assert not set(engine_nodes) & set(plan.trainer.nodes)
-    assert plan.num_nodes == len(engine_nodes) + len(plan.trainer.nodes)
+    if shared:
+        assert set(plan.trainer.nodes) <= set(engine_nodes) and plan.num_nodes == len(engine_nodes)
+    else:
+        assert not set(engine_nodes) & set(plan.trainer.nodes)
+        assert plan.num_nodes == len(engine_nodes) + len(plan.trainer.nodes)
     assert plan.total_gpus == len(used)
     assert plan.allocated_gpus == plan.num_nodes * plan.gpus_per_node
     for e in plan.engines:
@@ -82,7 +87,9 @@ def check_invariants(plan: Plan) -> None:
     for node in t.nodes:
         mine = [r for r in t.ranks if r.node == node]
         assert [r.local_rank for r in mine] == list(range(t.ranks_per_node))
-        assert [r.gpu for r in mine] == list(range(t.ranks_per_node))
+        # After the engine's GPUs when they share a node.
+        first = max(len(n.gpus) for e in plan.engines for n in e.nodes) if shared else 0
+        assert [r.gpu for r in mine] == list(range(first, first + t.ranks_per_node))
     assert plan.master is not None and plan.master.node == t.nodes[0]
     # A control-plane record: JSON-ready, stable digest, one describe row per engine node.
     d = plan.to_dict()
@@ -337,3 +344,57 @@ def test_master_and_metrics_on_one_port_are_refused():
     cfg.store.master_port = cfg.store.metrics_port = 50051
     with pytest.raises(ConfigError, match=r"store.metrics_port=50051"):
         make_plan(cfg)
+
+
+def _shared(**kw):
+    """Trainers on engine nodes (cluster.trainer_placement=engine_nodes)."""
+    nodes = kw.pop("nodes", None)
+    cfg = slurm_cfg(**kw)
+    cfg.cluster.trainer_placement = "engine_nodes"
+    cfg.cluster.nodes = cfg.engine.num_engines * cfg.engine.nnodes if nodes is None else nodes
+    return cfg
+
+
+@pytest.mark.parametrize("engines", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("nnodes", "engine_gpus", "pp"), [(1, 4, 1), (2, 4, 2), (4, 4, 2), (2, 6, 1), (4, 2, 4)]
+)
+@pytest.mark.parametrize("gpn", [5, 8])
+def test_trainers_on_engine_nodes_use_the_gpus_the_engines_leave(engines, nnodes, engine_gpus, pp, gpn):
+    if engine_gpus >= gpn:
+        return
+    free = gpn - engine_gpus
+    total = engines * nnodes
+    for trainer_nodes in range(1, total + 1):
+        for per_node in range(1, free + 1):
+            cfg = _shared(
+                engines=engines,
+                nnodes=nnodes,
+                engine_gpus=engine_gpus,
+                pp=pp,
+                gpn=gpn,
+                trainer_nodes=trainer_nodes,
+                world=per_node * trainer_nodes,
+            )
+            plan = make_plan(cfg)
+            check_invariants(plan, shared=True)
+            assert plan.num_nodes == total
+            assert plan.trainer.nodes == tuple(range(trainer_nodes))
+            for r in plan.trainer.ranks:
+                assert engine_gpus <= r.gpu < gpn
+            assert plan.master is not None and plan.master.node == 0
+
+
+def test_trainers_on_engine_nodes_refusals():
+    with pytest.raises(ConfigError, match=r"leaves 1 beside engine.gpus_per_node=4"):
+        make_plan(_shared(engines=2, nnodes=4, engine_gpus=4, gpn=5, trainer_nodes=4, world=8))
+    with pytest.raises(ConfigError, match=r"cluster.trainer_nodes=9 exceeds the 8 engine node"):
+        make_plan(_shared(engines=2, nnodes=4, engine_gpus=4, gpn=5, trainer_nodes=9, world=9))
+    with pytest.raises(
+        ConfigError, match=r"cluster.nodes=9 is more than the placement uses.*set cluster.nodes=8"
+    ):
+        make_plan(_shared(engines=2, nnodes=4, engine_gpus=4, gpn=5, trainer_nodes=8, world=8, nodes=9))
+    with pytest.raises(ConfigError, match=r"trainer_placement must be one of"):
+        ClusterConfig(trainer_placement="anywhere").validate()
+    with pytest.raises(ConfigError, match=r"host_memory_per_worker must be a size"):
+        ClusterConfig(host_memory_per_worker="lots").validate()
