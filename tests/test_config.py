@@ -110,6 +110,16 @@ def test_wrong_type(capsys, recipe):
         ("training.fsdp_mode=zero3", "training.fsdp_mode must be one of"),
         ("store.global_segment_size=lots", "store.global_segment_size must be a size"),
         ("store.master_address=nohost", "store.master_address must be host:port"),
+        ("store.backpressure_high=1.5", "store.backpressure_high must lie in (backpressure_low=0.5, 1)"),
+        ("store.backpressure_max_pause_s=0", "store.backpressure_max_pause_s must be > 0"),
+        ("training.epochs=-1", "training.epochs must be >= 0"),
+        ("training.spool_max_size=big", "training.spool_max_size must be a size"),
+        ("cluster.trainer_placement=anywhere", "cluster.trainer_placement must be one of"),
+        ("cluster.host_memory_per_worker=lots", "cluster.host_memory_per_worker must be a size"),
+        # Plan sizing (the couplings): Mooncake's smallest segment, the counts relation.
+        ("store.global_segment_size=1MB", "below Mooncake's smallest segment"),
+        ("data.num_samples=100000", "never read (captured for nothing)"),
+        ("training.epochs=1", "set training.epochs="),
     ],
 )
 def test_out_of_range(capsys, recipe, override, needle):
