@@ -8,6 +8,7 @@ from hpctoolkit.plan.placement import ROLES
 from hpctoolkit.roles.context import load_context, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
+from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_text_atomic
 
 ROLE_CHECK = "check"
@@ -26,6 +27,10 @@ def main(argv: list[str]) -> int:
         # Once per job, before any step: the run directory and the resolved recipe it ran with.
         ctx.run.root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
+        if ctx.slurm is not None and ledger.begin_attempt(ctx.run, ctx.slurm.job_id, ledger.restart_count()):
+            print(
+                f"attempt {ledger.restart_count()} of job {ctx.slurm.job_id}: cleared the earlier attempt's records"
+            )
         print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
         return 0
     if args.role == ROLE_EVALUATE:

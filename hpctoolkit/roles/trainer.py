@@ -25,7 +25,9 @@ from hpctoolkit.roles.context import (
     trainer_env,
 )
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
+from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+from hpctoolkit.train import preempt
 
 # No new manifest from any engine for this long (engine start included) fails the read.
 QUEUE_STALL_TIMEOUT_S = 1800.0
@@ -43,6 +45,9 @@ def engine_share(num_samples: int, num_engines: int, engine: int) -> int:
 
 
 def run_trainer(ctx: NodeContext, proc: Process) -> int:
+    """0 once trained; `ledger.PREEMPTED_EXIT` after a checkpoint on SIGUSR2 (requeue the job)."""
+    # First: SIGUSR2's default action ends the process, and the notice may come at any time.
+    preempt.install()
     from hpctoolkit.train.run import train
 
     cfg = ctx.cfg
@@ -52,10 +57,21 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
         result = train(cfg, cfg.data.offline_dir, ctx.run.train)
+        if preempt.requested():
+            return _preempted(ctx, proc, result)
         if proc.node_rank == 0:
             _finish(ctx, {"recipe": cfg.name, "run_id": ctx.run_id, **_train_fields(result)})
         return 0
     return _train_live(ctx, proc)
+
+
+def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -> int:
+    """Every rank wrote its part of the checkpoint; rank 0 tells the services the run stopped."""
+    if proc.node_rank == 0:
+        step = (result or {}).get("steps_trained")
+        write_json_atomic(ctx.run.ended, {"ok": False, "preempted": True, "step": step})
+        say(f"SIGUSR2: checkpointed at step {step}; requeue the job to resume (exit {ledger.PREEMPTED_EXIT})")
+    return ledger.PREEMPTED_EXIT
 
 
 def _train_fields(result: dict[str, Any] | None) -> dict[str, Any]:
@@ -82,11 +98,13 @@ def _hosts(ctx: NodeContext, source: Any) -> dict[str, Any]:
 
 
 def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
-    """(samples, bytes, every rank complete) from the ranks' read records."""
+    """(samples, bytes, every rank complete) from the ranks' read records of this attempt."""
     n = nbytes = 0
     complete = True
     for r in range(world_size):
         rec = read_json(source.read_record(r)) or {}
+        if rec.get("prefixes", list(source.engine_prefixes)) != list(source.engine_prefixes):
+            rec = {}  # an earlier attempt's
         n += int(rec.get("samples", 0))
         nbytes += int(rec.get("bytes", 0))
         complete = complete and bool(rec.get("complete"))
@@ -103,7 +121,7 @@ def _published(ctx: NodeContext, prefixes: Sequence[str]) -> int | None:
     return total
 
 
-def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
+def _live_source(ctx: NodeContext, prefixes: tuple[str, ...], done: ledger.Ledger | None) -> Any:
     from hpctoolkit.config.fields import parse_size
     from hpctoolkit.plan.sizing import check_counts
     from hpctoolkit.store.mooncake import MooncakeStore
@@ -111,7 +129,8 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
 
     cfg = ctx.cfg
     n = cfg.engine.num_engines
-    expected = tuple(engine_share(cfg.data.num_samples, n, i) for i in range(n))
+    # After a preemption the engines capture only what the ledger's checkpoint did not train on.
+    expected = tuple(len(ledger.remaining(range(i, cfg.data.num_samples, n), done)) for i in range(n))
     return LiveSource(
         "",
         expected=sum(expected),
@@ -125,6 +144,7 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...]) -> Any:
         epochs=check_counts(cfg).epochs,
         spool_max_bytes=parse_size(cfg.training.spool_max_size, "training.spool_max_size"),
         engine_prefixes=prefixes,
+        resumed=done is not None,
     )
 
 
@@ -171,19 +191,18 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
 
     t0 = time.monotonic()
     cfg = ctx.cfg
-    stale = sorted(ctx.run.checkpoints.glob("step-*"))
-    if stale:
-        # Resuming would skip this job's samples (the store hands each out once, to this job).
-        raise ConfigError(
-            f"{ctx.run.checkpoints} holds checkpoints of an earlier attempt ({stale[-1].name}); "
-            "a live run starts from the store, not from a checkpoint"
-        )
+    # The store handed this attempt's samples out once; what an earlier attempt trained on up to
+    # its checkpoint is in that checkpoint's ledger, and the engines capture only the rest.
+    done = ledger.read_ledger(ctx.run.checkpoints)
     rank0 = proc.node_rank == 0
     if rank0 and cfg.data.offline_dir:
         say(f"WARNING: data.offline_dir has no effect on a live run; each rank spools to {ctx.run.spool}")
-    prefixes = tuple(run_prefix(ctx.run_id, i) for i in range(cfg.engine.num_engines))
+    if rank0 and done is not None:
+        say(f"resuming from {done.checkpoint.name}: {len(done.prompts)} prompts trained on already")
+    attempt = ledger.attempt_run_id(ctx.run_id, ctx.slurm.job_id if ctx.slurm else None)
+    prefixes = tuple(run_prefix(attempt, i) for i in range(cfg.engine.num_engines))
     wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)
-    source = _live_source(ctx, prefixes)
+    source = _live_source(ctx, prefixes, done)
     watch = _DrainWatch(ctx, source, _metrics_address(ctx) if rank0 else None, t0)
     if rank0:
         watch.thread.start()
@@ -195,6 +214,8 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
         raise
     finally:
         watch.close()
+    if preempt.requested():
+        return _preempted(ctx, proc, result)
     if rank0:
         watch.thread.join(timeout=30)
         _finish(ctx, _live_summary(ctx, source, watch, prefixes, result, t0))

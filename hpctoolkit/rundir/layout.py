@@ -12,10 +12,17 @@ Inside a run directory (every node of a Slurm job shares it):
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
     manifests/engine<i>.closed   engine i's leader released its store segment and left
+    manifests/engine<i>.stale.jsonl  an earlier attempt's queue: its leader removes the fragments
+                                 it lists from the store, then the file (`rundir.ledger`)
+    attempt.json                 {"job_id", "restart"}: the attempt of the Slurm job these records
+                                 belong to (`rundir.ledger.begin_attempt`)
     faults/engine<i>/            store errors the engine's workers recorded
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record
-    train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json
+    train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json,
+                                 data_order/rank<r>.jsonl (each step's samples and prompts)
+    train/checkpoints/step-N/ledger-rank<r>.json  the sample ledger: the prompts rank r trained
+                                 on up to step N (`rundir.ledger`; complete with the checkpoint)
     evaluate.json                served vs simulated acceptance (local backend)
     summary.json                 the run's summary (written last)
     ended.json                   {"ok": bool, ...}: the trainers are done; once every engine
@@ -85,6 +92,13 @@ class RunDir:
 
     def engine_closed(self, engine: int) -> Path:
         return self.manifests / f"engine{engine}.closed"
+
+    def stale_queue(self, engine: int) -> Path:
+        return self.manifests / f"engine{engine}.stale.jsonl"
+
+    @property
+    def attempt(self) -> Path:
+        return self.root / "attempt.json"
 
     @property
     def drained(self) -> Path:

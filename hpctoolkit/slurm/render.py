@@ -29,6 +29,7 @@ from hpctoolkit.plan.placement import (
     Plan,
 )
 from hpctoolkit.plan.sizing import node_memory
+from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 from hpctoolkit.slurm import container
 
 # Stands in for a `???` value while rendering; the value must come as an sbatch argument.
@@ -112,7 +113,8 @@ def _sbatch_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
         lines.append(f"--partition={c.partition}")
     if c.account:
         lines.append(f"--account={c.account}")
-    lines += [f"--output={output}", f"--signal=B:USR2@{c.signal_before_s}"]
+    # --requeue: a preempted job (the trainers checkpointed on USR2) requeues itself, below.
+    lines += [f"--output={output}", f"--signal=B:USR2@{c.signal_before_s}", "--requeue"]
     lines += list(c.sbatch_extra or [])
     return [f"#SBATCH {line}" for line in lines]
 
@@ -342,7 +344,18 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
             'kill -TERM "$master_pid" 2>/dev/null || true',
             'wait "$master_pid" 2>/dev/null || true',
         ]
-    return [*body, 'echo "trainers exited with status $rc"', 'exit "$rc"']
+    return [
+        *body,
+        'echo "trainers exited with status $rc"',
+        f"# {PREEMPTED_EXIT}: every trainer rank wrote its part of a checkpoint on SIGUSR2; the job goes",
+        "# back to the queue and resumes from it in the same run directory (same job id).",
+        f"if ((rc == {PREEMPTED_EXIT})); then",
+        '  echo "requeueing job $SLURM_JOB_ID to resume from its checkpoint"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$rc"',
+    ]
 
 
 def _gpus(gpus: Sequence[int]) -> str:

@@ -3,7 +3,8 @@
 Layout under `<out_dir>/checkpoints/`:
 
     step-00000030/            DCP shards of {"model", "optim"} (every rank writes its own)
-    step-00000030/rank-0.pt   per-rank: scheduler, torch/CUDA RNG, samples consumed
+    step-00000030/rank-0.pt   per-rank: scheduler, torch/CUDA RNG, the sample stream's position
+    step-00000030/ledger-rank0.json  per-rank: the prompts it trained on (`rundir.ledger`)
     step-00000030/meta.json   step, world size, family; written last, marks the checkpoint complete
 
 A checkpoint is written under `step-N.partial` and renamed once every rank has finished, so a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.train.fsdp import DistContext
 
 log = logging.getLogger(__name__)
@@ -52,9 +56,19 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(
-        self, step: int, model, optimizer, scheduler, *, samples_consumed: int, meta: dict[str, Any]
+        self,
+        step: int,
+        model,
+        optimizer,
+        scheduler,
+        *,
+        samples_consumed: dict[str, int],
+        meta: dict[str, Any],
+        prompts: Iterable[int] = (),
     ) -> Path:
-        """Collective: every rank calls it at the same step."""
+        """Collective: every rank calls it at the same step. `samples_consumed` is this rank's
+        `SampleStream.position` (`{"epoch", "offset"}`); `load` returns it under the same key.
+        `prompts`: the prompts this rank trained on up to `step` (its part of the sample ledger)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".partial")
         if self.ctx.is_main:
@@ -73,12 +87,14 @@ class Checkpointer:
             },
             tmp / f"rank-{self.ctx.rank}.pt",
         )
+        ledger.write_part(tmp, self.ctx.rank, step, prompts)
         self.ctx.barrier()
         if self.ctx.is_main:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-            (final / META).write_text(
-                json.dumps({"step": step, "world_size": self.ctx.world_size, **meta}, indent=2)
+            # Last, and atomically: only now does the checkpoint (with its ledger) count.
+            write_json_atomic(
+                final / META, {"step": step, "world_size": self.ctx.world_size, **meta}, indent=2
             )
             for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -95,7 +111,7 @@ class Checkpointer:
                 "(resume with the same training.world_size, or start a fresh output_dir)"
             )
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
+        state: dict[str, Any] = {"model": msd, "optim": osd}  # DCP's STATE_DICT_TYPE
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(path / f"rank-{self.ctx.rank}.pt", weights_only=False)
@@ -104,4 +120,7 @@ class Checkpointer:
         if extra.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
         log.info("resumed from %s at step %d", path, meta["step"])
-        return {**meta, "samples_consumed": extra["samples_consumed"]}
+        # A checkpoint from before the ledger has none; a live resume refuses it (`read_ledger`).
+        has_part = (path / ledger.part_name(self.ctx.rank)).is_file()
+        prompts = ledger.read_part(path, self.ctx.rank) if has_part else []
+        return {**meta, "samples_consumed": extra["samples_consumed"], "prompts": prompts}

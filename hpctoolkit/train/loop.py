@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.rundir.ledger import PROMPT_KEY
+from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
@@ -93,7 +96,8 @@ def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(trainer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("draft."): v for k, v in sd.items() if k.startswith("draft.")}
+    # A full model state dict holds tensors only; DCP types its values as any state-dict value.
+    return {k.removeprefix("draft."): v for k, v in sd.items() if k.startswith("draft.")}  # type: ignore[misc]
 
 
 def forward_backward(trainer: FamilyTrainer, batch, step: int, ctx: DistContext):
@@ -113,6 +117,7 @@ def forward_backward(trainer: FamilyTrainer, batch, step: int, ctx: DistContext)
 def run_rank(rank: int, world_size: int, job: TrainJob) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the summary, the others None."""
     cfg = job.training
+    preempt.install()
     if cfg.device == "cpu" and world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     ctx = init_distributed(rank, world_size, job.init_method, cfg.device)
@@ -141,6 +146,9 @@ class _Run:
     supervised_total: float = 0.0
     last_stats: StepStats | None = None
     stop_reason: str = ""
+    # Prompts this rank trained on (resumed from the checkpoint's ledger part), and SIGUSR2.
+    trained_prompts: set[int] = field(default_factory=set)
+    preempted: bool = False
 
     @property
     def cfg(self) -> TrainingConfig:
@@ -158,6 +166,7 @@ class _Run:
             self.scheduler,
             samples_consumed=self.stream.position,
             meta={"family": self.trainer.family},
+            prompts=self.trained_prompts,
         )
 
 
@@ -185,15 +194,27 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     optimizer, scheduler = build_optimizer(trainer, cfg)
     ckpt = Checkpointer(Path(job.out_dir) / "checkpoints", cfg.keep_checkpoints, ctx)
 
-    start_step, position = 0, {"epoch": 0, "offset": 0}
+    start_step, position, prompts = 0, {"epoch": 0, "offset": 0}, []
     latest = ckpt.latest() if job.resume else None
     if latest is not None:
         meta = ckpt.load(latest, trainer, optimizer, scheduler)
         start_step = int(meta["step"])
         position = meta["samples_consumed"]
+        prompts = meta["prompts"]
     stream = SampleStream(opener, ctx.rank, ctx.world_size, **position)
     window = Window(max(1, min(20, cfg.steps // 5)))
-    return _Run(ctx, job, trainer, optimizer, scheduler, ckpt, stream, start_step, window, step=start_step)
+    run = _Run(ctx, job, trainer, optimizer, scheduler, ckpt, stream, start_step, window, step=start_step)
+    run.trained_prompts.update(prompts)
+    return run
+
+
+def _prompts_of(samples) -> list[int | None]:
+    """Each sample's prompt index (live samples; None where the manifest carries none)."""
+    out: list[int | None] = []
+    for s in samples:
+        extra = getattr(getattr(s, "manifest", None), "extra", None) or {}
+        out.append(extra.get(PROMPT_KEY))
+    return out
 
 
 def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[str, float]]:
@@ -203,7 +224,9 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
     batch = collate(samples, max_seq_len=cfg.max_seq_len, min_loss_tokens=cfg.min_loss_tokens)
     # FSDP casts the inputs to the compute dtype anyway; moving them in it halves the copy.
     batch = batch.to(ctx.device, torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32)
-    order_log.write(json.dumps({"step": run.step + 1, "keys": batch.keys}) + "\n")
+    prompts = _prompts_of(samples)
+    record = {"step": run.step + 1, "epoch": run.stream.epoch, "keys": batch.keys, "prompts": prompts}
+    order_log.write(json.dumps(record) + "\n")
     order_log.flush()
     parts = forward_backward(run.trainer, batch, run.step, ctx)
     grad_norm = clip_grad_norm(run.trainer, cfg.grad_clip)
@@ -218,6 +241,7 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
     dt = time.monotonic() - t0
     run.step += 1
     run.steps_this_run += 1
+    run.trained_prompts.update(p for p in prompts if p is not None)
     tokens = float(vec[-1])
     run.tokens_total += tokens
     run.supervised_total += float(vec[-2])
@@ -248,17 +272,24 @@ def _train_steps(run: _Run) -> None:
         bar = tqdm(total=cfg.steps, initial=run.start_step, desc=desc, dynamic_ncols=True)
     order_dir = run.out / "data_order"
     order_dir.mkdir(parents=True, exist_ok=True)
+    order_path = order_dir / f"rank{ctx.rank}.jsonl"
+    _truncate_order(order_path, run.start_step)
     # Which samples each step read, per rank: what resume is checked against.
-    with (order_dir / f"rank{ctx.rank}.jsonl").open("a" if run.start_step else "w") as order_log:
+    with order_path.open("a") as order_log:
         while run.step < cfg.steps:
             if job.stop_after is not None and run.steps_this_run >= job.stop_after:
                 run.stop_reason = "stop_after"
                 break
-            samples = run.stream.next_batch(cfg.batch_size)
-            have = torch.tensor([0.0 if samples is None else 1.0], device=ctx.device)
+            samples, asked = _next_samples(run)
+            # One collective: does every rank have a batch, and was any rank asked to stop?
+            flags = torch.tensor([0.0 if samples is None else 1.0, 0.0 if asked else 1.0], device=ctx.device)
             if ctx.world_size > 1:
-                torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
-            if float(have) == 0.0:
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+            if float(flags[1]) == 0.0:
+                run.preempted = True
+                run.stop_reason = f"preempted (SIGUSR2) at step {run.step}"
+                break
+            if float(flags[0]) == 0.0:
                 run.stop_reason = f"samples source exhausted at step {run.step}"
                 break
             stats, _, scalars = _train_step(run, samples, order_log)
@@ -283,16 +314,59 @@ def _train_steps(run: _Run) -> None:
     tb.close()
 
 
+def _next_samples(run: _Run) -> tuple[list[Any] | None, bool]:
+    """This rank's next batch, and whether SIGUSR2 asked it to stop (the batch is then dropped:
+    it was never trained on, and the next attempt reads it again)."""
+    if preempt.requested():
+        return None, True
+    before = run.stream.position
+    try:
+        with preempt.interruptible():
+            samples = run.stream.next_batch(run.cfg.batch_size)
+    except preempt.Preempted:
+        samples = None
+    except Exception as err:
+        if not preempt.requested():
+            raise
+        # The engines (or the store) went away with the same notice; the checkpoint does not need them.
+        log.warning("reading samples failed after SIGUSR2 (%s); checkpointing", err)
+        samples = None
+    if not preempt.requested():
+        return samples, False
+    # The checkpoint's position is that of the last trained batch: this one is read again.
+    run.stream.rewind(before)
+    return None, True
+
+
+def _truncate_order(path: Path, start_step: int) -> None:
+    """Keep only the steps up to the checkpoint a run resumed from (a crash may have logged more)."""
+    if not start_step:
+        path.write_text("")
+        return
+    if not path.exists():
+        return
+    kept = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= start_step]
+    path.write_text("".join(x + "\n" for x in kept))
+
+
 def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     run = _build(ctx, job)
     t_start = time.monotonic()
     _train_steps(run)
     wall = time.monotonic() - t_start
     cfg = run.cfg
-    if run.step < cfg.steps and run.stop_reason != "stop_after" and run.step > run.start_step:
+    if run.preempted:
+        preempt.request()  # every rank that stopped for it, asked or not (`roles.trainer`)
+        t0 = time.monotonic()
+        latest = run.ckpt.latest()
+        if run.step > run.start_step and (latest is None or int(latest.name.split("-")[1]) != run.step):
+            run.save()
+        if ctx.is_main:
+            log.warning("SIGUSR2: checkpoint of step %d written in %.1fs", run.step, time.monotonic() - t0)
+    elif run.step < cfg.steps and run.stop_reason != "stop_after" and run.step > run.start_step:
         run.save()  # data ran out early: keep what was trained
     export_dir, export_error = None, None
-    if cfg.export and run.stop_reason != "stop_after":
+    if cfg.export and run.stop_reason != "stop_after" and not run.preempted:
         state = _full_draft_state(run.trainer)
         if ctx.is_main:
             cpu_draft = _save_training_format(run.trainer, state, run.out)
@@ -331,6 +405,7 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
         "train_tokens_per_s_per_rank": run.tokens_total / max(wall, 1e-9) / ctx.world_size,
         "world_size": ctx.world_size,
         "stop_reason": run.stop_reason or "completed",
+        "preempted": run.preempted,
         "samples_position": run.stream.position,
         "checkpoint_dir": str(run.ckpt.latest()) if run.ckpt.latest() else None,
         "draft_dir": str(out / "draft") if (out / "draft").is_dir() else None,
@@ -357,7 +432,7 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
 
 def _save_training_format(
     trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path
-) -> torch.nn.Module:
+) -> DraftModel:
     """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
     from hpctoolkit.models.checkpoint import save_draft
     from hpctoolkit.models.registry import build_draft_model
@@ -372,7 +447,7 @@ def _save_training_format(
     return cpu_model
 
 
-def _export(cpu_draft: torch.nn.Module, out: Path) -> Path:
+def _export(cpu_draft: DraftModel, out: Path) -> Path:
     """`out/export`: the vLLM serving checkpoint, through the models' `export_draft`."""
     from hpctoolkit.models.export import export_draft
 

@@ -91,6 +91,12 @@ class SampleStream:
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset}
 
+    def rewind(self, position: dict[str, int]) -> None:
+        """Back to `position` (a batch read but never trained on: a preemption dropped it)."""
+        self.epoch, self.offset = int(position["epoch"]), int(position["offset"])
+        self._it = None
+        self.exhausted = False
+
     def _next(self) -> Any | None:
         fresh_epochs = 0
         while True:
@@ -166,7 +172,10 @@ class LiveSource:
     `epochs` (`training.epochs`): 1 reads the store once and spools nothing, so training ends
     when the first pass does; E > 1 also keeps this rank's samples as offline shards under
     `spool_dir/rank<r>` and replays them in epochs 1..E-1; 0 replays every later epoch the stream
-    asks for. `spool_max_bytes` bounds the spool of all ranks together (each rank keeps at most
+    asks for. `resumed`: this attempt continues a checkpoint of an earlier one, and the engines
+    capture only the prompts its ledger does not hold (`rundir.ledger`), so the first pass's `skip`
+    counts samples of the earlier attempt's queue and is not applied to this one's.
+    `spool_max_bytes` bounds the spool of all ranks together (each rank keeps at most
     its `1/world_size`); a sample that would pass it raises, never silently goes unspooled.
     """
 
@@ -180,6 +189,7 @@ class LiveSource:
     epochs: int = 0
     spool_max_bytes: int | None = None
     engine_prefixes: tuple[str, ...] = ()
+    resumed: bool = False
 
     @property
     def spools(self) -> bool:
@@ -192,7 +202,15 @@ class LiveSource:
             return
         from hpctoolkit.data.dataset import HiddenStateDataset
 
-        if self.spool_dir is not None and skip:
+        if self.resumed:
+            if skip and self.spools:
+                raise ConfigError(
+                    f"a live run with training.epochs={self.epochs} cannot resume rank {rank} inside "
+                    "its first pass: the replay spool of the earlier attempt also holds samples that "
+                    "were never trained on; resume runs with training.epochs=1"
+                )
+            skip = 0
+        elif self.spool_dir is not None and skip:
             raise ConfigError(
                 f"a live source cannot resume rank {rank} after {skip} samples of its first pass: "
                 "the store handed them out already"
@@ -242,7 +260,8 @@ class LiveSource:
         def note(complete: bool) -> None:
             rec: dict[str, Any] = {"samples": n, "bytes": nbytes, "complete": complete}
             if engines:
-                rec["engines"] = engines
+                # The prefixes tell this attempt's record from an earlier one's (`rundir.ledger`).
+                rec["engines"], rec["prefixes"] = engines, list(self.engine_prefixes)
             write_json_atomic(record, rec)
 
         note(False)

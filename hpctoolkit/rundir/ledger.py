@@ -1,0 +1,181 @@
+"""The sample ledger: which prompts went into a completed, checkpointed training step.
+
+A live run's samples come from the store, which hands each out once and is gone with its master.
+To resume such a run after a preemption, the engines must capture again exactly the prompts no
+completed checkpoint trained on, and the trainers must continue from that checkpoint. The ledger
+is what ties the two together; it is part of the checkpoint itself, so it cannot disagree with it:
+
+    train/checkpoints/step-N.partial/ledger-rank<r>.json   rank r's part, written with its shards
+    train/checkpoints/step-N/meta.json                     written last: the checkpoint (and so
+                                                           its ledger) counts from then on
+
+A part is `{"rank", "step", "prompts": [global prompt index, ...]}`: every prompt rank r trained
+on in a step <= N (its first pass over the store). The prompt index is the position in the run's
+prompt list (`data.prompts` after loading); an engine leader tags each manifest with it
+(`manifest.extra["prompt"]`), and engine i captures prompts `i::num_engines`. The ledger of a
+run is the union of the parts of its newest complete checkpoint; a part missing there fails
+closed (`DataIntegrityError`), never "nothing trained".
+
+The attempt record `attempt.json` (`{"job_id", "restart"}`) marks which attempt of a Slurm job
+the run directory's records belong to. `begin_attempt` removes what an earlier attempt left that
+would mislead this one (its master's address, its end records, its engines' close records) and
+then writes it; it runs once per attempt before any role reads them (the batch script's `check`
+step; under submitit, task 0 while the other tasks wait in `wait_attempt`).
+
+Pure file I/O: no torch, no store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+from hpctoolkit.rundir.layout import RunDir
+
+# The manifest `extra` key an engine leader puts the sample's prompt index under.
+PROMPT_KEY = "prompt"
+META = "meta.json"
+# Trainers exit with this status when they checkpointed on SIGUSR2 and want the job requeued.
+PREEMPTED_EXIT = 75
+# Under submitit, the other tasks wait this long for task 0's attempt record.
+ATTEMPT_TIMEOUT_S = 120.0
+
+
+def part_name(rank: int) -> str:
+    return f"ledger-rank{rank}.json"
+
+
+def write_part(checkpoint_dir: str | os.PathLike, rank: int, step: int, prompts: Iterable[int]) -> Path:
+    """Rank `rank`'s part of the ledger of the checkpoint being written in `checkpoint_dir`."""
+    record = {"rank": rank, "step": step, "prompts": sorted({int(p) for p in prompts})}
+    return write_json_atomic(Path(checkpoint_dir) / part_name(rank), record)
+
+
+def read_part(checkpoint_dir: str | os.PathLike, rank: int) -> list[int]:
+    """Rank `rank`'s trained prompts in a complete checkpoint; raises if its part is missing."""
+    path = Path(checkpoint_dir) / part_name(rank)
+    record = read_json(path)
+    if not isinstance(record, dict) or not isinstance(record.get("prompts"), list):
+        raise DataIntegrityError(
+            f"{path} is missing or unreadable: checkpoint {Path(checkpoint_dir).name} does not say "
+            "which samples it trained on, so a resume could skip or repeat some"
+        )
+    return [int(p) for p in record["prompts"]]
+
+
+def complete_checkpoints(checkpoints: str | os.PathLike) -> list[Path]:
+    """`step-*` directories with their `meta.json`, oldest first."""
+    root = Path(checkpoints)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step-*") if p.is_dir() and (p / META).is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The newest complete checkpoint's step and every prompt trained on up to it."""
+
+    step: int
+    checkpoint: Path
+    prompts: frozenset[int]
+
+    def of_engine(self, engine: int, num_engines: int) -> frozenset[int]:
+        return frozenset(p for p in self.prompts if p % num_engines == engine)
+
+
+def read_ledger(checkpoints: str | os.PathLike) -> Ledger | None:
+    """The run's ledger, or None when no checkpoint completed yet."""
+    done = complete_checkpoints(checkpoints)
+    if not done:
+        return None
+    latest = done[-1]
+    meta = json.loads((latest / META).read_text())
+    prompts: set[int] = set()
+    for rank in range(int(meta["world_size"])):
+        prompts.update(read_part(latest, rank))
+    return Ledger(int(meta["step"]), latest, frozenset(prompts))
+
+
+def remaining(share: Iterable[int], ledger: Ledger | None) -> list[int]:
+    """The prompt indices of `share` that no completed checkpoint trained on, in order."""
+    done = ledger.prompts if ledger is not None else frozenset()
+    return [p for p in share if p not in done]
+
+
+def store_run_id(run_id: str, job_id: str | None, restart: int) -> str:
+    """The run id an attempt's sample keys carry. The first attempt of a job in its own run
+    directory keeps the run id; a requeued attempt (or a job resuming another's run) gets its own,
+    so its keys never meet fragments an earlier attempt left in a store that outlived it."""
+    if job_id is None or (restart <= 0 and run_id.endswith(f"-j{job_id}")):
+        return run_id
+    return f"{run_id}-j{job_id}r{restart}"
+
+
+def attempt_run_id(run_id: str, job_id: str | None, env: Mapping[str, str] | None = None) -> str:
+    """`store_run_id` of this process's attempt (`SLURM_RESTART_COUNT` from its environment)."""
+    return store_run_id(run_id, job_id, restart_count(env))
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How often Slurm requeued this job (`SLURM_RESTART_COUNT`; 0 on the first attempt)."""
+    value = (os.environ if env is None else env).get("SLURM_RESTART_COUNT", "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
+    """Start attempt `restart` of job `job_id` in `run`; True when it found an earlier attempt's
+    records. Idempotent within one attempt."""
+    record = {"job_id": str(job_id), "restart": int(restart)}
+    if read_json(run.attempt) == record:
+        return False
+    stale = [run.master_record, run.ended, run.summary, run.drained]
+    if run.manifests.is_dir():
+        stale += sorted(run.manifests.glob("engine*.closed"))
+        stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))
+    found = False
+    for path in stale:
+        if path.exists():
+            found = True
+            path.unlink(missing_ok=True)
+    # The leaders remove the fragments an earlier attempt's queue lists (a store that outlived
+    # it still holds them), then the list.
+    for engine in range(_queue_count(run)):
+        queue, stale_list = run.queue(engine), run.stale_queue(engine)
+        if queue.exists():
+            found = True
+            with stale_list.open("a") as f:
+                f.write(queue.read_text())
+            queue.unlink()
+    write_json_atomic(run.attempt, record)
+    return found
+
+
+def _queue_count(run: RunDir) -> int:
+    names = [p.name for p in run.manifests.glob("engine*.jsonl")] if run.manifests.is_dir() else []
+    ids = [
+        int(n[len("engine") : -len(".jsonl")]) for n in names if n[len("engine") : -len(".jsonl")].isdigit()
+    ]
+    return max(ids) + 1 if ids else 0
+
+
+def wait_attempt(run: RunDir, job_id: str, restart: int, timeout_s: float = ATTEMPT_TIMEOUT_S) -> None:
+    """Wait until `begin_attempt` ran for this attempt (bounded; names what it waited for)."""
+    want = {"job_id": str(job_id), "restart": int(restart)}
+    deadline = time.monotonic() + timeout_s
+    while read_json(run.attempt) != want:
+        if time.monotonic() > deadline:
+            raise StoreError(
+                f"{run.attempt} does not name attempt {restart} of job {job_id} after "
+                f"{timeout_s:.0f}s; task 0 of the job starts each attempt"
+            )
+        time.sleep(0.2)

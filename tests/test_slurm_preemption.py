@@ -1,0 +1,254 @@
+"""Live runs that survive the cluster, on the emulated cluster of launch/local_slurm.sh.
+
+tests/recipes/slurm_preempt.yaml is a tiny live run (Mooncake master and one gloo trainer on node
+0, a vLLM-CPU engine on node 1) whose 40 steps train on each of its 40 prompts exactly once. It is
+preempted mid-training with `scancel --signal=USR2`: the trainer checkpoints within the recipe's
+lead time (`cluster.signal_before_s`), the batch script requeues the job, and the next attempt
+resumes in the same run directory at the checkpoint's step, the engine capturing only the prompts
+the checkpoint's ledger does not hold; the run ends at the same final step, and `data_order`
+shows every prompt trained once. `scancel` mid-run leaves no process of the job on the host.
+Needs root and Debian's Slurm packages (launch/system_deps.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port, job_processes, wait_done
+
+from hpctoolkit.config.load import load_recipe
+from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir.layout import RunDir, slurm_run_id
+from hpctoolkit.slurm import shell
+from hpctoolkit.slurm.render import render_sbatch
+from hpctoolkit.slurm.submit import submit_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "tests/recipes/slurm_preempt.yaml"
+SLURM_NODES = 2
+SLURM_NEEDS = (("taskset",), (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")))
+# Two attempts, each starting vLLM-CPU on one core.
+JOB_TIMEOUT_S = 420
+# After scancel: KillWait (5 s) plus what the roles' own shutdown takes.
+LEFTOVER_BOUND_S = 30.0
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _submit(env: dict[str, str], tmp_path: Path, extra: list[str] | None = None):
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
+    out = tmp_path / "run"
+    out.mkdir()
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}", *(extra or [])]
+    cfg = load_recipe(ROOT / RECIPE, overrides)
+    text = render_sbatch(cfg, make_plan(cfg), recipe_path=RECIPE, overrides=overrides)
+    job = submit_sbatch(text, ROOT, env=env)
+    return cfg, out, job, RunDir.of(out, slurm_run_id(cfg.name, job))
+
+
+def _env(slurm_cluster: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in slurm_cluster.items() if k != "HPCTOOLKIT_NODE_DRY"}
+    env["HPCTOOLKIT_PYTHON"] = sys.executable
+    return env
+
+
+def _order(run: RunDir) -> list[dict]:
+    path = run.train / "data_order" / "rank0.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _wait_steps(run: RunDir, job: str, env: dict[str, str], steps: int, timeout_s: float) -> None:
+    """Until the trainer logged `steps` steps (the job still running), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while len(_order(run)) < steps:
+        state = shell.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env).strip()
+        assert state in ("PENDING", "RUNNING", "CONFIGURING", ""), f"job {job} is {state} before step {steps}"
+        assert time.monotonic() < deadline, f"job {job}: {len(_order(run))} steps after {timeout_s}s"
+        time.sleep(0.2)
+
+
+def _log(out: Path, job: str) -> str:
+    path = out / f"slurm-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+class _NoticeAfter:
+    """Samples of `src`; the preemption notice comes once `after` of them were handed out."""
+
+    def __init__(self, src, after: int):
+        self.src, self.after, self.given = src, after, 0
+
+    def __call__(self, rank, world_size, epoch, skip):
+        from hpctoolkit.train import preempt
+
+        for sample in self.src(rank, world_size, epoch, skip):
+            if self.given == self.after:
+                preempt.request()
+            self.given += 1
+            yield sample
+
+
+def _train_job(out: Path, src):
+    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.train.config import TrainingConfig
+    from hpctoolkit.train.loop import TrainJob
+
+    cfg = TrainingConfig(
+        steps=5, batch_size=2, warmup_steps=1, checkpoint_every=100, num_anchors=4, max_seq_len=64, seed=3
+    )
+    draft = "recipes/draft_models/tiny_dflash.json"
+    target = str(resolve_target("builtin:tiny-qwen3"))
+    return TrainJob(draft, target, cfg, src, str(out), show_progress=False)
+
+
+@pytest.mark.timeout(180)
+def test_notice_mid_batch_checkpoints_the_finished_step_and_resumes_it(tmp_path):
+    """No cluster: the notice arrives while step 3's batch is read; step 2 is checkpointed (with
+    optimizer, scheduler and RNG), and the resumed run ends as the uninterrupted one."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hpctoolkit.train import preempt
+    from hpctoolkit.train.run import launch
+    from hpctoolkit.train.synthetic import SyntheticSamples
+
+    def src():
+        return SyntheticSamples(num_samples=7, vocab_size=512, hidden_size=128, num_aux=3, seed=7)
+
+    straight = launch(_train_job(tmp_path / "a", src()), 1)
+    try:
+        first = launch(_train_job(tmp_path / "b", _NoticeAfter(src(), 5)), 1)
+    finally:
+        preempt.reset()
+    assert first["preempted"] and first["steps_trained"] == 2, first["stop_reason"]
+    assert (tmp_path / "b" / "checkpoints" / "step-00000002" / "meta.json").is_file()
+    assert not (tmp_path / "b" / "draft").exists()  # no export of a preempted run
+    resumed = launch(_train_job(tmp_path / "b", src()), 1)
+    assert resumed["resumed_from_step"] == 2 and resumed["steps_trained"] == 5
+    keys = [
+        json.loads(x)["keys"]
+        for x in (tmp_path / "b" / "data_order" / "rank0.jsonl").read_text().splitlines()
+    ]
+    want = [
+        json.loads(x)["keys"]
+        for x in (tmp_path / "a" / "data_order" / "rank0.jsonl").read_text().splitlines()
+    ]
+    assert keys == want
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
+    a = load_file(str(tmp_path / "a" / "draft" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "draft" / "model.safetensors"))
+    for name, t in a.items():
+        torch.testing.assert_close(b[name], t, rtol=0, atol=1e-6)
+
+
+def test_ledger_is_the_union_of_the_newest_complete_checkpoints_parts(tmp_path):
+    ck = tmp_path / "checkpoints"
+    assert ledger.read_ledger(ck) is None
+    for step, parts in ((2, [[0, 2], [1, 3]]), (4, [[0, 2, 4, 6], [1, 3, 5]])):
+        d = ck / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        for rank, prompts in enumerate(parts):
+            ledger.write_part(d, rank, step, prompts)
+        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": 2}))
+    (ck / "step-00000006").mkdir()  # no meta.json: an unfinished checkpoint does not count
+    done = ledger.read_ledger(ck)
+    assert done is not None and done.step == 4 and done.prompts == set(range(7))
+    assert ledger.remaining(range(1, 10, 2), done) == [7, 9]
+    assert done.of_engine(0, 2) == {0, 2, 4, 6}
+    (ck / "step-00000004" / ledger.part_name(1)).unlink()
+    with pytest.raises(Exception, match="does not say which samples"):
+        ledger.read_ledger(ck)
+
+
+def test_begin_attempt_clears_what_would_mislead_the_next(tmp_path):
+    run = RunDir.of(tmp_path, "r-j7")
+    run.manifests.mkdir(parents=True)
+    for path in (
+        run.master_record,
+        run.ended,
+        run.summary,
+        run.drained,
+        run.engine_closed(0),
+        run.queue_done(0),
+    ):
+        path.write_text("{}")
+    run.queue(0).write_text('{"sample_key": "r-j7-e0-0"}\n')
+    assert ledger.begin_attempt(run, "7", 1)
+    assert not any(p.exists() for p in (run.master_record, run.ended, run.drained, run.engine_closed(0)))
+    assert not run.queue(0).exists() and "r-j7-e0-0" in run.stale_queue(0).read_text()
+    assert not ledger.begin_attempt(run, "7", 1)  # the same attempt again: nothing to do
+    ledger.wait_attempt(run, "7", 1, timeout_s=1)
+    assert ledger.store_run_id("r-j7", "7", 0) == "r-j7"
+    assert ledger.store_run_id("r-j7", "7", 1) == "r-j7-j7r1"
+    assert ledger.store_run_id("r-j7", "9", 0) == "r-j7-j9r0"
+
+
+def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster, tmp_path):
+    env = _env(slurm_cluster)
+    t0 = time.monotonic()
+    cfg, out, job, run = _submit(env, tmp_path)
+    _wait_steps(run, job, env, 5, JOB_TIMEOUT_S)
+    t_signal = time.monotonic()
+    shell.run(["scancel", "--signal=USR2", job], env=env)
+    lead = cfg.cluster.signal_before_s
+    while ledger.read_ledger(run.checkpoints) is None:
+        assert time.monotonic() - t_signal < lead, f"no complete checkpoint {lead}s after SIGUSR2"
+        time.sleep(0.1)
+    checkpointed_after = time.monotonic() - t_signal
+    done = ledger.read_ledger(run.checkpoints)
+    assert done is not None
+    state = wait_done(job, env, JOB_TIMEOUT_S)
+    wall = time.monotonic() - t0
+    log = _log(out, job)
+    ours = "\n".join(
+        x for x in log.splitlines() if x.startswith(("[hpctoolkit", "trainers exited", "requeue"))
+    )
+    print(
+        f"\n[measure] USR2 after step {len(_order(run)) and done.step}: checkpoint of step {done.step} "
+        f"{checkpointed_after:.1f}s after the signal (lead {lead}s); job {job} {state} {wall:.1f}s after "
+        f"submission\n{ours}"
+    )
+    assert state == "COMPLETED", log[-6000:]
+    assert "requeueing job" in log or "resuming from" in log, log[-4000:]
+    assert 0 < done.step < cfg.training.steps
+
+    summary = json.loads((run.train / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == done.step
+    assert summary["steps_trained"] == cfg.training.steps
+    assert summary["stop_reason"] == "completed" and not summary["preempted"]
+    assert json.loads(run.summary.read_text())["keys_left_in_store"] == 0
+
+    # data_order: steps 1..N once each, and every prompt of the run trained exactly once.
+    order = _order(run)
+    assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
+    prompts = [p for r in order for p in r["prompts"]]
+    assert None not in prompts
+    assert sorted(prompts) == list(range(cfg.data.num_samples)), "a prompt was skipped or trained twice"
+    # The checkpoint's ledger holds exactly the prompts of the steps up to it.
+    assert done.prompts == {p for r in order if r["step"] <= done.step for p in r["prompts"]}
+
+
+def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
+    env = _env(slurm_cluster)
+    _, out, job, run = _submit(env, tmp_path)
+    _wait_steps(run, job, env, 2, JOB_TIMEOUT_S)
+    assert job_processes(job), "the job runs no process before scancel?"
+    t0 = time.monotonic()
+    shell.run(["scancel", job], env=env)
+    state = wait_done(job, env, 120)
+    left = job_processes(job)
+    while left and time.monotonic() - t0 < LEFTOVER_BOUND_S:
+        time.sleep(0.5)
+        left = job_processes(job)
+    print(
+        f"\n[measure] scancel: job {job} {state}; processes gone {time.monotonic() - t0:.1f}s after scancel"
+    )
+    assert state == "CANCELLED", _log(out, job)[-4000:]
+    assert not left, f"left {LEFTOVER_BOUND_S}s after scancel:\n" + "\n".join(left)
