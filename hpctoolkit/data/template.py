@@ -8,7 +8,8 @@ The mask rule
 
 How it is derived (`mask_method`)
     `template`: the template's `{% generation %}` blocks, through transformers'
-    `return_assistant_tokens_mask`. `prefix`: assistant turn `i` starts where
+    `return_assistant_tokens_mask`. `prefix`: assistant turn `i` starts at the first token reaching
+    past where
     `render(messages[:i], add_generation_prompt=True)` ends (that render must be a prefix of the whole
     conversation's, else the template cannot be masked this way and the row is refused) and ends
     at the first end-of-turn token after it. `auto` picks `template` when the template has
@@ -106,7 +107,7 @@ def _prefix_mask(
 ) -> tuple[list[int], list[int]]:
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc.input_ids)
-    starts = [int(a) for a, _ in enc.offset_mapping]
+    ends = [int(b) for _, b in enc.offset_mapping]
     mask = [0] * len(ids)
     for i in _assistant_indices(messages, spec.loss_mask):
         head = render(tok, messages[:i], spec, add_generation_prompt=True) if i else ""
@@ -116,7 +117,8 @@ def _prefix_mask(
                 f"from the whole conversation, so assistant message {i} cannot be placed by prefixes; "
                 "use a template with {% generation %} markers or data.loss_mask=last_assistant"
             )
-        t = next((k for k, s in enumerate(starts) if s >= len(head)), len(ids))
+        # The first token that reaches into the turn (one merged across the boundary included).
+        t = next((k for k, e in enumerate(ends) if e > len(head)), len(ids))
         end = next((k for k in range(t, len(ids)) if ids[k] in eot), None)
         if end is None:
             if i != len(messages) - 1:

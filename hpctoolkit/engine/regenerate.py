@@ -1,22 +1,181 @@
-"""Self-distillation data: extend each prompt with the target's own greedy continuation.
+"""Regeneration: the target answers each row itself, turn by turn, before its hidden states are captured.
 
-A draft is judged on the target's own outputs, so it should be trained on them: captured hidden
-states of prompt + target response teach it what the verifier will accept. Runs the target in
-vLLM (in this process, so call it from a child process of its own).
+A draft is judged on the target's own outputs, so it should be trained on them. For a chat row
+every assistant turn is replaced, in order, by the target's response to the regenerated history
+(`render(messages[:i], add_generation_prompt=True)`); a row that ends in a user turn gets one
+more assistant turn. A plain-text row becomes `prompt + continuation`, supervised on the
+continuation only. Pre-tokenized rows are captured as given.
+
+Turns are generated in rounds (round `r`: the `r`-th assistant turn of every row that has one),
+so one engine call serves every row. Sampling comes from the recipe (`data.regenerate_*`):
+temperature (0: greedy), top_p, max new tokens, and a seed per request (`seed + 1000 * row +
+turn`). Each turn is counted: `empty` (no token but the end of turn), `truncated` (stopped at
+the token limit; kept), `failed` (the history did not fit `data.max_prompt_tokens` or the
+engine's length). An empty or failed turn keeps the row's own response (none for text); a row
+with one is `bad`, and more than `data.regenerate_max_bad_fraction` of bad rows fails the run.
+
+`regenerate_rows` takes any `generate(prompts, max_tokens, seeds) -> [(token_ids, finish)]`; the
+vLLM one (`vllm_generator`) runs the target in this process, so call it from a child process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hpctoolkit.errors import DataIntegrityError
 
+# (token ids, finish reason: "stop" | "length")
+Generated = tuple[list[int], str]
+Generate = Callable[[list[list[int]], list[int], list[int]], list[Generated]]
 
-def regenerate(
-    target_dir: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """`prompt + greedy continuation` (up to `max_new_tokens`, stopping at EOS) for each prompt."""
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class RegenReport:
+    samples: int = 0
+    turns: int = 0
+    empty: int = 0
+    truncated: int = 0
+    failed: int = 0
+    bad_samples: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def check(self, max_bad_fraction: float) -> None:
+        if self.samples and self.bad_samples / self.samples > max_bad_fraction:
+            raise DataIntegrityError(
+                f"regeneration: {self.bad_samples} of {self.samples} samples had a turn that came back "
+                f"empty or failed (empty {self.empty}, failed {self.failed}, truncated {self.truncated} of "
+                f"{self.turns} turns), more than data.regenerate_max_bad_fraction={max_bad_fraction:g}"
+            )
+
+
+def _content(tok: Any, ids: Sequence[int], eot: set[int]) -> str:
+    body = list(ids)
+    while body and body[-1] in eot:
+        body.pop()
+    return str(tok.decode(body, skip_special_tokens=True))
+
+
+def regenerate_rows(
+    rows: Sequence[dict[str, Any]],
+    tok: Any,
+    spec: Any,
+    generate: Generate,
+    sampling: Sampling,
+    *,
+    max_prompt_tokens: int,
+    max_model_len: int,
+) -> tuple[list[dict[str, Any]], RegenReport]:
+    """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts."""
+    from hpctoolkit.data.prompts import _clean, encode_row
+    from hpctoolkit.data.template import apply_system_policy, eot_ids, prompt_ids
+
+    eot = eot_ids(tok, spec.end_of_turn_tokens)
+    report = RegenReport(samples=len(rows))
+    bad: set[int] = set()
+    convs: dict[int, list[dict[str, Any]]] = {}
+    texts: dict[int, list[int]] = {}
+    for n, row in enumerate(rows):
+        if row["kind"] == "chat":
+            msgs = apply_system_policy(_clean(row["messages"]), spec)
+            if msgs[-1]["role"] != "assistant":
+                msgs.append({"role": "assistant", "content": ""})
+            convs[n] = msgs
+        elif row["kind"] == "text":
+            texts[n] = list(tok(row["text"], add_special_tokens=False).input_ids)[:max_prompt_tokens]
+    text_out: dict[int, list[int]] = {}
+
+    def run(jobs: list[tuple[int, int, list[int]]]) -> list[Generated | None]:
+        """(row, turn, prompt) -> generated, or None where the prompt does not fit."""
+        fits = [j for j in jobs if len(j[2]) <= max_prompt_tokens and len(j[2]) < max_model_len - 1]
+        outs = iter(
+            generate(
+                [p for _, _, p in fits],
+                [min(sampling.max_new_tokens, max_model_len - len(p)) for _, _, p in fits],
+                [sampling.seed + 1000 * n + t for n, t, _ in fits],
+            )
+            if fits
+            else []
+        )
+        fit_set = {id(j) for j in fits}
+        return [next(outs) if id(j) in fit_set else None for j in jobs]
+
+    def note(n: int, got: Generated | None, content: str) -> bool:
+        report.turns += 1
+        if got is None:
+            report.failed += 1
+        elif got[1] == "length":
+            report.truncated += 1
+        if got is not None and not content:
+            report.empty += 1
+        ok = got is not None and bool(content)
+        if not ok:
+            bad.add(n)
+        return ok
+
+    # Plain text: one turn.
+    text_jobs = [(n, 0, ids) for n, ids in texts.items()]
+    for (n, _, _), got in zip(text_jobs, run(text_jobs), strict=True):
+        body = [] if got is None else list(got[0])
+        note(n, got, _content(tok, body, eot))
+        text_out[n] = body
+    # Chats: round r regenerates the r-th assistant turn of every conversation that has one.
+    turn_index = {n: [i for i, m in enumerate(msgs) if m["role"] == "assistant"] for n, msgs in convs.items()}
+    for r in range(max((len(v) for v in turn_index.values()), default=0)):
+        jobs = [
+            (n, r, prompt_ids(tok, convs[n][: idx[r]], spec)) for n, idx in turn_index.items() if r < len(idx)
+        ]
+        for (n, _, _), got in zip(jobs, run(jobs), strict=True):
+            content = "" if got is None else _content(tok, got[0], eot)
+            msg = convs[n][turn_index[n][r]]
+            if note(n, got, content):
+                msg["content"] = content
+                msg.pop("reasoning_content", None)  # the target's own reasoning is in its response
+    report.bad_samples = len(bad)
+    out = []
+    for n, row in enumerate(rows):
+        origin = row.get("origin", "")
+        if n in texts:
+            ids = texts[n] + text_out[n]
+            out.append(
+                {
+                    "input_ids": ids,
+                    "loss_mask": [0] * len(texts[n]) + [1] * len(text_out[n]),
+                    "origin": origin,
+                }
+            )
+            continue
+        if n in convs:
+            msgs = [m for m in convs[n] if m["role"] != "assistant" or m["content"]]
+            kept = dataclasses.replace(spec, system_prompt_policy="keep")  # applied above
+            if any(m["role"] == "assistant" for m in msgs):
+                e = encode_row({**row, "messages": msgs}, tok, kept, 1 << 30)
+                out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
+            else:  # a bad row with no response left: nothing to supervise (counted above)
+                ids = prompt_ids(tok, msgs, kept)
+                out.append({"input_ids": ids, "loss_mask": [0] * len(ids), "origin": origin})
+            continue
+        e = encode_row(row, tok, spec, max_prompt_tokens)
+        out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
+    return out, report
+
+
+def vllm_generator(target_dir: str | os.PathLike, sampling: Sampling, max_model_len: int) -> Generate:
+    """A `Generate` over the target in vLLM, in this process (one device)."""
     import torch
 
     from hpctoolkit.engine.env import engine_env
@@ -27,18 +186,50 @@ def regenerate(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    longest = max(len(p) for p in prompts)
     llm = LLM(
         model=str(Path(target_dir)),
         enforce_eager=True,
-        max_model_len=64 * ((longest + max_new_tokens + 64) // 64),
+        max_model_len=max_model_len,
         max_num_seqs=16,
         enable_prefix_caching=False,
-        seed=0,
+        seed=sampling.seed,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    extended = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
-    if any(len(e) == len(p) for e, p in zip(extended, prompts, strict=True)):
-        raise DataIntegrityError("the target generated no tokens for some prompts; nothing to distil")
-    return extended
+
+    def generate(prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Generated]:
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=m,
+                seed=s if sampling.temperature > 0 else None,
+                detokenize=False,
+            )
+            for m, s in zip(max_tokens, seeds, strict=True)
+        ]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outs]
+
+    return generate
+
+
+def regenerate(
+    target_dir: str,
+    rows: list[dict[str, Any]],
+    spec: dict[str, Any],
+    sampling: dict[str, Any],
+    max_prompt_tokens: int,
+    max_model_len: int,
+) -> dict[str, Any]:
+    """Child-process entry: `{"samples": [...], "report": {...}}` (JSON-native)."""
+    from transformers import AutoTokenizer
+
+    from hpctoolkit.data.template import ChatSpec
+
+    chat = ChatSpec(**{**spec, "end_of_turn_tokens": tuple(spec.get("end_of_turn_tokens", ()))})
+    samp = Sampling(**sampling)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    gen = vllm_generator(target_dir, samp, max_model_len)
+    samples, report = regenerate_rows(
+        rows, tok, chat, gen, samp, max_prompt_tokens=max_prompt_tokens, max_model_len=max_model_len
+    )
+    return {"samples": samples, "report": report.to_dict()}

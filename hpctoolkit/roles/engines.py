@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
 from hpctoolkit.config.schema import RecipeConfig
@@ -44,10 +44,17 @@ def say(msg: str) -> None:
     print(f"[hpctoolkit.engine] {msg}", flush=True)
 
 
-def _regenerate(*args: object) -> dict:
+def _regenerate(
+    target_dir: str,
+    rows: list[dict[str, Any]],
+    spec: dict[str, Any],
+    sampling: dict[str, Any],
+    max_prompt_tokens: int,
+    max_model_len: int,
+) -> dict[str, Any]:
     from hpctoolkit.engine.regenerate import regenerate
 
-    return regenerate(*args)  # type: ignore[arg-type]
+    return regenerate(target_dir, rows, spec, sampling, max_prompt_tokens, max_model_len)
 
 
 def engine_prompts(ctx: NodeContext, engine: int, target_dir: str) -> list[tuple[list[int], list[int]]]:

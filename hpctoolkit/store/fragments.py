@@ -244,3 +244,51 @@ def _fill(
             pending = [k for k, ok in zip(pending, present, strict=True) if not ok]
             if not pending:
                 break
+
+
+class LossMasks:
+    """An engine leader's loss masks, published beside each captured sample.
+
+    `samples` are the `(input_ids, loss_mask)` the engine captures, in capture order. `publish`
+    finds a manifest's mask by its `input_ids_sha256` (the first unpublished one of those ids),
+    puts it and returns the manifest naming it (`with_loss_mask`). A manifest whose ids match no
+    prompt of this engine raises `DataIntegrityError` naming the sample.
+    """
+
+    def __init__(self, store: ObjectStore, samples: Sequence[tuple[Sequence[int], Sequence[int]]]):
+        from collections import deque
+
+        self.store = store
+        self._by_digest: dict[str, deque[torch.Tensor]] = {}
+        for ids, mask in samples:
+            if len(ids) != len(mask):
+                raise DataIntegrityError(f"a prompt of {len(ids)} tokens has a loss mask of {len(mask)}")
+            digest = input_ids_digest(torch.tensor(list(ids), dtype=torch.int64))
+            self._by_digest.setdefault(digest, deque()).append(torch.tensor(list(mask), dtype=torch.uint8))
+        self.published = 0
+        self.supervised = 0
+
+    def publish(self, manifest: Manifest) -> Manifest:
+        from hpctoolkit.capture.manifest import with_loss_mask
+
+        digest = manifest.extra.get(INPUT_IDS_SHA256)
+        queue = self._by_digest.get(str(digest))
+        if not queue:
+            raise DataIntegrityError(
+                f"sample {manifest.sample_key!r}: its input_ids match no prompt of this engine left "
+                "to capture; no loss mask to publish"
+            )
+        mask = queue.popleft()
+        m = with_loss_mask(manifest)
+        publish_loss_mask(self.store, m, mask)
+        self.published += 1
+        self.supervised += int(mask.sum())
+        return m
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def mask_segment_bytes(lengths: Sequence[int]) -> int:
+    """A writer segment that holds every mask of `lengths` (each object rounded up to 4 KiB)."""
+    return max(32 << 20, 2 * sum(-(-n // 4096) * 4096 for n in lengths))

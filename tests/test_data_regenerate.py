@@ -1,0 +1,139 @@
+"""Regeneration turn by turn with a stand-in generator (the real target: test_roles_local.py and the
+equality test below): each assistant turn is the target's answer to the regenerated history;
+sampling settings, per-request seeds, and the empty/truncated/failed counts with the threshold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpctoolkit.data.template import ChatSpec, prompt_ids
+from hpctoolkit.engine.regenerate import RegenReport, Sampling, regenerate_rows
+from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.store.fragments import LossMasks
+from hpctoolkit.store.memory import MemoryStore
+from hpctoolkit.testing.tiny_target import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+def chat(*turns):
+    roles = ["user", "assistant"]
+    return {
+        "kind": "chat",
+        "messages": [
+            {"role": roles[i % 2], "content": t, "reasoning_content": None} for i, t in enumerate(turns)
+        ],
+        "origin": "f: row 0",
+    }
+
+
+class Fake:
+    """Answers `ANSWERS[k]` to the k-th request; records prompts, limits and seeds."""
+
+    def __init__(self, tok, answers, finish="stop"):
+        self.tok, self.answers, self.finish = tok, list(answers), finish
+        self.calls = []
+
+    def __call__(self, prompts, max_tokens, seeds):
+        self.calls.append((prompts, max_tokens, seeds))
+        out = []
+        for _ in prompts:
+            text = self.answers.pop(0)
+            ids = self.tok(text, add_special_tokens=False).input_ids if text else []
+            out.append(([*ids, self.tok.convert_tokens_to_ids("<|im_end|>")], self.finish))
+        return out
+
+
+def test_multi_turn_is_regenerated_turn_by_turn(tok):
+    spec = ChatSpec()
+    rows = [chat("the cat", "OLD one", "the dog", "OLD two"), chat("a bird")]
+    gen = Fake(tok, ["sat down", "flew", "ran off"])
+    out, report = regenerate_rows(
+        rows, tok, spec, gen, Sampling(16, 0.7, 0.9, 5), max_prompt_tokens=256, max_model_len=512
+    )
+    # Round 0: the first assistant turn of both rows; round 1: row 0's second, after its new first.
+    (p0, m0, s0), (p1, _, s1) = gen.calls
+    assert len(p0) == 2 and len(p1) == 1
+    assert tok.decode(p1[0]).endswith(
+        "the cat<|im_end|>\n<|im_start|>assistant\nsat down<|im_end|>\n<|im_start|>user\nthe dog<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert s0 == [5, 1005] and s1 == [5 + 1] and m0 == [16, 16]
+    sup = tok.decode([i for i, m in zip(out[0]["input_ids"], out[0]["loss_mask"], strict=True) if m])
+    assert sup == "sat down<|im_end|>ran off<|im_end|>"
+    assert "OLD" not in tok.decode(out[0]["input_ids"])
+    assert (
+        tok.decode([i for i, m in zip(out[1]["input_ids"], out[1]["loss_mask"], strict=True) if m])
+        == "flew<|im_end|>"
+    )
+    assert report.to_dict() == {
+        "samples": 2,
+        "turns": 3,
+        "empty": 0,
+        "truncated": 0,
+        "failed": 0,
+        "bad_samples": 0,
+    }
+
+
+def test_text_rows_are_prompt_plus_continuation_supervised_on_the_continuation(tok):
+    gen = Fake(tok, ["the mat"])
+    out, _ = regenerate_rows(
+        [{"kind": "text", "text": "the cat sat on", "origin": "x"}],
+        tok,
+        ChatSpec(),
+        gen,
+        Sampling(8),
+        max_prompt_tokens=64,
+        max_model_len=128,
+    )
+    prompt = tok("the cat sat on", add_special_tokens=False).input_ids
+    assert out[0]["input_ids"][: len(prompt)] == prompt
+    assert out[0]["loss_mask"] == [0] * len(prompt) + [1] * (len(out[0]["input_ids"]) - len(prompt))
+
+
+def test_empty_truncated_and_failed_are_counted_and_the_threshold_holds(tok):
+    rows = [chat("the cat", "KEEP"), chat("the dog"), chat("x " * 300)]
+    gen = Fake(tok, ["", "ran"], finish="length")
+    out, report = regenerate_rows(
+        rows, tok, ChatSpec(), gen, Sampling(4), max_prompt_tokens=64, max_model_len=512
+    )
+    assert (report.empty, report.truncated, report.failed, report.bad_samples, report.turns) == (
+        1,
+        2,
+        1,
+        2,
+        3,
+    )
+    # The empty turn keeps the row's own response; the failed row has nothing to supervise.
+    assert "KEEP" in tok.decode(out[0]["input_ids"]) and not any(out[2]["loss_mask"])
+    report.check(0.7)
+    with pytest.raises(
+        DataIntegrityError, match=r"2 of 3 samples .*empty 1, failed 1, truncated 2 of 3 turns"
+    ):
+        report.check(0.5)
+    assert RegenReport(samples=4, bad_samples=0).check(0.0) is None
+
+
+def test_leader_masks_are_found_by_input_ids_and_refuse_a_stranger(tok):
+    from hpctoolkit.capture.manifest import build_manifest
+    from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
+
+    ids = [3, 4, 5, 6]
+    st = MemoryStore()
+    masks = LossMasks(st, [(ids, [0, 1, 1, 0])])
+    m = build_manifest(
+        "k", [1, 6], 4, 8, 6, 1, "bfloat16", extra={INPUT_IDS_SHA256: input_ids_digest(torch.tensor(ids))}
+    )
+    named = masks.publish(m)
+    assert named.loss_mask is not None and st.keys() == ["k_loss_mask"] and masks.supervised == 2
+    with pytest.raises(DataIntegrityError, match="sample 'k': its input_ids match no prompt"):
+        masks.publish(m)  # each mask once
+
+
+def test_prompt_ids_end_with_the_generation_prompt(tok):
+    ids = prompt_ids(tok, [{"role": "user", "content": "hi"}], ChatSpec())
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
