@@ -21,7 +21,6 @@ from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
 from hpctoolkit.plan.sizing import StoreSizing, check_node_memory, size_store
-from hpctoolkit.rundir.layout import slurm_run_id
 
 
 def check_files(cfg: RecipeConfig) -> None:
@@ -154,10 +153,9 @@ def main(argv: list[str]) -> int:
     if cfg.cluster.backend == "slurm":
         from hpctoolkit.slurm.submit import submit_job
 
-        job = submit_job(cfg, plan, recipe_path=args.recipe, overrides=args.overrides)
-        print(
-            f"submitted Slurm job {job}; its run directory is {Path(cfg.paths.output_dir) / slurm_run_id(cfg.name, job)}"
-        )
+        # Through submitit; `sbatch` of the rendered script (--render-sbatch) is the shell path.
+        _, told = submit_job(cfg, plan, recipe_path=args.recipe, overrides=args.overrides)
+        print(told)
         return 0
     from hpctoolkit.roles.local import run_local
 

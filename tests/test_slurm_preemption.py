@@ -252,3 +252,77 @@ def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
     )
     assert state == "CANCELLED", _log(out, job)[-4000:]
     assert not left, f"left {LEFTOVER_BOUND_S}s after scancel:\n" + "\n".join(left)
+
+
+def _submit_through_submitit(env: dict[str, str], tmp_path: Path) -> tuple[str, Path, RunDir, str]:
+    import subprocess
+
+    from hpctoolkit.testing.tiny_target import resolve_target
+
+    resolve_target("builtin:tiny-qwen3")
+    out = tmp_path / "run"
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}"]
+    r = subprocess.run(
+        [sys.executable, "-m", "hpctoolkit.submit", RECIPE, *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    job = r.stdout.split("submitted Slurm job ")[1].split(";")[0]
+    cfg = load_recipe(ROOT / RECIPE, overrides)
+    return job, out, RunDir.of(out, slurm_run_id(cfg.name, job)), r.stdout
+
+
+def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm_cluster, tmp_path):
+    from hpctoolkit.slurm.submit import RELEASE_BOUND_S
+
+    env = _env(slurm_cluster)
+    cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}"])
+    t0 = time.monotonic()
+    job, out, run, told = _submit_through_submitit(env, tmp_path)
+    print(f"\n{told}")
+    assert f"scancel {job}" in told and f"slurm-{job}.out" in told and f"within {RELEASE_BOUND_S} s" in told
+    _wait_steps(run, job, env, 5, JOB_TIMEOUT_S)
+    t_signal = time.monotonic()
+    shell.run(["scancel", "--signal=USR2", job], env=env)
+    while ledger.read_ledger(run.checkpoints) is None:
+        assert time.monotonic() - t_signal < cfg.cluster.signal_before_s, "no checkpoint within the lead time"
+        time.sleep(0.1)
+    checkpointed_after = time.monotonic() - t_signal
+    done = ledger.read_ledger(run.checkpoints)
+    assert done is not None
+    # The requeued attempt trains to the end; from its end record to the job's end is the release.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (isinstance(e := _read(run.ended), dict) and e.get("ok")):
+        assert time.monotonic() < deadline, f"job {job} never ended its training:\n{_log(out, job)[-4000:]}"
+        time.sleep(0.2)
+    t_ended = time.monotonic()
+    state = wait_done(job, env, RELEASE_BOUND_S + 30)
+    released = time.monotonic() - t_ended
+    print(
+        f"[measure] submitit: checkpoint of step {done.step} {checkpointed_after:.1f}s after USR2; job {job} "
+        f"{state} {time.monotonic() - t0:.1f}s after submission; nodes released {released:.1f}s after the "
+        f"trainers' end (bound {RELEASE_BOUND_S} s)"
+    )
+    assert state == "COMPLETED", _log(out, job)[-6000:]
+    assert released < RELEASE_BOUND_S
+    summary = json.loads((run.train / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == done.step and summary["steps_trained"] == cfg.training.steps
+    order = _order(run)
+    assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
+    assert sorted(p for r in order for p in r["prompts"]) == list(range(cfg.data.num_samples))
+    for _ in range(20):
+        if not job_processes(job):
+            break
+        time.sleep(0.5)
+    assert not job_processes(job)
+
+
+def _read(path: Path):
+    from hpctoolkit.rundir.atomic import read_json
+
+    return read_json(path)

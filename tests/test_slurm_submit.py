@@ -14,8 +14,8 @@ from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.slurm import shell
-from hpctoolkit.slurm.render import load_for_render
 from hpctoolkit.slurm.env import time_limit_minutes
+from hpctoolkit.slurm.render import load_for_render
 from hpctoolkit.slurm.submit import executor_parameters, submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,3 +136,35 @@ def test_one_shot_commands_only_in_shell_py():
                     offenders.append(f"{rel}:{n.lineno} {base.id}.{n.func.attr}")
     offenders = [o for o in offenders if not o.startswith("hpctoolkit/slurm/shell.py:")]
     assert offenders == [], "run one-shot commands through hpctoolkit.slurm.shell.run"
+
+
+def test_submitit_runs_every_task_in_the_image_with_the_recipe_paths_bound(tmp_path):
+    pytest.importorskip("submitit")
+    from hpctoolkit.slurm.submit import make_executor
+
+    out = tmp_path / "out"
+    cfg, _ = load_for_render("recipes/k3.yaml", [f"paths.output_dir={out}", "paths.target_model=/models/k3"])
+    ex = make_executor(cfg, make_plan(cfg), folder=tmp_path / "submitit", recipe_path="recipes/k3.yaml")
+    text = ex._make_submission_file_text(ex._submitit_command_str, "UID")
+    command = text.splitlines()[-1] if text.splitlines()[-1].strip() else text.splitlines()[-2]
+    assert (
+        "apptainer exec --nv" in command and "images/hpctoolkit-vllm-0.32.0-pp-export.sif python3" in command
+    )
+    assert f"--bind {out}" in command and "--bind /models/k3" in command
+    assert command.index("apptainer") > command.index("srun") and "-m submitit.core._submit" in command
+    # Every task writes to the run's one log, as the batch script's steps do.
+    assert f"--output {out}/slurm-%j.out" in command
+    assert "#SBATCH --signal=USR2@120" in text
+
+
+def test_submitit_without_container_runs_this_python(tmp_path):
+    pytest.importorskip("submitit")
+    import sys
+
+    from hpctoolkit.slurm.submit import make_executor
+
+    cfg = load_recipe("tests/golden/small_2node.yaml", [f"paths.output_dir={tmp_path}"])
+    ex = make_executor(
+        cfg, make_plan(cfg), folder=tmp_path / "s", recipe_path="tests/golden/small_2node.yaml"
+    )
+    assert ex.python.strip("'") == sys.executable

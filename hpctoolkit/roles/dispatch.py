@@ -31,7 +31,6 @@ from hpctoolkit.roles.master import run_master
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.roles.watch import PeerWatch, Probe
-from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.slurm.env import SlurmEnvironment
 
 ROLE_FUNCS: dict[str, Callable[[NodeContext, Process], int]] = {
@@ -57,16 +56,21 @@ def dry_roles(value: str | None) -> frozenset[str]:
 
 
 def dry_line(ctx: NodeContext, proc: Process, environ: Mapping[str, str] | None = None) -> str:
+    return _dry_line(ctx.plan, ctx.nodename, proc, environ)
+
+
+def _dry_line(plan: Plan, nodename: str, proc: Process, environ: Mapping[str, str] | None = None) -> str:
+    """What a dry run prints for `proc`: read from the plan alone (no recipe is loaded)."""
     env = os.environ if environ is None else environ
     gpus = env.get("CUDA_VISIBLE_DEVICES") or "-"
     planned = ",".join(map(str, proc.gpus)) or "-"
     fields = [
         f"role={proc.role}",
-        f"node={ctx.nodename}",
+        f"node={nodename}",
         f"engine={'-' if proc.engine is None else proc.engine}",
     ]
     if proc.role == ROLE_TRAINER:
-        t = ctx.plan.trainer
+        t = plan.trainer
         fields += [
             f"node_rank={t.nodes.index(proc.node)}",
             f"gpus={gpus}",
@@ -124,6 +128,7 @@ def _watched(ctx: NodeContext, proc: Process) -> int:
 
 def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> str | int | None:
     """submitit's entry: every task of the job runs this; SLURM_LOCALID picks the process.
+    Before any role starts, task 0 begins the attempt (`_begin_attempt`).
 
     `plan` is the one computed at submission. Spare tasks (submitit gives every node the same task
     count) and dry runs decide from it alone, without loading the recipe; a real role loads the
@@ -135,8 +140,26 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
         return None
     proc = here[senv.local_id]
     if dry:
-        run = RunDir.of("/nonexistent", f"dry-j{senv.job_id}")
-        ctx = NodeContext(None, plan, senv.node_index, senv.nodelist, senv.nodename or "?", senv, run)  # type: ignore[arg-type]
-        return run_process(ctx, proc, dry=True)
+        line = _dry_line(plan, senv.nodename or "?", proc)
+        print(line, flush=True)
+        return line
     os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
-    return run_process(load_context(recipe, overrides), proc, dry=False)
+    ctx = load_context(recipe, overrides)
+    _begin_attempt(ctx, senv)
+    return run_process(ctx, proc, dry=False)
+
+
+def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
+    """What the batch script's check step does, once per attempt: task 0 writes the run's
+    config.yaml and clears an earlier attempt's records (`rundir.ledger`); the others wait for it."""
+    from hpctoolkit.config.load import to_yaml
+    from hpctoolkit.rundir import ledger
+    from hpctoolkit.rundir.atomic import write_text_atomic
+
+    restart = ledger.restart_count()
+    if senv.proc_id == 0:
+        ctx.run.root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
+        ledger.begin_attempt(ctx.run, senv.job_id, restart)
+    else:
+        ledger.wait_attempt(ctx.run, senv.job_id, restart)

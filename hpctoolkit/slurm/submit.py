@@ -1,13 +1,27 @@
-"""Hand a run to Slurm: a rendered batch script through `sbatch`, or the role dispatch through submitit.
+"""Hand a run to Slurm: the role dispatch through submitit, or a rendered batch script through `sbatch`.
 
 Both take their topology from the `Plan`, never from numbers typed twice. `sbatch` runs through
 `hpctoolkit.slurm.shell.run`, the package's one place for one-shot commands.
+
+`python -m hpctoolkit.submit RECIPE` submits through submitit (`submit_job`): one job of
+`plan.num_nodes` nodes and `plan.max_processes_per_node()` tasks per node, every task running
+`RoleTask` (the role its node and local task id pick, `roles.dispatch.run_task`), inside the image
+when `cluster.container` is set (submitit's python command is `container.command_prefix`). Every
+task writes to the one log `<paths.output_dir>/slurm-<job>.out`, as the batch script's steps do.
+Preemption uses submitit's machinery: Slurm sends SIGUSR2 `cluster.signal_before_s` before the time
+limit (or `scancel --signal=USR2`) to every task; the trainers checkpoint (`train.preempt`), the
+engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's handler) waits for
+the trainers' end record within the lead time, then submitit requeues the job, which resumes from
+the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
+`ended.json`, the engines leave once drained, the master once every engine closed.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,13 +58,46 @@ def submit_sbatch(
     return m.group(1)
 
 
-def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> str:
-    """Render the run's batch script, keep a copy in the output folder, submit it from here."""
+def submit_batch_script(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> str:
+    """The shell path: render the run's batch script, keep a copy in the output folder, submit it
+    from here with `sbatch`; return the job id."""
     text = render_sbatch(cfg, plan, recipe_path=recipe_path, overrides=overrides)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.sbatch").write_text(text)
     return submit_sbatch(text, Path.cwd())
+
+
+# From the trainers' end record to the job's end: the engines' shutdown (vLLM's own, then ours, at
+# most ~45 s: `CaptureEngine.shutdown`), a follower's 2 s poll, the master's 0.5 s poll.
+RELEASE_BOUND_S = 90
+
+
+def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> tuple[str, str]:
+    """Submit the run through submitit from here; return `(job id, what to tell the user)`."""
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    job = submit_submitit(
+        cfg, plan, recipe_path=recipe_path, overrides=overrides, folder=out / "submitit" / "%j"
+    )
+    return job.job_id, describe_submission(cfg, job.job_id, out)
+
+
+def describe_submission(cfg: Any, job_id: str, out: Path) -> str:
+    from hpctoolkit.rundir.layout import slurm_run_id
+
+    log = out / f"slurm-{job_id}.out"
+    return "\n".join(
+        [
+            f"submitted Slurm job {job_id}; its run directory is {out / slurm_run_id(cfg.name, job_id)}",
+            f"log (every task):  {log}",
+            f"submitit records:  {out / 'submitit' / job_id}",
+            f"follow:            tail -F {log}    (state: squeue -j {job_id}; sacct -j {job_id})",
+            f"cancel:            scancel {job_id}    (checkpoint and requeue: scancel --signal=USR2 {job_id})",
+            f"the job releases its nodes within {RELEASE_BOUND_S} s of the trainers' end "
+            f"(time limit {cfg.cluster.time}; SIGUSR2 {cfg.cluster.signal_before_s} s before it)",
+        ]
+    )
 
 
 def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
@@ -84,21 +131,67 @@ def submit_submitit(
     folder: str | os.PathLike,
     dry: bool = False,
 ) -> Any:
-    """Submit the role dispatch (`hpctoolkit.roles.dispatch.run_task`) as one submitit job of `plan.num_nodes`
-    nodes; `job.results()` holds one entry per task (dry: the placement lines; None for spare tasks).
+    """Submit `RoleTask` as one submitit job of `plan.num_nodes` nodes; `job.results()` holds one
+    entry per task (dry: the placement lines; None for spare tasks).
 
-    Runs in the submitting interpreter's environment (submitit pickles the call); with
-    `cluster.container` set, use the sbatch path, which wraps every step in `apptainer exec`.
+    submitit pickles the call; a task unpickles it with the python of `container.command_prefix`
+    (inside the image, the recipe's paths and the run's output directory bound) or, without
+    `cluster.container`, the submitting interpreter.
     """
+    executor = make_executor(cfg, plan, folder=folder, recipe_path=recipe_path, dry=dry)
+    return executor.submit(RoleTask(), plan, recipe_path, list(overrides), dry)
+
+
+def make_executor(
+    cfg: Any, plan: Plan, *, folder: str | os.PathLike, recipe_path: str, dry: bool = False
+) -> Any:
+    """The submitit `SlurmExecutor` of `submit_submitit`, parameters set; submits nothing."""
     import submitit
 
-    from hpctoolkit.roles.dispatch import run_task
+    from hpctoolkit.slurm.container import command_prefix
 
-    if cfg.cluster.container:
-        raise ConfigError(
-            "cluster.container is set: submitit runs the submitting Python, not the image; "
-            "submit the rendered batch script instead"
-        )
-    executor = submitit.SlurmExecutor(folder=str(folder))
-    executor.update_parameters(**executor_parameters(cfg, plan))
-    return executor.submit(run_task, plan, recipe_path, list(overrides), dry)
+    prefix = command_prefix(cfg, recipe_path=recipe_path)
+    python = None if prefix is None else " ".join(shlex.quote(a) for a in prefix)
+    executor = submitit.SlurmExecutor(folder=str(folder), python=python)
+    params = executor_parameters(cfg, plan)
+    if cfg.paths.output_dir and not dry:
+        log = str(Path(cfg.paths.output_dir) / "slurm-%j.out")
+        params["srun_args"] = ["--output", log, "--error", log]
+    executor.update_parameters(**params)
+    return executor
+
+
+class RoleTask:
+    """What every task of a submitit job runs; submitit's preemption handler calls `checkpoint` on
+    task 0 (its global rank 0) and requeues the job when it returns a submission."""
+
+    def __call__(self, plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> Any:
+        from hpctoolkit.roles.dispatch import run_task
+
+        return run_task(plan, recipe, overrides, dry)
+
+    def checkpoint(self, plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> Any:
+        """Wait (within the lead time) for the trainers' checkpoint, then resubmit this same call."""
+        import submitit
+
+        from hpctoolkit.config.load import load_recipe
+        from hpctoolkit.roles.context import run_id_for
+        from hpctoolkit.rundir.atomic import read_json
+        from hpctoolkit.rundir.layout import RunDir
+        from hpctoolkit.slurm.env import SlurmEnvironment
+
+        if dry:
+            return None
+        cfg = load_recipe(recipe, list(overrides))
+        senv = SlurmEnvironment.from_env()
+        run = RunDir.of(cfg.paths.output_dir, run_id_for(cfg.name, senv, os.environ))
+        # Leave Slurm a margin of the lead time for the requeue itself.
+        deadline = time.monotonic() + max(5.0, cfg.cluster.signal_before_s - 10.0)
+        ended = read_json(run.ended)
+        while ended is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ended = read_json(run.ended)
+        if isinstance(ended, dict) and ended.get("ok"):
+            return None  # trained to the end: nothing to resume
+        # No end record in time: the next attempt resumes from the newest complete checkpoint.
+        return submitit.helpers.DelayedSubmission(self, plan, recipe, list(overrides), dry)
