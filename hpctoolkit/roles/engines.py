@@ -128,7 +128,7 @@ def _left_to_capture(ctx: NodeContext, engine: int, mine: list[list[int]]) -> li
             f"engine {engine} has {len(mine)} prompts, but data.num_samples={cfg.data.num_samples} "
             f"over {cfg.engine.num_engines} engine(s) gives it {len(indices)}"
         )
-    done = ledger.read_ledger(ctx.run.checkpoints)
+    done = ledger.attempt_ledger(ctx.run)
     left = ledger.remaining(indices, done)
     if done is not None:
         say(

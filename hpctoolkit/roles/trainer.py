@@ -193,7 +193,7 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
     cfg = ctx.cfg
     # The store handed this attempt's samples out once; what an earlier attempt trained on up to
     # its checkpoint is in that checkpoint's ledger, and the engines capture only the rest.
-    done = ledger.read_ledger(ctx.run.checkpoints)
+    done = ledger.attempt_ledger(ctx.run)
     rank0 = proc.node_rank == 0
     if rank0 and cfg.data.offline_dir:
         say(f"WARNING: data.offline_dir has no effect on a live run; each rank spools to {ctx.run.spool}")

@@ -14,8 +14,8 @@ Inside a run directory (every node of a Slurm job shares it):
     manifests/engine<i>.closed   engine i's leader released its store segment and left
     manifests/engine<i>.stale.jsonl  an earlier attempt's queue: its leader removes the fragments
                                  it lists from the store, then the file (`rundir.ledger`)
-    attempt.json                 {"job_id", "restart"}: the attempt of the Slurm job these records
-                                 belong to (`rundir.ledger.begin_attempt`)
+    attempt.json                 {"job_id", "restart", "resume_step"}: the attempt of the Slurm
+                                 job these records belong to (`rundir.ledger.begin_attempt`)
     faults/engine<i>/            store errors the engine's workers recorded
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record

@@ -16,7 +16,7 @@ prompt list (`data.prompts` after loading); an engine leader tags each manifest 
 run is the union of the parts of its newest complete checkpoint; a part missing there fails
 closed (`DataIntegrityError`), never "nothing trained".
 
-The attempt record `attempt.json` (`{"job_id", "restart"}`) marks which attempt of a Slurm job
+The attempt record `attempt.json` (`{"job_id", "restart", "resume_step"}`) marks which attempt of a Slurm job
 the run directory's records belong to. `begin_attempt` removes what an earlier attempt left that
 would mislead this one (its master's address, its end records, its engines' close records) and
 then writes it; it runs once per attempt before any role reads them (the batch script's `check`
@@ -90,9 +90,16 @@ class Ledger:
         return frozenset(p for p in self.prompts if p % num_engines == engine)
 
 
-def read_ledger(checkpoints: str | os.PathLike) -> Ledger | None:
-    """The run's ledger, or None when no checkpoint completed yet."""
+def read_ledger(checkpoints: str | os.PathLike, step: int | None = None) -> Ledger | None:
+    """The ledger of the newest complete checkpoint (of step `step` when given), or None when no
+    checkpoint completed yet."""
     done = complete_checkpoints(checkpoints)
+    if step is not None:
+        done = [p for p in done if int(p.name.split("-")[1]) == step]
+        if not done:
+            raise DataIntegrityError(
+                f"checkpoint step {step} of {checkpoints}, which this attempt resumes from, is gone"
+            )
     if not done:
         return None
     latest = done[-1]
@@ -118,6 +125,14 @@ def store_run_id(run_id: str, job_id: str | None, restart: int) -> str:
     return f"{run_id}-j{job_id}r{restart}"
 
 
+def attempt_ledger(run: RunDir) -> Ledger | None:
+    """The ledger this attempt resumes from: the checkpoint `begin_attempt` found (so an engine that
+    starts late does not see a checkpoint this attempt's trainers wrote since), else the newest."""
+    record = read_json(run.attempt)
+    step = record.get("resume_step") if isinstance(record, dict) else None
+    return read_ledger(run.checkpoints, step)
+
+
 def attempt_run_id(run_id: str, job_id: str | None, env: Mapping[str, str] | None = None) -> str:
     """`store_run_id` of this process's attempt (`SLURM_RESTART_COUNT` from its environment)."""
     return store_run_id(run_id, job_id, restart_count(env))
@@ -136,8 +151,11 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
     """Start attempt `restart` of job `job_id` in `run`; True when it found an earlier attempt's
     records. Idempotent within one attempt."""
     record = {"job_id": str(job_id), "restart": int(restart)}
-    if read_json(run.attempt) == record:
+    old = read_json(run.attempt)
+    if isinstance(old, dict) and {k: old.get(k) for k in record} == record:
         return False
+    done = complete_checkpoints(run.checkpoints)
+    record["resume_step"] = int(done[-1].name.split("-")[1]) if done else None
     stale = [run.master_record, run.ended, run.summary, run.drained]
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
@@ -171,8 +189,13 @@ def _queue_count(run: RunDir) -> int:
 def wait_attempt(run: RunDir, job_id: str, restart: int, timeout_s: float = ATTEMPT_TIMEOUT_S) -> None:
     """Wait until `begin_attempt` ran for this attempt (bounded; names what it waited for)."""
     want = {"job_id": str(job_id), "restart": int(restart)}
+
+    def started() -> bool:
+        rec = read_json(run.attempt)
+        return isinstance(rec, dict) and {k: rec.get(k) for k in want} == want
+
     deadline = time.monotonic() + timeout_s
-    while read_json(run.attempt) != want:
+    while not started():
         if time.monotonic() > deadline:
             raise StoreError(
                 f"{run.attempt} does not name attempt {restart} of job {job_id} after "
