@@ -37,6 +37,7 @@ class Fake:
     def __init__(self, tok, answers, finish="stop"):
         self.tok, self.answers, self.finish = tok, list(answers), finish
         self.calls = []
+        self.outputs = []
 
     def __call__(self, prompts, max_tokens, seeds):
         self.calls.append((prompts, max_tokens, seeds))
@@ -45,6 +46,7 @@ class Fake:
             text = self.answers.pop(0)
             ids = self.tok(text, add_special_tokens=False).input_ids if text else []
             out.append(([*ids, self.tok.convert_tokens_to_ids("<|im_end|>")], self.finish))
+        self.outputs.append(out)
         return out
 
 
@@ -65,6 +67,8 @@ def test_multi_turn_is_regenerated_turn_by_turn(tok):
     sup = tok.decode([i for i, m in zip(out[0]["input_ids"], out[0]["loss_mask"], strict=True) if m])
     assert sup == "sat down<|im_end|>ran off<|im_end|>"
     assert "OLD" not in tok.decode(out[0]["input_ids"])
+    # The last turn is exactly what the target produced for exactly the prompt it was given.
+    assert out[0]["input_ids"] == p1[0] + gen.outputs[1][0][0]
     assert (
         tok.decode([i for i, m in zip(out[1]["input_ids"], out[1]["loss_mask"], strict=True) if m])
         == "flew<|im_end|>"

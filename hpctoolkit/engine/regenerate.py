@@ -14,7 +14,10 @@ the token limit; kept), `failed` (the history did not fit `data.max_prompt_token
 engine's length). An empty or failed turn keeps the row's own response (none for text); a row
 with one is `bad`, and more than `data.regenerate_max_bad_fraction` of bad rows fails the run.
 
-`regenerate_rows` takes any `generate(prompts, max_tokens, seeds) -> [(token_ids, finish)]`; the
+A chat's last regenerated turn is captured as exactly what the target produced: its prompt
+(the template's render of the regenerated history with the generation prompt) and its own
+tokens, end-of-turn token included where it stopped on one; earlier turns enter that history as
+their decoded text. `regenerate_rows` takes any `generate(prompts, max_tokens, seeds) -> [(token_ids, finish)]`; the
 vLLM one (`vllm_generator`) runs the target in this process, so call it from a child process.
 """
 
@@ -98,6 +101,8 @@ def regenerate_rows(
         elif row["kind"] == "text":
             texts[n] = list(tok(row["text"], add_special_tokens=False).input_ids)[:max_prompt_tokens]
     text_out: dict[int, list[int]] = {}
+    # The last regenerated turn of a chat: (its prompt, the target's exact tokens).
+    last_turn: dict[int, tuple[list[int], list[int]]] = {}
 
     def run(jobs: list[tuple[int, int, list[int]]]) -> list[Generated | None]:
         """(row, turn, prompt) -> generated, or None where the prompt does not fit."""
@@ -139,12 +144,15 @@ def regenerate_rows(
         jobs = [
             (n, r, prompt_ids(tok, convs[n][: idx[r]], spec)) for n, idx in turn_index.items() if r < len(idx)
         ]
-        for (n, _, _), got in zip(jobs, run(jobs), strict=True):
+        for (n, _, prompt), got in zip(jobs, run(jobs), strict=True):
             content = "" if got is None else _content(tok, got[0], eot)
             msg = convs[n][turn_index[n][r]]
             if note(n, got, content):
                 msg["content"] = content
                 msg.pop("reasoning_content", None)  # the target's own reasoning is in its response
+                if r == len(turn_index[n]) - 1:
+                    assert got is not None
+                    last_turn[n] = (prompt, list(got[0]))
     report.bad_samples = len(bad)
     out = []
     for n, row in enumerate(rows):
@@ -162,7 +170,10 @@ def regenerate_rows(
         if n in convs:
             msgs = [m for m in convs[n] if m["role"] != "assistant" or m["content"]]
             kept = dataclasses.replace(spec, system_prompt_policy="keep")  # applied above
-            if any(m["role"] == "assistant" for m in msgs):
+            exact = _exact_last_turn(tok, kept, convs[n], last_turn.get(n))
+            if exact is not None:
+                out.append({"input_ids": exact[0], "loss_mask": exact[1], "origin": origin})
+            elif any(m["role"] == "assistant" for m in msgs):
                 e = encode_row({**row, "messages": msgs}, tok, kept, 1 << 30)
                 out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
             else:  # a bad row with no response left: nothing to supervise (counted above)
@@ -172,6 +183,29 @@ def regenerate_rows(
         e = encode_row(row, tok, spec, max_prompt_tokens)
         out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
     return out, report
+
+
+def _exact_last_turn(
+    tok: Any, spec: Any, msgs: list[dict[str, Any]], last: tuple[list[int], list[int]] | None
+) -> tuple[list[int], list[int]] | None:
+    """`prompt + the target's own tokens` of a chat's last turn, with the history's mask, or None
+    (the last turn was not regenerated, or the history's render is not a token prefix of its
+    prompt: then the whole conversation is rendered again from the decoded responses)."""
+    from hpctoolkit.data.template import encode_chat
+
+    if last is None:
+        return None
+    prompt, generated = last
+    history = msgs[: max(i for i, m in enumerate(msgs) if m["role"] == "assistant")]
+    if spec.loss_mask == "all":
+        return prompt + generated, [1] * (len(prompt) + len(generated))
+    h_mask = [0] * len(prompt)
+    if spec.loss_mask == "assistant" and any(m["role"] == "assistant" for m in history):
+        h_ids, mask = encode_chat(tok, history, spec)
+        if prompt[: len(h_ids)] != h_ids:
+            return None
+        h_mask[: len(mask)] = mask
+    return prompt + generated, h_mask + [1] * len(generated)
 
 
 def vllm_generator(target_dir: str | os.PathLike, sampling: Sampling, max_model_len: int) -> Generate:
