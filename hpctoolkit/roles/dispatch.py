@@ -115,8 +115,11 @@ def _watched(ctx: NodeContext, proc: Process) -> int:
     try:
         code = ROLE_FUNCS[proc.role](ctx, proc)
     except BaseException as err:
-        if watch.lost:
-            raise StoreError(watch.lost) from err
+        # A lost host is the cause of whatever the role then saw (a failed get, a stalled wait).
+        watch.stop()
+        lost = watch.lost or (watch.verdict() if isinstance(err, Exception) else None)
+        if lost:
+            raise StoreError(lost) from err
         raise
     finally:
         watch.stop()

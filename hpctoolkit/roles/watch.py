@@ -138,6 +138,20 @@ class PeerWatch:
             f"cluster.network for {MISSES * PERIOD_S:.0f}s"
         )
 
+    def verdict(self, timeout_s: float = (MISSES + 2) * (PERIOD_S + CONNECT_TIMEOUT_S)) -> str | None:
+        """After the role failed: was a host lost? Watch until one is (its reason) or every other
+        host answered in one round (None), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.lost is None and time.monotonic() < deadline:
+            reasons = [self._check(n) for n in range(self.ctx.plan.num_nodes) if n != self.ctx.node]
+            lost = next((r for r in reasons if r), None)
+            if lost:
+                return lost
+            if all(self._misses.get(n, 0) == 0 for n in self._seen):
+                return None
+            time.sleep(PERIOD_S)
+        return self.lost
+
     def _run(self) -> None:
         others = [n for n in range(self.ctx.plan.num_nodes) if n != self.ctx.node]
         while not self._stop.wait(PERIOD_S):
