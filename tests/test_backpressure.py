@@ -4,7 +4,7 @@ The gate's rules on fakes (milliseconds), the trainers' per-engine read records 
 real thing: `run_engine_leader`'s capture loop publishing into a real Mooncake master through a
 writer with a small segment (the engine's model is a stand-in that publishes real fragments; no
 vLLM), while a slow trainer reads through the production `LiveSource`. Without the pause the
-samples would not fit: twice the segment is published.
+samples would not fit: five times the segment is published, more than the whole store holds.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def test_read_records_count_each_engines_bytes_per_stage(tmp_path):
     assert not (tmp_path / "spool" / "rank0").exists()
     for e in range(2):
         assert read_stage_bytes(tmp_path / "spool", 2, e, 2) == want[e]
+        assert read_stage_bytes(tmp_path / "spool", 2, e, 2, prefixes[e]) == want[e]
+        # An earlier attempt's records (another key prefix) count as nothing read.
+        assert read_stage_bytes(tmp_path / "spool", 2, e, 2, f"job0-e{e}") == [0, 0]
 
 
 def test_a_spool_past_its_bound_raises(tmp_path):
@@ -176,7 +179,7 @@ def test_a_spool_past_its_bound_raises(tmp_path):
 
 # -- the real master ------------------------------------------------------------------------------
 
-NUM = 80
+NUM = 160
 TOKENS = 512
 
 
@@ -241,8 +244,9 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         "data.regenerate_tokens=0",
         f"data.max_prompt_tokens={TOKENS}",
         "engine.capture_batch=2",
-        "training.steps=40",  # x batch 2: one pass over the 80 samples
-        # 80 samples of 0.53 MB are 2.6 times the segment: they fit only if capture waits for reads.
+        "training.steps=80",  # x batch 2: one pass over the 160 samples
+        # 160 samples of 0.53 MB are 5 times the segment, 1.7 times the whole store (this writer's
+        # segment and the leader's 32 MiB mask segment): they fit only if capture waits for reads.
         "store.global_segment_size=16MB",
         "store.local_buffer_size=4MB",
         "store.backpressure_high=0.5",
@@ -268,7 +272,8 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         )
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 500, (TOKENS,), generator=g).tolist() for _ in range(NUM)]
-        monkeypatch.setattr(engines, "engine_prompts", lambda *_: prompts)
+        # (input_ids, loss_mask) per sample, as engine_prompts gives them.
+        monkeypatch.setattr(engines, "engine_prompts", lambda *_: [(p, [1] * len(p)) for p in prompts])
         monkeypatch.setattr(engines, "engine_node_args", lambda *_, **__: {})
         monkeypatch.setattr(engine_mod, "CaptureEngine", _StandInEngine)
         monkeypatch.setattr(tiny_target, "resolve_target", lambda t: t)
@@ -347,8 +352,9 @@ def test_engines_pause_for_a_slow_trainer_on_the_real_master(tmp_path, monkeypat
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not importable")
 def test_without_the_pause_the_same_job_fails(tmp_path, monkeypatch):
     """The control: the segment cannot hold what the engine publishes ahead of the trainer.
-    Measured: Mooncake evicts unread samples to make room (sample 5's objects went missing), or a
-    put is refused once nothing can be evicted; either way the run fails."""
+    Mooncake spills past the writer's preferred segment into any other (here the leader's mask
+    segment) and then evicts unread samples to make room, or refuses a put once nothing can be
+    evicted; either way the run fails (measured: a sample's objects went missing)."""
     got = _run_slow_trainer_job(tmp_path, monkeypatch, gate=False)
     assert got["engine_error"] is not None or got["trainer_errors"], got
     assert len(got["read"]) < NUM

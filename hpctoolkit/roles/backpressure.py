@@ -96,9 +96,10 @@ class Backpressure:
                 )
 
 
-def for_engine(ctx: Any, engine: int, say: Callable[[str], None]) -> Backpressure:
+def for_engine(ctx: Any, engine: int, say: Callable[[str], None], prefix: str | None = None) -> Backpressure:
     """Engine `engine`'s gate in a run (`roles.context.NodeContext`): the trainers' read records
-    in the run's spool directory, the drained record, the store section's watermarks."""
+    in the run's spool directory (those of its key `prefix` when given), the drained record, the
+    store section's watermarks."""
     from hpctoolkit.rundir.atomic import read_json
     from hpctoolkit.train.source import read_stage_bytes
 
@@ -118,7 +119,7 @@ def for_engine(ctx: Any, engine: int, say: Callable[[str], None]) -> Backpressur
         s.backpressure_high,
         s.backpressure_low,
         s.backpressure_max_pause_s,
-        lambda: read_stage_bytes(ctx.run.spool, world, engine, pp),
+        lambda: read_stage_bytes(ctx.run.spool, world, engine, pp, prefix),
         drained,
         say,
     )

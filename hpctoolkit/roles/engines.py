@@ -207,7 +207,7 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             )
             batch = cfg.engine.capture_batch
             # Between batches: wait while the trainers leave too much unread in a segment.
-            gate = backpressure.for_engine(ctx, e.index, say)
+            gate = backpressure.for_engine(ctx, e.index, say, prefix=queue.run_prefix)
             for i in range(0, len(mine), batch):
                 if stop.is_set():
                     raise DataIntegrityError(

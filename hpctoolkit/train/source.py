@@ -310,9 +310,12 @@ def _count_engine(engines: list[dict[str, Any]], prefixes: tuple[str, ...], mani
             return
 
 
-def read_stage_bytes(spool_dir: str | os.PathLike, world_size: int, engine: int, pp_size: int) -> list[int]:
+def read_stage_bytes(
+    spool_dir: str | os.PathLike, world_size: int, engine: int, pp_size: int, prefix: str | None = None
+) -> list[int]:
     """Bytes of engine `engine`'s samples that the trainer ranks have read, per PP stage, summed
-    over their read records (`LiveSource`); a rank without a record yet has read nothing."""
+    over their read records (`LiveSource`); a rank without a record yet has read nothing, and so
+    has one whose record names another key prefix for the engine (an earlier attempt's)."""
     import json
 
     total = [0] * pp_size
@@ -320,6 +323,9 @@ def read_stage_bytes(spool_dir: str | os.PathLike, world_size: int, engine: int,
         try:
             rec = json.loads((Path(spool_dir) / f"read-rank{r}.json").read_text())
         except (OSError, ValueError):
+            continue
+        prefixes = rec.get("prefixes")
+        if prefix is not None and prefixes is not None and prefixes[engine : engine + 1] != [prefix]:
             continue
         engines = rec.get("engines") or []
         if engine < len(engines):
