@@ -8,6 +8,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import GQAAttention, causal_mask
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy, reference_cross_entropy
 from hpctoolkit.models.common.mla import MLAAttention
@@ -98,6 +99,20 @@ def test_default_and_llama3_inv_freq():
     base = compute_inv_freq(RopeSpec("default", 500000.0), 128)
     assert torch.equal(inv[:4], base[:4])  # high frequencies kept
     torch.testing.assert_close(inv[-1], base[-1] / 8.0)  # low frequencies divided by factor
+
+
+def test_scaled_rope_without_its_original_length_is_a_config_error():
+    # DraftConfig fills it in (transformers does); a bare config reaching RopeSpec must not
+    # fail with int(None).
+    class Bare:
+        def __init__(self) -> None:
+            self.rope_theta = 10000.0
+            self.rope_parameters = {"rope_type": "llama3", "factor": 8.0}
+
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+        RopeSpec.from_config(Bare())
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+        compute_inv_freq(RopeSpec("yarn", 10000.0, factor=4.0), 8)
 
 
 def test_interleaved_rotation_rotates_adjacent_pairs():

@@ -88,3 +88,30 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
     meta.write_text(json.dumps({**data, "world_size": 2}))
     with pytest.raises(ConfigError, match="written by 2 ranks"):
         launch(_job(tmp_path), 1)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one rank, no process group
+def test_checkpointer_round_trips_the_stream_position(tmp_path):
+    # `samples_consumed` is the stream's position (epoch and offset), not a count.
+    from hpctoolkit.train.checkpoint import Checkpointer
+    from hpctoolkit.train.fsdp import DistContext
+    from hpctoolkit.train.source import SampleStream
+
+    ctx = DistContext(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    stream = SampleStream(lambda *a: iter(()), 0, 1, epoch=3, offset=7)
+    ckpt = Checkpointer(tmp_path, keep=1, ctx=ctx)
+    path = ckpt.save(5, model, optimizer, scheduler, samples_consumed=stream.position, meta={"family": "x"})
+    assert ckpt.latest() == path
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    meta = ckpt.load(path, model, optimizer, scheduler)
+    assert meta["step"] == 5 and meta["family"] == "x"
+    assert meta["samples_consumed"] == {"epoch": 3, "offset": 7}
+    assert SampleStream(lambda *a: iter(()), 0, 1, **meta["samples_consumed"]).position == stream.position
+    torch.testing.assert_close(model.state_dict(), want)

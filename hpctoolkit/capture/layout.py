@@ -47,7 +47,9 @@ def pp_partition(num_layers: int, pp_size: int, partition: object = _FROM_ENV) -
     if partition is _FROM_ENV:
         partition = os.environ.get(PARTITION_ENV)
     if partition is not None:
-        return _parse_partition(partition, num_layers, pp_size)  # type: ignore[arg-type]
+        if not isinstance(partition, (str, Sequence)):
+            raise ConfigError(f"a PP layer partition is a list or a comma string, got {partition!r}")
+        return _parse_partition(partition, num_layers, pp_size)
     per, rem = divmod(num_layers, pp_size)
     parts = [per] * pp_size
     # vLLM gives the remainder to the stages before the last, walking backwards from the

@@ -106,9 +106,11 @@ def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeCon
         if key not in given:
             OmegaConf.update(merged, key, "???", merge=False)
     try:
-        cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _explain(err, str(path)) from err
+    if not isinstance(cfg, RecipeConfig):  # a structured merge converts to its schema class
+        raise TypeError(f"the recipe converted to {type(cfg).__name__}, not RecipeConfig")
     for name in SECTIONS:
         try:
             getattr(cfg, name).validate()

@@ -170,7 +170,7 @@ def build_llm_kwargs(
     kwargs.update(cfg.extra_args)
     if cfg.nnodes > 1:
         kwargs.update(
-            nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=int(master_port)
+            nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
         )
     env = engine_env(
         backend,

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from hpctoolkit.config.couplings import draft_target_layer_ids
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
@@ -87,7 +88,7 @@ def _replay_summary(accepted: list[int], k: int) -> dict[str, Any]:
 
 def _served_stats(
     trainer_cls: type[FamilyTrainer],
-    draft: torch.nn.Module,
+    draft: DraftModel,
     head: TargetHead,
     k: int,
     prompt: list[int],

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import architecture_for, build_draft_model, load_draft_config
 
 WEIGHTS_NAME = "model.safetensors"
@@ -21,12 +21,13 @@ def config_to_dict(config: DraftConfig) -> dict:
     return data
 
 
-def save_draft(model: nn.Module, out_dir: str | Path) -> Path:
+def save_draft(model: DraftModel, out_dir: str | Path) -> Path:
     """Write `config.json` and `model.safetensors` (full state dict, buffers included)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config: DraftConfig = model.config  # type: ignore[assignment]
-    (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(
+        json.dumps(config_to_dict(model.config), indent=2, sort_keys=True) + "\n"
+    )
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME))
     return out
@@ -39,7 +40,7 @@ def load_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load_draft(ckpt_dir: str | Path, *, strict: bool = True) -> nn.Module:
+def load_draft(ckpt_dir: str | Path, *, strict: bool = True) -> DraftModel:
     """Inverse of `save_draft`."""
     config = load_draft_config(ckpt_dir)
     model = build_draft_model(config)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.dflash.config import DFlashConfig
 from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.models.dspark.config import DSparkConfig
@@ -33,7 +33,7 @@ from hpctoolkit.models.serving import Serving
 @dataclass(frozen=True)
 class Family:
     config_cls: type[DraftConfig]
-    model_cls: type[nn.Module]
+    model_cls: type[DraftModel]
     serving: Serving
 
 
@@ -41,7 +41,7 @@ _FAMILIES: dict[str, Family] = {}
 _FAMILY_BY_CONFIG: dict[type[DraftConfig], str] = {}
 
 
-def register_draft(config_cls: type[DraftConfig], model_cls: type[nn.Module]) -> None:
+def register_draft(config_cls: type[DraftConfig], model_cls: type[DraftModel]) -> None:
     """Tie a config class and its model class to the family record of the config's `model_type`."""
     serving = serving_for(config_cls)
     if config_cls in _FAMILY_BY_CONFIG:
@@ -81,7 +81,7 @@ def config_class_for(config_dict: Mapping[str, Any]) -> type[DraftConfig]:
     return _FAMILIES[family].config_cls
 
 
-def model_class_for(config: DraftConfig) -> type[nn.Module]:
+def model_class_for(config: DraftConfig) -> type[DraftModel]:
     return _family_of_config(config).model_cls
 
 
@@ -97,7 +97,7 @@ def load_draft_config(path: str | os.PathLike) -> DraftConfig:
     return config_from_dict(read_config_json(path))
 
 
-def build_draft_model(config: DraftConfig, *, device: str | torch.device | None = None) -> nn.Module:
+def build_draft_model(config: DraftConfig, *, device: str | torch.device | None = None) -> DraftModel:
     """Instantiate the registered model; `device="meta"` allocates nothing."""
     cls = model_class_for(config)
     if device is None:

@@ -25,7 +25,9 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -78,7 +80,7 @@ def expand_hostlist(text: str) -> tuple[str, ...]:
 def _int(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
         raw = env.get(name)
-        if raw not in (None, ""):
+        if raw:
             try:
                 return int(raw.split("(")[0])  # SLURM_TASKS_PER_NODE style "8(x2)" -> 8
             except ValueError:

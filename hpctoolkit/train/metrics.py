@@ -136,12 +136,12 @@ class TensorBoardLog:
             w.add_scalar(f"train/loss_{k}", v, step)
         w.add_scalar("accept/acceptance_length_incl_bonus", stats.acceptance_length_incl_bonus(), step)
         w.add_scalar("accept/simulated_acc_len_excl_bonus", stats.simulated_acc_len_excl_bonus(), step)
-        for k, (acc, loss, rate) in enumerate(
+        for pos, (acc, loss, rate) in enumerate(
             zip(stats.pos_accuracy(), stats.pos_loss(), stats.acceptance_rate_per_pos(), strict=True)
         ):
-            w.add_scalar(f"position/accuracy_{k}", acc, step)
-            w.add_scalar(f"position/loss_{k}", loss, step)
-            w.add_scalar(f"position/acceptance_{k}", rate, step)
+            w.add_scalar(f"position/accuracy_{pos}", acc, step)
+            w.add_scalar(f"position/loss_{pos}", loss, step)
+            w.add_scalar(f"position/acceptance_{pos}", rate, step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,4 +1,4 @@
-# ruff: noqa: N802, N803  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+# ruff: noqa: N802, N803, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """The target's frozen output head: final norm (when the captured state is pre-norm) and lm_head.
 
 Only the tensors the head needs are read from the target checkpoint, through `safe_open`, so a
@@ -66,6 +66,10 @@ class TargetHead(nn.Module):
     `prenorm=True` (vLLM's capture convention, manifest `extra["last_hidden_states_prenorm"]`)
     applies the target's final RMSNorm first; post-norm captures go straight to `lm_head`.
     """
+
+    # Buffers (registered in __init__, so `.to()` moves them).
+    lm_head_VH: torch.Tensor
+    norm_H: torch.Tensor
 
     def __init__(self, lm_head_VH: torch.Tensor, norm_H: torch.Tensor, eps: float) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ integer tensors, and each backend derives what it needs from it: sdpa a dense bo
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,18 @@ def attend(
 RopePair = tuple[torch.Tensor, torch.Tensor]
 
 
+class AttentionConfig(Protocol):
+    """The config fields the attention layers' `from_config` read (every `DraftConfig` has them)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_backend: str
+    attention_bias: bool
+
+
 class GQAAttention(nn.Module):
     """Qwen3 grouped-query attention with per-head `q_norm`/`k_norm`.
 
@@ -193,7 +206,9 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
 
     @classmethod
-    def from_config(cls, config: object, layer_idx: int, input_size: int | None = None) -> "GQAAttention":
+    def from_config(
+        cls, config: AttentionConfig, layer_idx: int, input_size: int | None = None
+    ) -> "GQAAttention":
         c = config
         return cls(
             hidden_size=c.hidden_size,
@@ -203,7 +218,7 @@ class GQAAttention(nn.Module):
             rms_norm_eps=c.rms_norm_eps,
             input_size=input_size,
             attention_backend=c.attention_backend,
-            attention_bias=getattr(c, "attention_bias", False),
+            attention_bias=c.attention_bias,
         )
 
     def project(

@@ -15,7 +15,7 @@ keys:
 
 import copy
 import logging
-from typing import Any, ClassVar
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -75,7 +75,7 @@ class DraftConfig(PretrainedConfig):
     """
 
     model_type = "hpc_draft"
-    default_theta: ClassVar[float] = 10000.0
+    default_theta = 10000.0
 
     def __init__(
         self,

@@ -41,10 +41,8 @@ def _ce_rows_fn(compiled: bool):
     return _compiled_ce_rows
 
 
-def _expand_rows(t: torch.Tensor | None, rows: torch.Tensor, n: int) -> torch.Tensor | None:
+def _expand_rows(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """Scatter per-kept-row values back to all `n` rows (zeros / False elsewhere)."""
-    if t is None:
-        return None
     out = t.new_zeros((n, *t.shape[1:]))
     return out.index_copy_(0, rows, t)
 
@@ -96,7 +94,9 @@ class _FusedLinearCE(torch.autograd.Function):
             if g_w_extra is not None:
                 g_w_extra += (grad.t() @ extra_NR[sl]).float()
         if compact:
-            g_hidden, g_extra = (_expand_rows(g, rows, full_n) for g in (g_hidden, g_extra))
+            g_hidden, g_extra = (
+                None if g is None else _expand_rows(g, rows, full_n) for g in (g_hidden, g_extra)
+            )
             hit_N = _expand_rows(hit_N, rows, full_n)
         ctx.save_for_backward(count)
         ctx.grads = (g_hidden, g_w, g_extra, g_w_extra)

@@ -9,13 +9,27 @@ the interleaved layout, and V never is. The softmax scale is `1/sqrt(nope + rope
 `mscale(factor, mscale_all_dim)**2`.
 """
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models.common.attention import AttentionMask, RopePair, attend
+from hpctoolkit.models.common.attention import AttentionConfig, AttentionMask, RopePair, attend
 from hpctoolkit.models.common.norm import RMSNorm
 from hpctoolkit.models.common.rope import RopeSpec, apply_rotary
+
+
+@runtime_checkable
+class MLAConfig(AttentionConfig, Protocol):
+    """An `AttentionConfig` with the MLA shapes (`K3DSparkConfig`) and the rotary base."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
 
 
 class MLAAttention(nn.Module):
@@ -56,7 +70,16 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
 
     @classmethod
-    def from_config(cls, config: object, layer_idx: int, input_size: int | None = None) -> "MLAAttention":
+    def from_config(
+        cls, config: AttentionConfig, layer_idx: int, input_size: int | None = None
+    ) -> "MLAAttention":
+        # Built through the DFlash `attention_class` hook, which passes the model's config: a
+        # config without the MLA shapes is a wrong pairing of config and model classes.
+        if not isinstance(config, MLAConfig):
+            raise ConfigError(
+                f"MLAAttention needs an MLA config (q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                f"qk_rope_head_dim, v_head_dim), got {type(config).__name__}"
+            )
         c = config
         if getattr(c, "mla_use_output_gate", False):
             raise NotImplementedError("mla_use_output_gate: no published MLA draft carries gate weights")

@@ -12,6 +12,7 @@ which is what vLLM builds with `is_neox_style=False`.
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +27,14 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1.0:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+class RopeConfig(Protocol):
+    """What `RopeSpec.from_config` reads: `rope_theta`, and `rope_parameters` where present
+    (a `DraftConfig` has both, normalised)."""
+
+    @property
+    def rope_theta(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -45,17 +54,20 @@ class RopeSpec:
     high_freq_factor: float = 4.0
 
     @classmethod
-    def from_config(cls, config: object) -> "RopeSpec":
+    def from_config(cls, config: RopeConfig) -> "RopeSpec":
         """Read `config.rope_theta` and `config.rope_parameters` (normalised by `DraftConfig`)."""
         params = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ConfigError(f"rope_parameters.rope_type={rope_type!r}; known: {', '.join(ROPE_TYPES)}")
-        base = float(config.rope_theta)  # type: ignore[attr-defined]
+        base = float(config.rope_theta)
         if rope_type == "default":
             return cls("default", base)
+        for key in ("factor", "original_max_position_embeddings"):
+            if params.get(key) is None:
+                raise ConfigError(f"rope_parameters.rope_type={rope_type!r} needs rope_parameters.{key}")
         factor = float(params["factor"])
-        orig = params.get("original_max_position_embeddings")
+        orig = params["original_max_position_embeddings"]
         if rope_type == "llama3":
             return cls(
                 "llama3",
@@ -100,8 +112,9 @@ class RopeSpec:
         return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
-def _opt_float(value: object) -> float | None:
-    return None if value is None else float(value)  # type: ignore[arg-type]
+def _opt_float(value: Any) -> float | None:
+    """A JSON number or None (`rope_parameters` values)."""
+    return None if value is None else float(value)
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -113,8 +126,12 @@ def compute_inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     pos_freqs = spec.base**exponents
     inv_freq = 1.0 / pos_freqs
+    if spec.rope_type == "default":
+        return inv_freq.float()
+    orig = spec.original_max_position_embeddings
+    if orig is None:
+        raise ConfigError(f"rope_type={spec.rope_type!r} needs original_max_position_embeddings")
     if spec.rope_type == "llama3":
-        orig = spec.original_max_position_embeddings
         low_wavelen = orig / spec.low_freq_factor
         high_wavelen = orig / spec.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -124,13 +141,11 @@ def compute_inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, smoothed, inv_freq)
     elif spec.rope_type == "yarn":
-        orig = spec.original_max_position_embeddings
         low = math.floor(_yarn_correction_dim(spec.beta_fast, dim, spec.base, orig))
         high = math.ceil(_yarn_correction_dim(spec.beta_slow, dim, spec.base, orig))
         low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        width = high - low if high != low else 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / width).clamp(0, 1)
         extrapolation_weight = 1.0 - ramp
         inv_freq = (inv_freq / spec.factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     return inv_freq.float()

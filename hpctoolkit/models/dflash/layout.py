@@ -153,10 +153,10 @@ def sample_anchors(
     noise = torch.rand(B, S, generator=generator, device=loss_mask_BS.device)
     score = torch.where(eligible_BS, noise, torch.full_like(noise, -1.0))
     top_BN = score.topk(min(num_blocks, S), dim=1)
-    anchors = top_BN.indices
-    valid = top_BN.values >= 0
-    anchors = torch.where(valid, anchors, anchors[:, :1]).sort(dim=1)
-    valid = valid.gather(1, anchors.indices)
-    if anchors.values.shape[1] < num_blocks:
+    anchors_BN = top_BN.indices
+    valid_BN = top_BN.values >= 0
+    ordered = torch.where(valid_BN, anchors_BN, anchors_BN[:, :1]).sort(dim=1)
+    valid_BN = valid_BN.gather(1, ordered.indices)
+    if ordered.values.shape[1] < num_blocks:
         raise ConfigError(f"sequence length {S} is shorter than num_blocks={num_blocks}")
-    return anchors.values, valid
+    return ordered.values, valid_BN

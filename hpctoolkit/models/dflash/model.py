@@ -1,7 +1,9 @@
 # ruff: noqa: N803, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """DFlash draft: a context projection over captured target layers plus dual-source decoder layers."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -9,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import AttentionMask, GQAAttention, RopePair
+from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.mla import MLAAttention
 from hpctoolkit.models.common.mlp import GatedMLP
 from hpctoolkit.models.common.norm import RMSNorm
 from hpctoolkit.models.common.rope import RopeSpec, RotaryEmbedding
@@ -31,7 +35,9 @@ class DFlashDecoderLayer(nn.Module):
     layer's `input_layernorm`: that is how vLLM precomputes context KV at serving time.
     """
 
-    def __init__(self, config: DFlashConfig, layer_idx: int, attention_class: type[nn.Module]) -> None:
+    def __init__(
+        self, config: DFlashConfig, layer_idx: int, attention_class: type[GQAAttention] | type[MLAAttention]
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = attention_class.from_config(config, layer_idx)
@@ -52,7 +58,7 @@ class DFlashDecoderLayer(nn.Module):
         return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
 
 
-class DFlashDraftModel(nn.Module):
+class DFlashDraftModel(DraftModel):
     """DFlash draft.
 
     forward(context_BSC, input_ids_BS, layout, *, return_logits=False) -> DFlashOutput
@@ -72,9 +78,10 @@ class DFlashDraftModel(nn.Module):
     which name the projection modules so a variant's state dict matches its serving checkpoint.
     """
 
-    config_class = DFlashConfig
-    attention_class: type[nn.Module] = GQAAttention
-    decoder_layer_class: type[nn.Module] = DFlashDecoderLayer
+    config: DFlashConfig
+    config_class: type[DFlashConfig] = DFlashConfig
+    attention_class: type[GQAAttention] | type[MLAAttention] = GQAAttention
+    decoder_layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
     context_proj_name = "fc"
     context_norm_name = "hidden_norm"
     final_norm_name = "norm"
@@ -108,7 +115,7 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = self.build_rotary(c)
         # The first this many decoder layers recompute their activations in backward.
         self.checkpoint_layers = 0
-        self._project_context = None  # compiled by `compile_layers`
+        self._project_context: Callable[[torch.Tensor], torch.Tensor] | None = None  # by `compile_layers`
 
     def set_activation_checkpointing(self, num_layers: int) -> None:
         """Recompute the first `num_layers` decoder layers in backward (0: keep all activations).
@@ -122,7 +129,7 @@ class DFlashDraftModel(nn.Module):
             )
         self.checkpoint_layers = num_layers
 
-    def compile_layers(self, **compile_kwargs: object) -> None:
+    def compile_layers(self, **compile_kwargs: Any) -> None:
         """`torch.compile` each decoder layer in place (state-dict names unchanged), and the
         context projection.
 
@@ -141,7 +148,7 @@ class DFlashDraftModel(nn.Module):
         self.config.attention_backend = backend
         self.config.validate()
         for module in self.modules():
-            if hasattr(module, "backend"):
+            if isinstance(module, (GQAAttention, MLAAttention)):
                 module.backend = backend
 
     def build_rotary(self, config: DFlashConfig) -> RotaryEmbedding:
@@ -167,7 +174,10 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Run the decoder stack; returns final-normed `hidden_BTH`."""
         context_BSH = (self._project_context or self.project_context)(context_BSC)
-        x_BTH = self.embed_tokens(layout.block_input_ids(input_ids_BS, self.config.mask_token_id))
+        mask_token_id = self.config.mask_token_id
+        if mask_token_id is None:  # validate() refuses it; a config changed after the build
+            raise ConfigError("mask_token_id is unset: DFlash drafts need a mask token")
+        x_BTH = self.embed_tokens(layout.block_input_ids(input_ids_BS, mask_token_id))
         x_BTH = x_BTH.to(context_BSH.dtype)
         rope_q = self.rotary_emb(layout.q_position_ids())
         rope_k = self.rotary_emb(layout.k_position_ids())

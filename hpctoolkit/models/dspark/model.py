@@ -6,21 +6,20 @@ from dataclasses import dataclass
 import torch
 
 from hpctoolkit.models.dflash.layout import BlockLayout
-from hpctoolkit.models.dflash.model import DFlashDraftModel
+from hpctoolkit.models.dflash.model import DFlashDraftModel, DFlashOutput
 from hpctoolkit.models.dspark.config import DSparkConfig
 from hpctoolkit.models.dspark.heads import ConfidenceHead, MarkovHead
 
 
-@dataclass
-class DSparkOutput:
+@dataclass(kw_only=True)
+class DSparkOutput(DFlashOutput):
     """Per draft slot `T`: `hidden_BTH` (pre-`lm_head`), `markov_BTR` (embedding of the previous
     ground-truth token), `confidence_BT` (acceptance logit, or None), and on request
-    `logits_BTV` = `lm_head(hidden) + markov_w2(markov)` and `markov_logits_BTV` = the bias alone."""
+    `logits_BTV` = `lm_head(hidden) + markov_w2(markov)` and `markov_logits_BTV` = the bias alone.
+    A `DFlashOutput` (DSpark is a DFlash superset); the fields it adds are keyword-only."""
 
-    hidden_BTH: torch.Tensor
     markov_BTR: torch.Tensor
     confidence_BT: torch.Tensor | None
-    logits_BTV: torch.Tensor | None = None
     markov_logits_BTV: torch.Tensor | None = None
 
 
@@ -34,12 +33,13 @@ class DSparkDraftModel(DFlashDraftModel):
       chunk, fused with the cross-entropy, instead of materialising `[B, T, V]`.
     """
 
-    config_class = DSparkConfig
+    config: DSparkConfig
+    config_class: type[DSparkConfig] = DSparkConfig
 
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__(config)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)
-        self.confidence_head = None
+        self.confidence_head: ConfidenceHead | None = None
         if config.enable_confidence_head:
             dim = config.hidden_size + (config.markov_rank if config.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(dim, config.confidence_head_with_markov)
@@ -57,7 +57,7 @@ class DSparkDraftModel(DFlashDraftModel):
         confidence_BT = None
         if self.confidence_head is not None:
             confidence_BT = self.confidence_head(hidden_BTH, markov_BTR)
-        out = DSparkOutput(hidden_BTH, markov_BTR, confidence_BT)
+        out = DSparkOutput(hidden_BTH, markov_BTR=markov_BTR, confidence_BT=confidence_BT)
         if return_logits:
             out.markov_logits_BTV = self.markov_head.bias(markov_BTR)
             out.logits_BTV = self.compute_logits(hidden_BTH) + out.markov_logits_BTV

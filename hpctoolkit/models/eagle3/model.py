@@ -8,6 +8,7 @@ from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import AttentionMask, GQAAttention, RopePair, causal_mask
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.common.mlp import GatedMLP
 from hpctoolkit.models.common.norm import RMSNorm
 from hpctoolkit.models.common.rope import RopeSpec, RotaryEmbedding
@@ -98,7 +99,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(DraftModel):
     """Eagle3 draft.
 
     forward(aux_BSC, input_ids_BS, position_ids_BS=None, *, hidden_BSH=None, return_logits=False)
@@ -112,7 +113,11 @@ class Eagle3DraftModel(nn.Module):
     Draft-vocabulary maps: `d2t[i] = target_id(i) - i` and `t2d[target_id]` (bool), as vLLM reads them.
     """
 
+    config: Eagle3Config
     config_class = Eagle3Config
+    # Buffers (registered in __init__, saved with the weights).
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
@@ -58,7 +58,7 @@ def check_draft_against_target(config: DraftConfig, head: TargetHead) -> None:
 
 
 @torch.no_grad()
-def init_from_target(draft: nn.Module, head: TargetHead, embed_VH: torch.Tensor | None) -> None:
+def init_from_target(draft: DraftModel, head: TargetHead, embed_VH: torch.Tensor | None) -> None:
     """Copy the target's input embedding and output head into the draft (both frozen or seeded).
 
     `embed_VH` None means the target is tied: its head is its embedding. A pruned Eagle3 head is
@@ -69,7 +69,8 @@ def init_from_target(draft: nn.Module, head: TargetHead, embed_VH: torch.Tensor 
     rows = head.lm_head_VH
     lm = draft.lm_head.weight
     if lm.shape[0] != rows.shape[0]:
-        ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+        d2t = draft.get_buffer("d2t")  # the pruned families' draft -> target offsets
+        ids = d2t + torch.arange(d2t.numel(), device=d2t.device)
         rows = rows.index_select(0, ids.to(rows.device))
     lm.copy_(rows.to(lm))
 

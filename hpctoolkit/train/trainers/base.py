@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import LossParts
@@ -56,14 +56,21 @@ class FamilyTrainer(nn.Module):
 
     Class attributes a family sets: `family` (its name in logs and checkpoint metadata),
     `unused_options` (training options that have no effect on it, warned about), and
-    `prunes_vocab` (whether its draft may have `draft_vocab_size < vocab_size`).
+    `prunes_vocab` (whether its draft may have `draft_vocab_size < vocab_size`). A family's
+    trainer narrows `draft` to its model class: the registries build both from one config, by
+    family.
+
+    Each family defines `forward(input_ids_BS, context_BSC, last_BSH, loss_mask_BS, lengths_B, *,
+    last_prenorm, **step) -> LossParts`, where `step` is exactly what its `step_inputs` returns
+    (so the keywords differ by family, and this class declares no `forward` of its own).
     """
 
     family = "base"
     unused_options: tuple[str, ...] = ()
     prunes_vocab = False
+    draft: DraftModel
 
-    def __init__(self, draft: nn.Module, head: TargetHead, cfg: TrainingConfig) -> None:
+    def __init__(self, draft: DraftModel, head: TargetHead, cfg: TrainingConfig) -> None:
         super().__init__()
         self.draft = draft
         self.head = head
@@ -76,7 +83,7 @@ class FamilyTrainer(nn.Module):
 
     @classmethod
     def served_chains(
-        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """The chains vLLM verifies when it serves `k` drafts per step after a `prompt_len`
         prompt until `out_len` tokens exist, over a sequence of `seq_len` tokens (prompt, output
@@ -94,19 +101,6 @@ class FamilyTrainer(nn.Module):
 
     def target_logits(self, rows_NH: torch.Tensor, prenorm: bool) -> torch.Tensor:
         return self.head.logits(rows_NH, prenorm=prenorm)
-
-    def forward(
-        self,
-        input_ids_BS: torch.Tensor,
-        context_BSC: torch.Tensor,
-        last_BSH: torch.Tensor,
-        loss_mask_BS: torch.Tensor,
-        lengths_B: torch.Tensor,
-        *,
-        last_prenorm: bool,
-        **step: Any,
-    ) -> LossParts:
-        raise NotImplementedError
 
     def run(self, batch: Batch, step: int) -> LossParts:
         """Forward one batch (already on the device) at optimizer step `step`."""

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
@@ -36,14 +37,15 @@ class DFlashTrainer(FamilyTrainer):
     """
 
     family = "dflash"
-    unused_options = ("ttt_length",)
+    unused_options: tuple[str, ...] = ("ttt_length",)
+    draft: DFlashDraftModel
 
     # Evaluation mirrors serving, whose block is `num_speculative_tokens + 1` slots.
     block_size_override: int | None = None
 
     @property
     def block_size(self) -> int:
-        return int(self.block_size_override or self.draft.config.block_size)
+        return self.block_size_override or self.draft.config.block_size
 
     @property
     def num_positions(self) -> int:
@@ -51,7 +53,7 @@ class DFlashTrainer(FamilyTrainer):
 
     @classmethod
     def served_chains(
-        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """One block of `k + 1` slots (serving's size) anchored at every served bonus token."""
         anchors = torch.arange(prompt_len, prompt_len + out_len - 1).unsqueeze(0)
@@ -110,11 +112,11 @@ class DFlashTrainer(FamilyTrainer):
 
     def forward(
         self,
-        input_ids_BS,
-        context_BSC,
-        last_BSH,
-        loss_mask_BS,
-        lengths_B,
+        input_ids_BS: torch.Tensor,
+        context_BSC: torch.Tensor,
+        last_BSH: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        lengths_B: torch.Tensor,
         *,
         last_prenorm: bool,
         anchors_BN: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hpctoolkit.models.dspark.model import DSparkDraftModel
 from hpctoolkit.train.losses import LossParts, dspark_loss
 from hpctoolkit.train.trainers.dflash import DFlashTrainer
 
@@ -12,14 +13,15 @@ from hpctoolkit.train.trainers.dflash import DFlashTrainer
 class DSparkTrainer(DFlashTrainer):
     family = "dspark"
     unused_options = ("ttt_length", "dflash_decay_gamma")
+    draft: DSparkDraftModel
 
     def forward(
         self,
-        input_ids_BS,
-        context_BSC,
-        last_BSH,
-        loss_mask_BS,
-        lengths_B,
+        input_ids_BS: torch.Tensor,
+        context_BSC: torch.Tensor,
+        last_BSH: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        lengths_B: torch.Tensor,
         *,
         last_prenorm: bool,
         anchors_BN: torch.Tensor,

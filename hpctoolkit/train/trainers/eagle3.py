@@ -14,12 +14,14 @@ serving-order forward).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models.eagle3.model import KVCache
+from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.eagle3.model import Eagle3DraftModel, KVCache
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
@@ -36,9 +38,16 @@ def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def supervised_token_counts(sample: object, vocab_size: int) -> torch.Tensor:
+class _TokenSample(Protocol):
+    """A `data.sample.Sample` or a `SyntheticSample` (which has no `loss_mask`)."""
+
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+
+
+def supervised_token_counts(sample: _TokenSample, vocab_size: int) -> torch.Tensor:
     """`[V]` float64 counts of a sample's supervised tokens (all of them without a loss mask)."""
-    ids = sample.input_ids.long()  # type: ignore[attr-defined]
+    ids = sample.input_ids.long()
     mask = getattr(sample, "loss_mask", None)
     if mask is not None:
         ids = ids[mask.bool()]
@@ -59,10 +68,11 @@ class Eagle3Trainer(FamilyTrainer):
     family = "eagle3"
     unused_options = ("num_anchors", "dflash_decay_gamma", "label_source")
     prunes_vocab = True
+    draft: Eagle3DraftModel
 
     @classmethod
     def served_chains(
-        cls, draft: nn.Module, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """A `k`-step unroll; the chain for the bonus token at `a` starts at `t = a - 1`."""
         first, last = prompt_len - 1, prompt_len + out_len - 3
@@ -79,7 +89,7 @@ class Eagle3Trainer(FamilyTrainer):
         c = self.draft.config
         return c.draft_vocab_size < c.vocab_size
 
-    def shard_units(self):
+    def shard_units(self) -> list[nn.Module]:
         return [self.draft.midlayer]
 
     def draft_ids(self) -> torch.Tensor:
@@ -100,11 +110,11 @@ class Eagle3Trainer(FamilyTrainer):
 
     def forward(
         self,
-        input_ids_BS,
-        context_BSC,
-        last_BSH,
-        loss_mask_BS,
-        lengths_B,
+        input_ids_BS: torch.Tensor,
+        context_BSC: torch.Tensor,
+        last_BSH: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        lengths_B: torch.Tensor,
         *,
         last_prenorm: bool,
         label_mask_BS: torch.Tensor | None = None,
