@@ -19,7 +19,8 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.plan.sizing import (
     INPUT_IDS_BYTES,
-    LOSS_MASK_BYTES,
+    MASK_BUFFER_BYTES,
+    MASK_SEGMENT_MIN,
     check_counts,
     check_node_memory,
     node_memory,
@@ -64,7 +65,7 @@ def test_k3_bytes_per_token_per_stage():
     ids = capture_ids_for([3, 17, 31, 45, 59], 61)
     assert ids == [4, 18, 32, 46, 60, 61]
     # 61 layers over 2 stages split [31, 30]: stage 0 owns ids 4, 18; stage 1 owns 32, 46, 60, 61.
-    assert stage_bytes_per_token(ids, 61, 2, 7168, "bfloat16") == [2 * 7168 * 2 + 9, 4 * 7168 * 2]
+    assert stage_bytes_per_token(ids, 61, 2, 7168, "bfloat16") == [2 * 7168 * 2 + 8, 4 * 7168 * 2]
     # The issue's figure: 6 states x 7168 x bf16 x 8192 tokens = 0.70 GB a sample.
     assert 6 * 7168 * 2 * 8192 == 704_643_072
 
@@ -84,14 +85,14 @@ def test_every_capture_id_is_counted_once_at_every_pipeline_size(num_layers):
         choices = [[3, 17, 29], [0, num_layers - 2], list(range(0, num_layers - 1, 5))]
     for target_ids in choices:
         ids = capture_ids_for(target_ids, num_layers)
-        whole = len(ids) * hidden * dt + INPUT_IDS_BYTES + LOSS_MASK_BYTES
+        whole = len(ids) * hidden * dt + INPUT_IDS_BYTES
         for pp in range(1, min(num_layers, 8) + 1):
             per = stage_bytes_per_token(ids, num_layers, pp, hidden, "bfloat16")
             assert sum(per) == whole, (target_ids, pp)
             parts = pp_partition(num_layers, pp)
             for s, b in enumerate(per):
                 own = owned_layers(ids, num_layers, s, pp, parts)
-                assert b == len(own) * hidden * dt + (INPUT_IDS_BYTES + LOSS_MASK_BYTES if s == 0 else 0)
+                assert b == len(own) * hidden * dt + (INPUT_IDS_BYTES if s == 0 else 0)
 
 
 def test_unknown_dtype_is_refused():
@@ -106,7 +107,7 @@ def test_k3_store_figures(k3_files):
     cfg = k3(k3_files)
     s = size_store(cfg, K3_TARGET, make_plan(cfg))
     assert s.longest_sample_tokens == 8192  # data.max_prompt_tokens, below engine.max_model_len
-    assert [st.longest_sample_bytes for st in s.stages] == [28681 * 8192, 57344 * 8192]
+    assert [st.longest_sample_bytes for st in s.stages] == [28680 * 8192, 57344 * 8192]
     assert s.stages[1].longest_sample_bytes == 448 << 20
     assert s.writers == 4 and s.segment_bytes == 128 * GiB and s.store_bytes == 512 * GiB
     assert [st.samples_per_segment for st in s.stages] == [584, 292]
@@ -115,8 +116,19 @@ def test_k3_store_figures(k3_files):
     assert (s.counts.samples_published, s.counts.samples_consumed, s.counts.epochs) == (160000, 160000, 1)
     assert s.spool_bytes == 0  # one pass: spool off
     busiest = max(s.nodes, key=lambda n: n.total_bytes)
-    assert (busiest.writers, busiest.clients, busiest.workers) == (1, 1, 8)
-    assert busiest.total_bytes == 128 * GiB + 16 * GiB + 8 * 64 * GiB
+    # An engine leader's node: stage 0's writer and the leader's mask writer (the masks of its
+    # 80000 samples, 8 KiB each, twice over, as store.fragments.mask_segment_bytes sizes it).
+    assert (busiest.writers, busiest.clients, busiest.workers) == (1, 2, 8)
+    mask = 2 * 80000 * 8192 + MASK_BUFFER_BYTES
+    assert busiest.total_bytes == 128 * GiB + 16 * GiB + mask + 8 * 64 * GiB
+
+
+def test_the_mask_segment_is_the_one_the_leader_mounts():
+    from hpctoolkit.store.fragments import mask_segment_bytes
+
+    for n, tokens in ((1, 10), (100, 4097), (80000, 8192), (3, 100000)):
+        want = mask_segment_bytes([tokens] * n)
+        assert max(MASK_SEGMENT_MIN, 2 * n * (-(-tokens // 4096) * 4096)) == want
 
 
 def test_k3_8nodes_is_the_k3_recipe_with_only_the_layout_changed(k3_files):
@@ -155,7 +167,7 @@ def test_writers_are_each_stages_tp_rank_zero(k3_files):
     nodes = node_memory(cfg, make_plan(cfg))
     # Stage 0's TP rank 0 on each engine's first node, stage 1's on its third.
     assert [n.writers for n in nodes] == [1, 0, 1, 0, 1, 0, 1, 0]
-    assert [n.clients for n in nodes] == [2, 1, 2, 1, 2, 1, 2, 1]
+    assert [n.clients for n in nodes] == [3, 1, 2, 1, 3, 1, 2, 1]  # + the leaders' mask writers
     assert [n.workers for n in nodes] == [5] * 8
 
 
@@ -263,7 +275,7 @@ def test_a_replay_whose_spool_would_pass_its_bound_is_refused(k3_files):
         "training.spool_max_size=110TB",
     )
     s = size_store(cfg, K3_TARGET)
-    assert s.counts.spooled and s.spool_bytes == 160000 * (28681 + 57344) * 8192
+    assert s.counts.spooled and s.spool_bytes == 160000 * (28680 + 57344 + 1) * 8192
 
 
 # -- node memory: sinfo and --mem ----------------------------------------------------------------
@@ -278,12 +290,17 @@ def test_a_node_that_cannot_hold_its_share_is_refused(k3_files):
     cfg = k3(k3_files)
     nodes = size_store(cfg, K3_TARGET, make_plan(cfg)).nodes
     check_node_memory(nodes, 2048 * GiB, "gpu")
-    with pytest.raises(ConfigError, match=r"node n1 needs 656\.0 GiB .* partition gpu have 512\.0 GiB"):
+    with pytest.raises(ConfigError, match=r"node n1 needs 657\.2 GiB .* partition gpu have 512\.0 GiB"):
         check_node_memory(nodes, 512 * GiB, "gpu")
 
 
 @pytest.mark.parametrize(
-    ("recipe", "mem"), [("recipes/k3.yaml", 656 * 1024), ("recipes/k3_8nodes.yaml", 480 * 1024)]
+    ("recipe", "mem"),
+    # segments + buffers + the leader's mask writer (1250 MiB + 16 MiB) + 64 GiB per worker, in MiB
+    [
+        ("recipes/k3.yaml", 131072 + 16384 + 1266 + 8 * 65536),
+        ("recipes/k3_8nodes.yaml", 131072 + 2 * 16384 + 1266 + 5 * 65536),
+    ],
 )
 def test_the_batch_script_asks_the_memory_it_needs(recipe, mem):
     cfg, _ = load_for_render(recipe)

@@ -4,7 +4,8 @@ Who writes what (the contract of `capture.manifest` and `engine.connector`):
 
 * a sample is one object per capture id, `[num_tokens, hidden_size]` in `engine.dtype`, written by
   the PP stage that owns the id (`capture.layout.stage_of`), plus its `input_ids` object
-  (`[num_tokens]` int64), written by stage 0;
+  (`[num_tokens]` int64), written by stage 0; its loss mask (`[num_tokens]` uint8) is put by the
+  engine leader itself, from a writer of its own with a small segment (`store.fragments.LossMasks`);
 * each stage publishes from its TP rank 0 only: one store *writer* per PP stage per engine. Every
   writer mounts one segment of `store.global_segment_size` in the host memory of its node, and
   puts its fragments there (`preferred_segment`): a stage's fragments of every unread sample of its
@@ -49,10 +50,14 @@ if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
     from hpctoolkit.plan.placement import Plan
 
-# Stage 0's per-token objects beside its hidden states: input_ids (int64) and the optional uint8
-# loss mask (counted always: an upper bound).
+# Per token beside the hidden states: input_ids (int64, stage 0's writer) and the loss mask
+# (uint8, the leader's mask writer).
 INPUT_IDS_BYTES = DTYPE_BYTES["int64"]
 LOSS_MASK_BYTES = 1
+# The leader's mask writer: store.fragments.mask_segment_bytes (each mask rounded up to 4 KiB,
+# twice over, at least 32 MiB) and a 16 MiB buffer (roles.engines._loss_masks).
+MASK_SEGMENT_MIN = 32 << 20
+MASK_BUFFER_BYTES = 16 << 20
 # Mooncake's client refuses a smaller segment ("Total size must be at least 16777216").
 MIN_SEGMENT_BYTES = 16 << 20
 
@@ -69,7 +74,7 @@ def fmt_bytes(n: float) -> str:
 class StageSizing:
     stage: int
     capture_ids: tuple[int, ...]
-    # hidden states it owns x hidden_size x dtype bytes, plus 8 + 1 (input_ids, loss mask) on stage 0
+    # hidden states it owns x hidden_size x dtype bytes, plus 8 (input_ids) on stage 0
     bytes_per_token: int
     longest_sample_bytes: int
     # longest samples of this stage one segment holds
@@ -91,10 +96,11 @@ class Counts:
 @dataclass(frozen=True)
 class NodeMemory:
     node: int
-    writers: int
-    clients: int
+    writers: int  # stage writers (store.global_segment_size each)
+    clients: int  # every store client: stage writers, trainer readers, leaders' mask writers
     workers: int
-    store_bytes: int  # writers x segment + clients x local buffer
+    # stage segments + their and the readers' local buffers + the mask writer's segment and buffer
+    store_bytes: int
     total_bytes: int  # store_bytes + workers x cluster.host_memory_per_worker
 
 
@@ -158,8 +164,8 @@ class StoreSizing:
         if self.nodes:
             worst = max(self.nodes, key=lambda n: n.total_bytes)
             lines.append(
-                f"memory      busiest node n{worst.node}: {worst.writers} segment(s) + {worst.clients} "
-                f"buffer(s) = {fmt_bytes(worst.store_bytes)} of store, {fmt_bytes(worst.total_bytes)} "
+                f"memory      busiest node n{worst.node}: {worst.writers} stage segment(s), {worst.clients} "
+                f"client(s) = {fmt_bytes(worst.store_bytes)} of store, {fmt_bytes(worst.total_bytes)} "
                 f"with {worst.workers} worker(s)' allowance"
             )
         return "\n".join(lines)
@@ -182,7 +188,7 @@ def stage_bytes_per_token(
     parts = pp_partition(num_layers, pp_size)
     return [
         len(owned_layers(capture_ids, num_layers, s, pp_size, parts)) * hidden_size * DTYPE_BYTES[dtype]
-        + (INPUT_IDS_BYTES + LOSS_MASK_BYTES if s == 0 else 0)
+        + (INPUT_IDS_BYTES if s == 0 else 0)
         for s in range(pp_size)
     ]
 
@@ -246,17 +252,20 @@ def node_memory(cfg: RecipeConfig, plan: Plan) -> tuple[NodeMemory, ...]:
                 # TP rank 0 of each stage writes (vLLM ranks are TP-innermost).
                 if (n.node_rank * e.gpus_per_node + k) % eng.tp == 0:
                     writers[n.node] += 1
+    # Each leader's mask writer holds the masks of its engine's share of the samples.
+    masks = [0] * plan.num_nodes
+    for eng in plan.engines:
+        masks[eng.leader.node] += 1
+    share = -(-cfg.data.num_samples // e.num_engines)
+    mask_seg = max(MASK_SEGMENT_MIN, 2 * share * (-(-longest_sample_tokens(cfg) // 4096) * 4096))
     for r in plan.trainer.ranks:
         readers[r.node] += 1
         workers[r.node] += 1
     out = []
     for i in range(plan.num_nodes):
-        store = writers[i] * seg + (writers[i] + readers[i]) * buf
-        out.append(
-            NodeMemory(
-                i, writers[i], writers[i] + readers[i], workers[i], store, store + workers[i] * per_worker
-            )
-        )
+        store = writers[i] * seg + (writers[i] + readers[i]) * buf + masks[i] * (mask_seg + MASK_BUFFER_BYTES)
+        clients = writers[i] + readers[i] + masks[i]
+        out.append(NodeMemory(i, writers[i], clients, workers[i], store, store + workers[i] * per_worker))
     return tuple(out)
 
 
@@ -306,7 +315,7 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
         )
     in_flight = int(s.backpressure_high * seg // worst.longest_sample_bytes) + e.capture_batch
     counts = check_counts(cfg)
-    sample_bytes = sum(per_token) * tokens
+    sample_bytes = (sum(per_token) + LOSS_MASK_BYTES) * tokens
     spool_bytes = 0
     if counts.spooled:
         # Every rank reads its whole share in the first pass, and keeps it.
