@@ -389,3 +389,35 @@ def test_dry_run_checks_the_files_exist(k3_files, missing):
 def test_json_needs_dry_run(k3_files):
     p = _submit("recipes/local.yaml", "--json")
     assert p.returncode == 2 and "--dry-run" in p.stderr
+
+
+def _fake_sinfo(tmp_path: Path, mb: str) -> dict[str, str]:
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    sinfo = bin_dir / "sinfo"
+    sinfo.write_text(f"#!/bin/sh\nprintf '{mb}\\n'\n")
+    sinfo.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize(("mb", "ok"), [("2063000\n1031000", True), ("1031000\n515000+", False)])
+def test_dry_run_checks_node_memory_where_sinfo_reports_it(k3_files, tmp_path, mb, ok):
+    target, prompts, out = k3_files
+    args = [f"paths.output_dir={out}", f"paths.target_model={target}", f"data.prompts={prompts}"]
+    p = subprocess.run(
+        [sys.executable, "-m", "hpctoolkit.submit", "recipes/k3.yaml", "--dry-run", "--json", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_fake_sinfo(tmp_path, mb),
+    )
+    if ok:
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["node_memory_bytes"] == 1031000 << 20
+    else:
+        assert p.returncode == 2
+        assert "node n1 needs 657.2 GiB" in p.stderr and "(sinfo)" in p.stderr, p.stderr
