@@ -15,8 +15,10 @@ Why each engine variable is set:
 * `VLLM_CPU_KVCACHE_SPACE`: KV-cache GiB per CPU worker; the default is sized for servers.
 * `VLLM_ENABLE_V1_MULTIPROCESSING`: 0 runs EngineCore in the caller's process (starts in ~20 s
   instead of ~1 min on a small CPU box; only possible for a one-worker engine).
-* `VLLM_USE_V2_MODEL_RUNNER=0`: the capture path (`extract_hidden_states` + our connector) is
-  written against the V1 runner; CUDA builds with Triton default to V2.
+* `VLLM_USE_V2_MODEL_RUNNER=0` on every capture engine (`pin_v1_runner`): the capture path
+  (`extract_hidden_states` + our connector and the patch series) is written against the V1 runner;
+  CUDA builds with Triton default to V2. Serving a draft (`evaluate`) and regeneration leave the
+  choice to vLLM (DSpark drafts are served by V2 only).
 * `VLLM_CPU_OMP_THREADS_BIND`: CPU engines whose workers are processes need an explicit per-rank
   core split ("Not enough allowed NUMA nodes" otherwise); on a node of a multi-node engine the
   split covers that node's workers and cores only (its affinity mask: on the emulated cluster each

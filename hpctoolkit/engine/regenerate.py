@@ -208,26 +208,57 @@ def _exact_last_turn(
     return prompt + generated, h_mask + [1] * len(generated)
 
 
-def vllm_generator(target_dir: str | os.PathLike, sampling: Sampling, max_model_len: int) -> Generate:
-    """A `Generate` over the target in vLLM, in this process (one device)."""
+# What only the capture engine needs: the generating engine is the same engine without them.
+CAPTURE_ONLY_KEYS = ("speculative_config", "kv_transfer_config", "worker_extension_cls")
+
+
+def generation_kwargs(
+    engine_cfg: Any, target_dir: str | os.PathLike
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """`LLM` kwargs and environment of a one-node engine laid out as the capture engine is (its
+    PP x TP, dtype, lengths and batching, `engine.extra_args`), without the capture parts."""
+    from hpctoolkit.engine.engine import engine_llm_kwargs
+    from hpctoolkit.engine.env import detect_backend
+
+    if engine_cfg.nnodes > 1:
+        raise DataIntegrityError(
+            f"regeneration runs on the leader's node only; engine.nnodes={engine_cfg.nnodes} is not supported"
+        )
+    _, kwargs, env = engine_llm_kwargs(
+        engine_cfg, target_dir, None, {}, "regenerate", backend=detect_backend()
+    )
+    return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS}, env
+
+
+def vllm_generator(
+    target_dir: str | os.PathLike,
+    sampling: Sampling,
+    max_model_len: int,
+    llm_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Generate:
+    """A `Generate` over the target in vLLM, started from this process: `llm_kwargs`/`env` from
+    `generation_kwargs` (the engine's own layout), or one device by default."""
     import torch
 
     from hpctoolkit.engine.env import engine_env
 
-    backend = "cuda" if torch.cuda.is_available() else "cpu"
-    for k, v in engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1).items():
+    if env is None:
+        backend = "cuda" if torch.cuda.is_available() else "cpu"
+        env = engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
+    for k, v in env.items():
         os.environ.setdefault(k, v)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
+    kwargs: dict[str, Any] = dict(llm_kwargs or {"enforce_eager": True, "max_num_seqs": 16})
+    kwargs.update(
         model=str(Path(target_dir)),
-        enforce_eager=True,
         max_model_len=max_model_len,
-        max_num_seqs=16,
         enable_prefix_caching=False,
         seed=sampling.seed,
     )
+    llm = LLM(**kwargs)
 
     def generate(prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Generated]:
         params = [
@@ -253,6 +284,8 @@ def regenerate(
     sampling: dict[str, Any],
     max_prompt_tokens: int,
     max_model_len: int,
+    llm_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Child-process entry: `{"samples": [...], "report": {...}}` (JSON-native)."""
     from transformers import AutoTokenizer
@@ -262,7 +295,7 @@ def regenerate(
     chat = ChatSpec(**{**spec, "end_of_turn_tokens": tuple(spec.get("end_of_turn_tokens", ()))})
     samp = Sampling(**sampling)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    gen = vllm_generator(target_dir, samp, max_model_len)
+    gen = vllm_generator(target_dir, samp, max_model_len, llm_kwargs, env)
     samples, report = regenerate_rows(
         rows, tok, chat, gen, samp, max_prompt_tokens=max_prompt_tokens, max_model_len=max_model_len
     )

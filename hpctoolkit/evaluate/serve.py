@@ -50,7 +50,9 @@ def _engine_environment() -> None:
     from hpctoolkit.engine.env import engine_env
 
     backend = "cuda" if torch.cuda.is_available() else "cpu"
-    for k, v in engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1).items():
+    # Serving, not capture: vLLM picks its own runner (DSpark drafts need V2 on CUDA).
+    env = engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
+    for k, v in env.items():
         os.environ.setdefault(k, v)
 
 
