@@ -307,6 +307,11 @@ def test_the_batch_script_asks_the_memory_it_needs(recipe, mem):
     text = render_sbatch(cfg, make_plan(cfg), recipe_path=recipe)
     assert f"#SBATCH --mem={mem}M\n" in text
     assert ("#SBATCH --exclusive" in text) == (recipe == "recipes/k3.yaml")
+    # A script bash accepts, with the engine and trainer steps sharing nodes in the 8-node layout.
+    assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
+    if recipe.endswith("8nodes.yaml"):
+        assert "#SBATCH --gpus-per-node=5\n" in text and text.count("--gres=gpu:4 ") == 8
+        assert '--nodelist="$(hosts 0 1 2 3 4 5 6 7)" --gres=gpu:1' in text
 
 
 def test_no_memory_request_without_a_worker_allowance():
