@@ -430,9 +430,7 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
     return summary
 
 
-def _save_training_format(
-    trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path
-) -> DraftModel:
+def _save_training_format(trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path) -> DraftModel:
     """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
     from hpctoolkit.models.checkpoint import save_draft
     from hpctoolkit.models.registry import build_draft_model
