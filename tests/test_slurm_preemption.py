@@ -74,6 +74,21 @@ def _wait_steps(run: RunDir, job: str, env: dict[str, str], steps: int, timeout_
         time.sleep(0.2)
 
 
+def _start_requeued_now(job: str, env: dict[str, str], timeout_s: float = 120) -> bool:
+    """Slurm holds a requeued job for ~2 min (its EligibleTime); let it start at once. True when
+    the job was requeued (and so restarted)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = shell.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env).strip()
+        if not out:
+            return False  # ended without a requeue
+        if out.startswith("PENDING") and "BeginTime" in out:
+            shell.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _log(out: Path, job: str) -> str:
     path = out / f"slurm-{job}.out"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -204,6 +219,7 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
     checkpointed_after = time.monotonic() - t_signal
     done = ledger.read_ledger(run.checkpoints)
     assert done is not None
+    assert _start_requeued_now(job, env), f"job {job} was not requeued:\n{_log(out, job)[-4000:]}"
     state = wait_done(job, env, JOB_TIMEOUT_S)
     wall = time.monotonic() - t0
     log = _log(out, job)
@@ -295,6 +311,7 @@ def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm
     checkpointed_after = time.monotonic() - t_signal
     done = ledger.read_ledger(run.checkpoints)
     assert done is not None
+    assert _start_requeued_now(job, env), f"job {job} was not requeued:\n{_log(out, job)[-4000:]}"
     # The requeued attempt trains to the end; from its end record to the job's end is the release.
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not (isinstance(e := _read(run.ended), dict) and e.get("ok")):

@@ -113,8 +113,10 @@ def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
         "gpus_per_node": plan.gpus_per_node,
         "time": time_limit_minutes(c.time),
         "signal_delay_s": c.signal_before_s,
-        "exclusive": bool(c.exclusive),
     }
+    if c.exclusive:
+        # submitit writes `--exclusive=False` for False, which sbatch refuses.
+        params["exclusive"] = True
     if c.partition:
         params["partition"] = c.partition
     if c.account:
