@@ -343,3 +343,47 @@ def _read(path: Path):
     from hpctoolkit.rundir.atomic import read_json
 
     return read_json(path)
+
+
+# Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 2-minute limit (its check
+# runs every ~30 s, so 60-90 s into an attempt), when the trainer is mid-way: 400 steps take
+# longer than one attempt's window. Each attempt makes progress; the last one ends the run.
+TIME_LIMIT = [
+    "data.num_samples=400",
+    "training.steps=400",
+    "cluster.time=00:02:00",
+    "cluster.signal_before_s=60",
+]
+
+
+def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    env = _env(slurm_cluster)
+    t0 = time.monotonic()
+    cfg, out, job, run = _submit(env, tmp_path, TIME_LIMIT)
+    steps_at_requeue = []
+    deadline = time.monotonic() + 3 * JOB_TIMEOUT_S
+    while True:
+        if _start_requeued_now(job, env, timeout_s=deadline - time.monotonic()):
+            done = ledger.read_ledger(run.checkpoints)
+            steps_at_requeue.append(None if done is None else done.step)
+            continue
+        break
+    state = wait_done(job, env, 60)
+    log = _log(out, job)
+    ours = "\n".join(
+        x for x in log.splitlines() if x.startswith(("[hpctoolkit.trainer", "trainers exited", "requeue"))
+    )
+    print(
+        f"\n[measure] time limit {cfg.cluster.time}, USR2 {cfg.cluster.signal_before_s}s before: "
+        f"checkpoints at steps {steps_at_requeue} before each requeue; job {job} {state} "
+        f"{time.monotonic() - t0:.1f}s after submission\n{ours}"
+    )
+    assert state == "COMPLETED", log[-6000:]
+    assert steps_at_requeue and steps_at_requeue[0], "the time limit's SIGUSR2 never led to a checkpoint"
+    assert "SIGUSR2: checkpointed at step" in log
+    summary = json.loads((run.train / "train_summary.json").read_text())
+    assert summary["steps_trained"] == cfg.training.steps
+    assert summary["resumed_from_step"] == steps_at_requeue[-1]
+    order = _order(run)
+    assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
+    assert sorted(p for r in order for p in r["prompts"]) == list(range(cfg.data.num_samples))
