@@ -7,8 +7,9 @@
   keeps its store segment (where the fragments live) until the trainers write `drained`.
   A resumed run (`rundir.ledger`) captures only the prompts its checkpoint's ledger does not hold,
   each manifest tagged with its prompt index, under this attempt's own key prefix, after removing
-  the fragments an earlier attempt's queue lists. On SIGUSR2 (preemption) it stops capturing
-  without failing the queue and waits as after the last sample.
+  the fragments an earlier attempt's queue lists. On SIGUSR2 (preemption), or once the trainers'
+  end record says they checkpointed on it, it stops capturing without failing the queue and waits
+  as after the last sample.
 * `engine-follower` starts a `HeadlessFollower` with the leader's kwargs (both from
   `engine_llm_kwargs` with `engine_node_args`) and serves until its leader leaves.
 """
@@ -119,6 +120,15 @@ def _usr2_event() -> threading.Event:
     return asked
 
 
+def _trainers_preempted(ctx: NodeContext) -> bool:
+    """The trainers checkpointed on SIGUSR2 (their end record says so), whether or not this step
+    got the signal too (the batch script forwards the time limit's to the trainers only)."""
+    from hpctoolkit.rundir.atomic import read_json
+
+    ended = read_json(ctx.run.ended)
+    return isinstance(ended, dict) and bool(ended.get("preempted"))
+
+
 def _left_to_capture(ctx: NodeContext, engine: int, mine: list[list[int]]) -> list[tuple[int, list[int]]]:
     """`(prompt index, ids)` of this engine's prompts that no completed checkpoint trained on."""
     cfg = ctx.cfg
@@ -213,7 +223,8 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
                     raise DataIntegrityError(
                         f"engine {e.index} stopped after {queue.published} of {len(mine)} samples"
                     )
-                if preempted.is_set():
+                if preempted.is_set() or _trainers_preempted(ctx):
+                    preempted.set()
                     break
                 gate.wait(stop)
                 # A batch's manifests come back once all of its fragments are published.
