@@ -118,9 +118,9 @@ def check_couplings(cfg: RecipeConfig) -> None:
     # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
     size_store(cfg, target)
 
-    if cfg.data.regenerate_tokens and e.world_size > 1:
+    if cfg.data.regenerate_tokens and e.nnodes > 1:
         raise ConfigError(
-            f"data.regenerate_tokens={cfg.data.regenerate_tokens} needs a one-device engine "
-            f"(engine.nnodes x engine.gpus_per_node = {e.world_size}): each leader generates the "
-            "continuations with an engine of its own before it captures"
+            f"data.regenerate_tokens={cfg.data.regenerate_tokens} needs a one-node engine "
+            f"(engine.nnodes={e.nnodes}): each leader generates the responses with the engine's "
+            "PP x TP layout on its own node before it captures; a multi-node one is not supported yet"
         )

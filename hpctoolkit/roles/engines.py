@@ -52,10 +52,12 @@ def _regenerate(
     sampling: dict[str, Any],
     max_prompt_tokens: int,
     max_model_len: int,
+    llm_kwargs: dict[str, Any],
+    env: dict[str, str],
 ) -> dict[str, Any]:
     from hpctoolkit.engine.regenerate import regenerate
 
-    return regenerate(target_dir, rows, spec, sampling, max_prompt_tokens, max_model_len)
+    return regenerate(target_dir, rows, spec, sampling, max_prompt_tokens, max_model_len, llm_kwargs, env)
 
 
 def engine_prompts(ctx: NodeContext, engine: int, target_dir: str) -> list[tuple[list[int], list[int]]]:
@@ -85,7 +87,11 @@ def engine_prompts(ctx: NodeContext, engine: int, target_dir: str) -> list[tuple
         "top_p": d.regenerate_top_p,
         "seed": d.regenerate_seed,
     }
-    args = (target_dir, rows, spec, sampling, d.max_prompt_tokens, cfg.engine.max_model_len)
+    from hpctoolkit.engine.regenerate import generation_kwargs
+
+    # The engine's own PP x TP layout on this node, without the capture parts.
+    llm_kwargs, env = generation_kwargs(cfg.engine, target_dir)
+    args = (target_dir, rows, spec, sampling, d.max_prompt_tokens, cfg.engine.max_model_len, llm_kwargs, env)
     # vLLM does not release its workers within a process: the generation gets its own.
     out = Child("regenerate", _regenerate, args, ctx.run.logs).result()
     from hpctoolkit.engine.regenerate import RegenReport

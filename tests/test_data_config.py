@@ -1,0 +1,36 @@
+"""The recipe's data section: its own checks, and the regeneration coupling (one-node engines)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctoolkit.config.load import load_recipe
+from hpctoolkit.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("data.loss_mask=everything", r"data.loss_mask must be one of"),
+        (
+            "data.system_prompt_policy=replace",
+            r"data.system_prompt must be set for system_prompt_policy=replace",
+        ),
+        ("data.regenerate_top_p=0", r"data.regenerate_top_p must lie in \(0, 1\]"),
+        ("data.regenerate_max_bad_fraction=2", r"data.regenerate_max_bad_fraction must lie in \[0, 1\]"),
+        ("data.format=csv", r"data.format must be one of"),
+        ("data.sources=[{path: a.jsonl, weight: 0}]", r"data.sources\[0\].weight must be > 0"),
+    ],
+)
+def test_bad_data_settings_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_recipe("recipes/local.yaml", [override])
+
+
+def test_regeneration_needs_a_one_node_engine():
+    cfg = load_recipe(
+        "recipes/local.yaml", ["engine.gpus_per_node=2", "engine.pp_size=2", "data.regenerate_tokens=8"]
+    )
+    assert cfg.engine.world_size == 2
+    with pytest.raises(ConfigError, match=r"needs a one-node engine \(engine.nnodes=2\)"):
+        load_recipe("recipes/local.yaml", ["engine.nnodes=2", "data.regenerate_tokens=8"])
