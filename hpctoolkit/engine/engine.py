@@ -1,6 +1,6 @@
 """The capture engine: vLLM's `LLM` with `extract_hidden_states` and `HpcHiddenStatesConnector`.
 
-`build_llm_kwargs` is pure (no vLLM import) and decides every engine argument and environment
+`build_llm_kwargs` (`engine.kwargs`, pure, no vLLM import) decides every engine argument and environment
 variable. `CaptureEngine` applies them, checks the store master is reachable *before* vLLM is
 built (an unreachable master fails within `store.connect_timeout_s`, naming the address), and
 runs prefill-only requests, one per `generate()` call, so batch composition never varies with
@@ -10,202 +10,34 @@ the data. Each request's manifest comes back through `kv_transfer_params`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
-import json
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout, sanitize_key
-from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
-from hpctoolkit.engine.env import detect_backend, engine_env
+from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout
+from hpctoolkit.engine.config import EngineConfig
+from hpctoolkit.engine.env import detect_backend
+from hpctoolkit.engine.kwargs import (  # noqa: F401 -- the engine's public names live here too
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    EXTRA_CONFIG_KEY,
+    MANIFEST_PARAM,
+    PUBLISH_WAIT_S,
+    WORKER_EXTENSION,
+    build_llm_kwargs,
+    engine_llm_kwargs,
+    fault_dir_for,
+    run_prefix,
+    store_cfg_dict,
+    target_num_layers,
+)
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
-
-CONNECTOR_CLASS = "HpcHiddenStatesConnector"
-CONNECTOR_MODULE = "hpctoolkit.engine.connector"
-WORKER_EXTENSION = "hpctoolkit.engine.worker_ext.CaptureWorkerExtension"
-# Mirrors connector.MANIFEST_PARAM / EXTRA_CONFIG_KEY without importing vLLM here.
-MANIFEST_PARAM = "hpctoolkit_manifest"
-EXTRA_CONFIG_KEY = "hpctoolkit"
-# How long `capture` waits for the connector to publish a finished request.
-PUBLISH_WAIT_S = 120.0
-
-
-def target_num_layers(model_dir: str | os.PathLike) -> int:
-    """The target's decoder layer count, from its HF `config.json` (text config if nested)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the target config {path}: {err}") from err
-    text = cfg.get("text_config") or cfg
-    n = text.get("num_hidden_layers")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{path} has no positive num_hidden_layers (got {n!r})")
-    return n
-
-
-def run_prefix(run_id: str, engine_index: int) -> str:
-    """Sample-key prefix unique to one engine of one run, in the store-safe character set."""
-    if not run_id:
-        raise ConfigError("run_id must be non-empty: it keeps this run's store keys apart from others'")
-    return sanitize_key(f"{run_id}-e{engine_index}")
-
-
-def _store_cfg_dict(store_cfg: Any) -> dict[str, Any]:
-    if store_cfg is None:
-        return {}
-    if dataclasses.is_dataclass(store_cfg) and not isinstance(store_cfg, type):
-        return dataclasses.asdict(store_cfg)
-    if isinstance(store_cfg, Mapping):
-        return dict(store_cfg)
-    raise ConfigError(f"store config must be a StoreConfig or a mapping, got {type(store_cfg).__name__}")
-
-
-def build_llm_kwargs(
-    cfg: EngineConfig,
-    model_dir: str | os.PathLike,
-    capture_ids: Sequence[int],
-    store_address: str | None,
-    store_cfg: Any,
-    run_id: str,
-    *,
-    engine_index: int = 0,
-    backend: str = "cpu",
-    fault_dir: str | None = None,
-    store_factory: str | None = None,
-    reachability_check: str | None = None,
-    num_cores: int | None = None,
-    node_rank: int = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    host_ip: str = "127.0.0.1",
-    cores: Sequence[int] | None = None,
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Keyword arguments for `vllm.LLM` and the environment to set before importing vLLM.
-
-    Pure. `capture_ids` are capture ids (already shifted, final layer appended). Protected keys
-    (`PROTECTED_ENGINE_KEYS`) are derived here and may not come from `cfg.extra_args`.
-
-    A multi-node engine (`cfg.nnodes > 1`) needs this node's `node_rank` and the engine's
-    rendezvous (`master_addr`: the leader's host, `master_port`); the kwargs then carry vLLM's
-    per-node keys (`follower.NODE_KEYS`), and everything else is identical on every node, so a
-    follower strips those keys and hands the rest to `HeadlessFollower`. `host_ip` is this node's
-    address (vLLM and gloo bind it); `cores` the cores this node's workers split (default: the
-    process's affinity for worker processes).
-    """
-    cfg.validate()
-    ids = [int(i) for i in capture_ids]
-    if not ids:
-        raise ConfigError("capture ids are empty")
-    clash = sorted(PROTECTED_ENGINE_KEYS & set(cfg.extra_args))
-    if clash:
-        raise ConfigError(f"engine.extra_args may not set {clash}: hpctoolkit derives them")
-    if cfg.nnodes > 1:
-        if not master_addr or not master_port:
-            raise ConfigError(
-                f"engine.nnodes={cfg.nnodes}: a multi-node engine needs the leader's rendezvous "
-                f"(master_addr={master_addr!r}, master_port={master_port!r}; the plan's engine rendezvous)"
-            )
-        if not 0 <= node_rank < cfg.nnodes:
-            raise ConfigError(f"node_rank={node_rank} is not a node of a {cfg.nnodes}-node engine")
-    elif node_rank != 0:
-        raise ConfigError(f"node_rank={node_rank} given for a one-node engine (engine.nnodes=1)")
-    world = cfg.world_size
-    tp, pp = cfg.tp_size, cfg.pp_size
-    if tp * pp != world:
-        raise ConfigError(f"engine.pp_size={pp} must divide the world size {world}")
-    in_process = cfg.in_process and world == 1
-    store_d = _store_cfg_dict(store_cfg)
-    extra: dict[str, Any] = {
-        "run_prefix": run_prefix(run_id, engine_index),
-        "store_address": store_address,
-        "store_config": store_d,
-        "connect_timeout_s": float(store_d.get("connect_timeout_s", 10.0)),
-        "fault_dir": fault_dir,
-    }
-    if store_factory is not None:
-        extra["store_factory"] = store_factory
-    if reachability_check is not None:
-        extra["reachability_check"] = reachability_check
-    # Unset: eager for one CPU worker; CPU PP needs the compile warm-up, which is what allocates
-    # the intermediate-tensor buffers.
-    eager = cfg.enforce_eager if cfg.enforce_eager is not None else (backend == "cpu" and pp == 1)
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": cfg.dtype,
-        "max_model_len": cfg.max_model_len,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_num_seqs": cfg.max_num_seqs,
-        "enable_chunked_prefill": True,
-        # A prefix-cache hit would skip the forward of the shared prefix, so its rows would never
-        # be written into the cache-only layer for this request.
-        "enable_prefix_caching": False,
-        "tensor_parallel_size": tp,
-        "pipeline_parallel_size": pp,
-        "distributed_executor_backend": "uni" if world == 1 else "mp",
-        "enforce_eager": eager,
-        "disable_log_stats": True,
-        "worker_extension_cls": WORKER_EXTENSION,
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
-        },
-        "kv_transfer_config": {
-            "kv_connector": CONNECTOR_CLASS,
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_producer",
-            # vLLM draws a random engine_id otherwise; the nodes of a multi-node engine must agree.
-            "engine_id": extra["run_prefix"],
-            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: extra},
-        },
-    }
-    kwargs.update(cfg.extra_args)
-    if cfg.nnodes > 1:
-        kwargs.update(
-            nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
-        )
-    env = engine_env(
-        backend,
-        in_process=in_process,
-        world_size=world,
-        cpu_kvcache_space_gb=cfg.cpu_kvcache_space_gb,
-        host_ip=host_ip,
-        num_cores=num_cores,
-        local_world_size=cfg.gpus_per_node,
-        cores=cores,
-        pin_v1_runner=True,  # a capture engine: see engine_env
-    )
-    return kwargs, env
-
-
-def fault_dir_for(output_dir: str | os.PathLike, engine_index: int) -> str:
-    """Engine `engine_index`'s fault directory on the run's shared output directory."""
-    return str(Path(output_dir) / "faults" / f"engine{engine_index}")
-
-
-def engine_llm_kwargs(
-    cfg: EngineConfig,
-    model_dir: str | os.PathLike,
-    store_address: str | None,
-    store_cfg: Any,
-    run_id: str,
-    **kw: Any,
-) -> tuple[list[int], dict[str, Any], dict[str, str]]:
-    """(capture ids, `LLM` kwargs, env) of one engine node: what `CaptureEngine` builds on the
-    leader and what a headless follower must start with (`kw` as for `build_llm_kwargs`)."""
-    num_layers = target_num_layers(model_dir)
-    capture_ids = capture_ids_for(cfg.target_layer_ids, num_layers)
-    check_layer_layout(capture_ids, num_layers)
-    kwargs, env = build_llm_kwargs(cfg, model_dir, capture_ids, store_address, store_cfg, run_id, **kw)
-    return capture_ids, kwargs, env
 
 
 class CaptureEngine:
@@ -253,7 +85,7 @@ class CaptureEngine:
         self.num_layers = target_num_layers(model_dir)
         self.capture_ids = capture_ids_for(cfg.target_layer_ids, self.num_layers)
         check_layer_layout(self.capture_ids, self.num_layers)
-        store_d = _store_cfg_dict(store_cfg)
+        store_d = store_cfg_dict(store_cfg)
         timeout = float(store_d.get("connect_timeout_s", 10.0))
         if store_address is not None:
             # Fail fast, before vLLM spends its start-up time; the worker checks again.
