@@ -113,8 +113,9 @@ def _sbatch_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
         lines.append(f"--partition={c.partition}")
     if c.account:
         lines.append(f"--account={c.account}")
-    # --requeue: a preempted job (the trainers checkpointed on USR2) requeues itself, below.
-    lines += [f"--output={output}", f"--signal=B:USR2@{c.signal_before_s}", "--requeue"]
+    # --requeue: a preempted job (the trainers checkpointed on USR2) requeues itself, below; its
+    # next attempt appends to the same log.
+    lines += [f"--output={output}", "--open-mode=append", f"--signal=B:USR2@{c.signal_before_s}", "--requeue"]
     lines += list(c.sbatch_extra or [])
     return [f"#SBATCH {line}" for line in lines]
 
