@@ -84,6 +84,10 @@ def _start_requeued_now(job: str, env: dict[str, str], timeout_s: float = 120) -
             return False  # ended without a requeue
         if out.startswith("PENDING") and "BeginTime" in out:
             shell.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            # Until it runs again (or ended), so that one requeue is seen once.
+            while shell.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env).strip() == "PENDING":
+                assert time.monotonic() < deadline, f"requeued job {job} did not start again"
+                time.sleep(0.5)
             return True
         time.sleep(0.5)
     return False
@@ -346,11 +350,12 @@ def _read(path: Path):
 
 
 # Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 2-minute limit (its check
-# runs every ~30 s, so 60-90 s into an attempt), when the trainer is mid-way: 400 steps take
-# longer than one attempt's window. Each attempt makes progress; the last one ends the run.
+# runs every ~30 s, so 60-90 s into the attempt), while the trainer is mid-way through 2000 steps,
+# far more than one attempt trains. The test follows the first requeue and the resumed attempt's
+# first steps, then cancels the job (the final step after a resume is the USR2 tests' part).
 TIME_LIMIT = [
-    "data.num_samples=400",
-    "training.steps=400",
+    "data.num_samples=2000",
+    "training.steps=2000",
     "cluster.time=00:02:00",
     "cluster.signal_before_s=60",
 ]
@@ -360,30 +365,33 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     env = _env(slurm_cluster)
     t0 = time.monotonic()
     cfg, out, job, run = _submit(env, tmp_path, TIME_LIMIT)
-    steps_at_requeue = []
-    deadline = time.monotonic() + 3 * JOB_TIMEOUT_S
-    while True:
-        if _start_requeued_now(job, env, timeout_s=deadline - time.monotonic()):
-            done = ledger.read_ledger(run.checkpoints)
-            steps_at_requeue.append(None if done is None else done.step)
-            continue
-        break
-    state = wait_done(job, env, 60)
+    try:
+        requeued = _start_requeued_now(job, env, timeout_s=240)
+        done = ledger.read_ledger(run.checkpoints)
+        t_requeue = time.monotonic() - t0
+        assert requeued, f"job {job} was not requeued by its time limit:\n{_log(out, job)[-4000:]}"
+        assert done is not None and done.step > 0, "the time limit's SIGUSR2 led to no checkpoint"
+        # The next attempt resumes at the checkpoint's step and trains on.
+        _wait_steps(run, job, env, done.step + 3, JOB_TIMEOUT_S)
+    finally:
+        shell.run(["scancel", job], env=env)
+    state = wait_done(job, env, 120)
     log = _log(out, job)
-    ours = "\n".join(
-        x for x in log.splitlines() if x.startswith(("[hpctoolkit.trainer", "trainers exited", "requeue"))
-    )
+    keep = ("[hpctoolkit.trainer", "trainers exited", "requeue", "attempt ", "SIGUSR2")
+    ours = "\n".join(x for x in log.splitlines() if x.startswith(keep))
     print(
-        f"\n[measure] time limit {cfg.cluster.time}, USR2 {cfg.cluster.signal_before_s}s before: "
-        f"checkpoints at steps {steps_at_requeue} before each requeue; job {job} {state} "
-        f"{time.monotonic() - t0:.1f}s after submission\n{ours}"
+        f"\n[measure] time limit {cfg.cluster.time}, USR2 {cfg.cluster.signal_before_s}s before: checkpoint "
+        f"of step {done.step}, requeued {t_requeue:.1f}s after submission; job {job} {state} after the "
+        f"resumed attempt's steps\n{ours}"
     )
-    assert state == "COMPLETED", log[-6000:]
-    assert steps_at_requeue and steps_at_requeue[0], "the time limit's SIGUSR2 never led to a checkpoint"
-    assert "SIGUSR2: checkpointed at step" in log
-    summary = json.loads((run.train / "train_summary.json").read_text())
-    assert summary["steps_trained"] == cfg.training.steps
-    assert summary["resumed_from_step"] == steps_at_requeue[-1]
+    assert "SIGUSR2: asking the trainers to checkpoint" in log  # the batch shell's signal
+    assert f"resuming from step-{done.step:08d}" in log
     order = _order(run)
-    assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
-    assert sorted(p for r in order for p in r["prompts"]) == list(range(cfg.data.num_samples))
+    steps = [r["step"] for r in order]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > done.step
+    prompts = [p for r in order for p in r["prompts"]]
+    assert len(prompts) == len(set(prompts)), "a prompt was trained twice"
+    assert done.prompts == {p for r in order if r["step"] <= done.step for p in r["prompts"]}
+    # Nothing skipped: the resumed attempt starts with the lowest prompt not in the ledger.
+    first_after = next(r for r in order if r["step"] == done.step + 1)["prompts"][0]
+    assert first_after == min(set(range(cfg.data.num_samples)) - done.prompts)
