@@ -93,6 +93,30 @@ def _start_requeued_now(job: str, env: dict[str, str], timeout_s: float = 120) -
     return False
 
 
+def _stepds_gone(job: str, timeout_s: float = 90) -> float:
+    """Seconds until the job's slurmstepd processes exited (they report to the controller last).
+    The emulated cluster's next start numbers jobs from 1 again: a stepd of this job that outlived
+    the cluster would report on a new job 1 and drain its nodes."""
+    t0 = time.monotonic()
+    while True:
+        left = [
+            p
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and _cmdline(p).startswith((f"slurmstepd: [{job}.", f"slurmstepd: [{job}]"))
+        ]
+        if not left or time.monotonic() - t0 > timeout_s:
+            assert not left, f"slurmstepd of job {job} still running {timeout_s}s after it ended"
+            return time.monotonic() - t0
+        time.sleep(0.5)
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _log(out: Path, job: str) -> str:
     path = out / f"slurm-{job}.out"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -226,6 +250,7 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
     assert _start_requeued_now(job, env), f"job {job} was not requeued:\n{_log(out, job)[-4000:]}"
     state = wait_done(job, env, JOB_TIMEOUT_S)
     wall = time.monotonic() - t0
+    _stepds_gone(job)
     log = _log(out, job)
     ours = "\n".join(
         x for x in log.splitlines() if x.startswith(("[hpctoolkit", "trainers exited", "requeue"))
@@ -263,6 +288,7 @@ def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
     t0 = time.monotonic()
     shell.run(["scancel", job], env=env)
     state = wait_done(job, env, 120)
+    _stepds_gone(job)
     left = job_processes(job)
     while left and time.monotonic() - t0 < LEFTOVER_BOUND_S:
         time.sleep(0.5)
@@ -324,6 +350,7 @@ def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm
     t_ended = time.monotonic()
     state = wait_done(job, env, RELEASE_BOUND_S + 30)
     released = time.monotonic() - t_ended
+    _stepds_gone(job)
     print(
         f"[measure] submitit: checkpoint of step {done.step} {checkpointed_after:.1f}s after USR2; job {job} "
         f"{state} {time.monotonic() - t0:.1f}s after submission; nodes released {released:.1f}s after the "
@@ -376,14 +403,17 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     finally:
         shell.run(["scancel", job], env=env)
     state = wait_done(job, env, 120)
+    stepds = _stepds_gone(job)
+    left = job_processes(job)
     log = _log(out, job)
     keep = ("[hpctoolkit.trainer", "trainers exited", "requeue", "attempt ", "SIGUSR2")
     ours = "\n".join(x for x in log.splitlines() if x.startswith(keep))
     print(
         f"\n[measure] time limit {cfg.cluster.time}, USR2 {cfg.cluster.signal_before_s}s before: checkpoint "
         f"of step {done.step}, requeued {t_requeue:.1f}s after submission; job {job} {state} after the "
-        f"resumed attempt's steps\n{ours}"
+        f"resumed attempt's steps; its steps' daemons gone {stepds:.1f}s after\n{ours}"
     )
+    assert not left, "\n".join(left)
     assert "SIGUSR2: asking the trainers to checkpoint" in log  # the batch shell's signal
     assert f"resuming from step-{done.step:08d}" in log
     order = _order(run)
