@@ -376,14 +376,15 @@ def _read(path: Path):
     return read_json(path)
 
 
-# Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 2-minute limit (its check
-# runs every ~30 s, so 60-90 s into the attempt), while the trainer is mid-way through 2000 steps,
+# Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
+# runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
+# training), while the trainer is mid-way through 2000 steps,
 # far more than one attempt trains. The test follows the first requeue and the resumed attempt's
 # first steps, then cancels the job (the final step after a resume is the USR2 tests' part).
 TIME_LIMIT = [
     "data.num_samples=2000",
     "training.steps=2000",
-    "cluster.time=00:02:00",
+    "cluster.time=00:03:00",
     "cluster.signal_before_s=60",
 ]
 
@@ -393,7 +394,7 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     t0 = time.monotonic()
     cfg, out, job, run = _submit(env, tmp_path, TIME_LIMIT)
     try:
-        requeued = _start_requeued_now(job, env, timeout_s=240)
+        requeued = _start_requeued_now(job, env, timeout_s=300)
         done = ledger.read_ledger(run.checkpoints)
         t_requeue = time.monotonic() - t0
         assert requeued, f"job {job} was not requeued by its time limit:\n{_log(out, job)[-4000:]}"

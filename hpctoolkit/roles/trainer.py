@@ -70,7 +70,10 @@ def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -
     if proc.node_rank == 0:
         step = (result or {}).get("steps_trained")
         write_json_atomic(ctx.run.ended, {"ok": False, "preempted": True, "step": step})
-        say(f"SIGUSR2: checkpointed at step {step}; requeue the job to resume (exit {ledger.PREEMPTED_EXIT})")
+        say(
+            f"SIGUSR2: checkpointed at step {step} (nothing new when no step was trained since the last); "
+            f"requeue the job to resume (exit {ledger.PREEMPTED_EXIT})"
+        )
     return ledger.PREEMPTED_EXIT
 
 

@@ -361,8 +361,14 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         latest = run.ckpt.latest()
         if run.step > run.start_step and (latest is None or int(latest.name.split("-")[1]) != run.step):
             run.save()
-        if ctx.is_main:
-            log.warning("SIGUSR2: checkpoint of step %d written in %.1fs", run.step, time.monotonic() - t0)
+            if ctx.is_main:
+                log.warning(
+                    "SIGUSR2: checkpoint of step %d written in %.1fs", run.step, time.monotonic() - t0
+                )
+        elif ctx.is_main:
+            log.warning(
+                "SIGUSR2 at step %d: no step trained since the last checkpoint, none written", run.step
+            )
     elif run.step < cfg.steps and run.stop_reason != "stop_after" and run.step > run.start_step:
         run.save()  # data ran out early: keep what was trained
     export_dir, export_error = None, None
