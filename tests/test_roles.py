@@ -248,18 +248,6 @@ def test_partly_dry_roles_wait_for_the_real_master(monkeypatch, capsys, tmp_path
     assert f" store=127.0.0.1:{port} reached_after_s=" in line
 
 
-def test_live_trainer_refuses_an_earlier_runs_checkpoints(monkeypatch, tmp_path):
-    on_node(monkeypatch, "node4", procid=0, localid=0)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")  # the role sets them; restored after the test
-    ctx = context.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
-    # A requeued job finds its own run directory again (same job id).
-    assert ctx.run.root == tmp_path / "emulated-3node-j42"
-    (ctx.run.checkpoints / "step-00000005").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"checkpoints of an earlier attempt \(step-00000005\)"):
-        dispatch.run_process(ctx, context.select_process(ctx, "trainer"), dry=False)
-
-
 def test_network_choice_by_interface_or_cidr():
     ifaces = {"lo": "127.0.0.1", "eth0": "192.168.5.2", "ib0": "10.1.3.4"}
     assert choose("ib0", ifaces, "h") == HostAddress("ib0", "10.1.3.4")
