@@ -179,12 +179,10 @@ def write_fault(fault_dir: str | None, where: str, err: BaseException) -> None:
     if not fault_dir:
         return
     try:
-        os.makedirs(fault_dir, exist_ok=True)
+        from hpctoolkit.rundir.atomic import write_json_atomic
+
         record = {"where": where, "type": type(err).__name__, "message": str(err), "time": time.time()}
-        path = os.path.join(fault_dir, f"fault-{os.getpid()}-{time.monotonic_ns()}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(os.path.join(fault_dir, f"fault-{os.getpid()}-{time.monotonic_ns()}.json"), record)
     except OSError:
         # The original error is raised right after; a failed side-channel write must not mask it.
         logger.exception("hpctoolkit: could not write the fault record into %s", fault_dir)
