@@ -378,12 +378,12 @@ def _read(path: Path):
 
 # Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
 # runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
-# training), while the trainer is mid-way through 2000 steps,
+# training), while the trainer is mid-way through 8000 steps (an unloaded machine trains 2000 in under 90 s),
 # far more than one attempt trains. The test follows the first requeue and the resumed attempt's
 # first steps, then cancels the job (the final step after a resume is the USR2 tests' part).
 TIME_LIMIT = [
-    "data.num_samples=2000",
-    "training.steps=2000",
+    "data.num_samples=8000",
+    "training.steps=8000",
     "cluster.time=00:03:00",
     "cluster.signal_before_s=60",
 ]
