@@ -84,7 +84,7 @@ def regenerate_rows(
     max_model_len: int,
 ) -> tuple[list[dict[str, Any]], RegenReport]:
     """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts."""
-    from hpctoolkit.data.prompts import _clean, encode_row
+    from hpctoolkit.data.prompts import _clean
     from hpctoolkit.data.template import apply_system_policy, eot_ids, prompt_ids
 
     eot = eot_ids(tok, spec.end_of_turn_tokens)
@@ -154,6 +154,24 @@ def regenerate_rows(
                     assert got is not None
                     last_turn[n] = (prompt, list(got[0]))
     report.bad_samples = len(bad)
+    out = _assemble(rows, tok, spec, texts, text_out, convs, last_turn, max_prompt_tokens)
+    return out, report
+
+
+def _assemble(
+    rows: Sequence[dict[str, Any]],
+    tok: Any,
+    spec: Any,
+    texts: dict[int, list[int]],
+    text_out: dict[int, list[int]],
+    convs: dict[int, list[dict[str, Any]]],
+    last_turn: dict[int, tuple[list[int], list[int]]],
+    max_prompt_tokens: int,
+) -> list[dict[str, Any]]:
+    """Each row as `{"input_ids", "loss_mask", "origin"}` once its turns were regenerated."""
+    from hpctoolkit.data.prompts import encode_row
+    from hpctoolkit.data.template import prompt_ids
+
     out = []
     for n, row in enumerate(rows):
         origin = row.get("origin", "")
@@ -182,7 +200,7 @@ def regenerate_rows(
             continue
         e = encode_row(row, tok, spec, max_prompt_tokens)
         out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
-    return out, report
+    return out
 
 
 def _exact_last_turn(
