@@ -110,7 +110,7 @@ def test_rendered_batch_script_places_every_role(jobs):
     assert hosts == expand_hostlist(alloc)  # the script's host order is the allocation's
     assert len(set(hosts)) == plan.num_nodes
     assert f"plan {plan.digest()} matches" in log
-    master_line = re.search(r"^mooncake master at (\S+) on (\S+)$", log, re.M)
+    master_line = re.search(r"^\[hpctoolkit.master\] Mooncake master at (\S+) on (\S+)$", log, re.M)
     assert master_line and master_line.group(2) == hosts[0], log
     address = master_line.group(1)
     landed = parse_lines(log.splitlines())
