@@ -83,6 +83,10 @@ def _start_requeued_now(job: str, env: dict[str, str], timeout_s: float = 120) -
         if not out:
             return False  # ended without a requeue
         if out.startswith("PENDING") and "BeginTime" in out:
+            # Started again while the last attempt's steps still unwind, Slurm kills the job as
+            # "non-startable: Job credential revoked": let them go first.
+            _stepds_gone(job)
+            time.sleep(3)
             shell.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
             # Until it runs again (or ended), so that one requeue is seen once.
             while shell.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env).strip() == "PENDING":
