@@ -139,3 +139,35 @@ def slurm_cluster(request, tmp_path_factory):
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = saved
+
+
+ARM_MARKER = "ARM-RESULT "
+
+
+def run_arm_process(
+    script: Path, args: dict, log: Path, label: str, timeout_s: float, pythonpath: str
+) -> dict:
+    """Run `script --arm ARGS` in a fresh interpreter (one engine arm of an equivalence test), its
+    output in `log`; return the JSON of its last `ARM-RESULT` line. Fails naming `label` with the
+    log's tail when the arm exited non-zero or did not report."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--arm", json.dumps(args)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+            timeout=timeout_s,
+            check=False,
+        )
+    text = log.read_text(errors="replace")
+    marker = [x for x in text.splitlines() if x.startswith(ARM_MARKER)]
+    if proc.returncode != 0 or not marker:
+        tail = "\n".join(text.splitlines()[-60:])
+        raise AssertionError(f"{label} failed (exit {proc.returncode}); log tail:\n{tail}")
+    return json.loads(marker[-1].removeprefix(ARM_MARKER))

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_arm_process
 
 REPO = Path(__file__).resolve().parents[1]
 # Short; one 64-token chunk exactly; several chunks (5 prefill steps at 64 tokens per step).
@@ -132,23 +131,12 @@ def spawn_arm(pp: int, model_dir: str, address: str, work: Path, tp: int = 1) ->
         "prompts": prompts(),
         "out": str(out),
     }
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--arm", json.dumps(args)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(REPO),
-            timeout=ARM_TIMEOUT_S,
-            check=False,
-        )
-    text = log.read_text(errors="replace")
-    marker = [line for line in text.splitlines() if line.startswith("ARM-RESULT ")]
-    if proc.returncode != 0 or not marker or not out.exists():
-        tail = "\n".join(text.splitlines()[-60:])
-        raise AssertionError(f"TP={tp} x PP={pp} arm failed (exit {proc.returncode}); log tail:\n{tail}")
-    return torch.load(out), json.loads(marker[-1].removeprefix("ARM-RESULT "))
+    result = run_arm_process(
+        Path(__file__).resolve(), args, log, f"TP={tp} x PP={pp} arm", ARM_TIMEOUT_S, str(REPO)
+    )
+    if not out.exists():
+        raise AssertionError(f"TP={tp} x PP={pp} arm reported but wrote no {out}; see {log}")
+    return torch.load(out), result
 
 
 # ------------------------------------------------------------------------------------ compare

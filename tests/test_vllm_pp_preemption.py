@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_arm_process
 
 REPO = Path(__file__).resolve().parents[1]
 # vLLM-CPU's blocks hold 128 tokens: each prompt needs 3, six need 18, the cache holds 4 (+ null).
@@ -106,23 +106,11 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
 def spawn(pressure: bool, model_dir: str, address: str, work: Path) -> tuple[list[dict], dict]:
     out, log = work / f"pressure{int(pressure)}.pt", work / f"pressure{int(pressure)}.log"
     args = {"pressure": pressure, "model_dir": model_dir, "address": address, "out": str(out)}
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", PYTHONUNBUFFERED="1")
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--arm", json.dumps(args)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(REPO),
-            timeout=ARM_TIMEOUT_S,
-            check=False,
-        )
-    text = log.read_text(errors="replace")
-    marker = [x for x in text.splitlines() if x.startswith("ARM-RESULT ")]
-    if proc.returncode != 0 or not marker:
-        tail = "\n".join(text.splitlines()[-60:])
-        raise AssertionError(f"arm pressure={pressure} failed (exit {proc.returncode}); log tail:\n{tail}")
-    return torch.load(out), json.loads(marker[-1].removeprefix("ARM-RESULT "))
+    pythonpath = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    result = run_arm_process(
+        Path(__file__).resolve(), args, log, f"arm pressure={pressure}", ARM_TIMEOUT_S, pythonpath
+    )
+    return torch.load(out), result
 
 
 def run(model_dir: str, work: Path) -> tuple[list[float], dict]:
