@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
@@ -147,22 +148,34 @@ def note_host(ctx: NodeContext) -> None:
         write_json_atomic(ctx.run.host(ctx.node), record)
 
 
+def _wait_record(
+    path: Path, accept: Callable[[dict[str, Any]], bool], timeout_s: float, missing: str
+) -> dict[str, Any]:
+    """The JSON record at `path` once another role wrote one `accept` takes; StoreError(`missing`)
+    after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = read_json(path)
+        if isinstance(record, dict) and accept(record):
+            return record
+        if time.monotonic() > deadline:
+            raise StoreError(missing)
+        time.sleep(0.2)
+
+
 def address_of(ctx: NodeContext, node: int, timeout_s: float = HOST_RECORD_TIMEOUT_S) -> str:
     """Node `node`'s data-plane address, as the roles on that node recorded it (a bounded wait)."""
     if node == ctx.node or ctx.slurm is None:
         return ctx.host_address.address
     path = ctx.run.host(node)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = read_json(path)
-        if isinstance(record, dict) and record.get("address"):
-            return str(record["address"])
-        if time.monotonic() > deadline:
-            raise StoreError(
-                f"no role on node n{node} ({ctx.host(node)}) recorded its address in {path} within "
-                f"{timeout_s:.0f}s; is its step running?"
-            )
-        time.sleep(0.2)
+    record = _wait_record(
+        path,
+        lambda r: bool(r.get("address")),
+        timeout_s,
+        f"no role on node n{node} ({ctx.host(node)}) recorded its address in {path} within "
+        f"{timeout_s:.0f}s; is its step running?",
+    )
+    return str(record["address"])
 
 
 def master_bind_host(ctx: NodeContext) -> str:
@@ -193,16 +206,12 @@ def client_store_config(ctx: NodeContext) -> StoreConfig:
 def read_master_record(ctx: NodeContext, timeout_s: float = MASTER_RECORD_TIMEOUT_S) -> dict[str, Any]:
     """This run's master record (`roles.master` writes it once the master answers); a bounded wait."""
     path = ctx.run.master_record
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = read_json(path)
-        if isinstance(record, dict) and record.get("run_id") == ctx.run_id:
-            return record
-        if time.monotonic() > deadline:
-            raise StoreError(
-                f"the Mooncake master of run {ctx.run_id} did not write {path} within {timeout_s:.0f}s"
-            )
-        time.sleep(0.2)
+    return _wait_record(
+        path,
+        lambda r: r.get("run_id") == ctx.run_id,
+        timeout_s,
+        f"the Mooncake master of run {ctx.run_id} did not write {path} within {timeout_s:.0f}s",
+    )
 
 
 def trainer_env(ctx: NodeContext, proc: Process) -> dict[str, str]:
