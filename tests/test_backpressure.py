@@ -256,7 +256,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         "store.kv_lease_ttl_s=1",
         "store.get_retry_max_wait_seconds=10",
     ]
-    cfg = load_recipe("recipes/local.yaml", overrides)  # the sizing at load accepts it
+    cfg = load_recipe("recipes/tiny.yaml", overrides)  # the sizing at load accepts it
     plan = make_plan(cfg)
     sized = size_store(cfg, target_hf_config(cfg.paths.target_model))
     sample_bytes = sized.longest_sample_bytes

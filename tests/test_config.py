@@ -201,7 +201,7 @@ def test_config_imports_nothing_heavy():
     code = (
         "import sys, hpctoolkit.config, hpctoolkit.capture, hpctoolkit.submit\n"
         "from hpctoolkit.config.load import load_recipe\n"
-        "load_recipe('recipes/local.yaml', [])\n"
+        "load_recipe('recipes/tiny.yaml', [])\n"
         "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'torch.distributed') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

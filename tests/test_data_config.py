@@ -24,13 +24,13 @@ from hpctoolkit.errors import ConfigError
 )
 def test_bad_data_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
-        load_recipe("recipes/local.yaml", [override])
+        load_recipe("recipes/tiny.yaml", [override])
 
 
 def test_regeneration_needs_a_one_node_engine():
     cfg = load_recipe(
-        "recipes/local.yaml", ["engine.gpus_per_node=2", "engine.pp_size=2", "data.regenerate_tokens=8"]
+        "recipes/tiny.yaml", ["engine.gpus_per_node=2", "engine.pp_size=2", "data.regenerate_tokens=8"]
     )
     assert cfg.engine.world_size == 2
     with pytest.raises(ConfigError, match=r"needs a one-node engine \(engine.nnodes=2\)"):
-        load_recipe("recipes/local.yaml", ["engine.nnodes=2", "data.regenerate_tokens=8"])
+        load_recipe("recipes/tiny.yaml", ["engine.nnodes=2", "data.regenerate_tokens=8"])

@@ -43,7 +43,7 @@ def data_file(tmp_path_factory):
 
 def test_json_on_the_tiny_target(data_file):
     r = preview(
-        "recipes/local.yaml", f"data.prompts={data_file}", "-n", "2", "--json", "data.regenerate_tokens=0"
+        "recipes/tiny.yaml", f"data.prompts={data_file}", "-n", "2", "--json", "data.regenerate_tokens=0"
     )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in r.stdout.splitlines()]
@@ -62,7 +62,7 @@ def test_marked_text_and_a_tokenizer_directory(data_file, tmp_path):
     )
     tok.save_pretrained(tmp_path / "tok")
     r = preview(
-        "recipes/local.yaml", f"paths.target_model={tmp_path / 'tok'}", f"data.prompts={data_file}", "-n", "1"
+        "recipes/tiny.yaml", f"paths.target_model={tmp_path / 'tok'}", f"data.prompts={data_file}", "-n", "1"
     )
     assert r.returncode == 0, r.stderr
     # The space the tokenizer merges into the first content token is supervised with it.
@@ -73,7 +73,7 @@ def test_marked_text_and_a_tokenizer_directory(data_file, tmp_path):
 def test_a_malformed_row_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
-    r = preview("recipes/local.yaml", f"data.prompts={bad}", "-n", "1")
+    r = preview("recipes/tiny.yaml", f"data.prompts={bad}", "-n", "1")
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "bad.jsonl: row 0: field 'messages[0].role'" in lines[0]

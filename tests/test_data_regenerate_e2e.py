@@ -98,7 +98,7 @@ def check_regenerated(run: RunDir, target: Path) -> None:
 
 def test_local_engine_leader_regenerates_turn_by_turn(tmp_path):
     """The same roles on the local backend (`make run`'s path)."""
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     target = resolve_target("builtin:tiny-qwen3")
     data = tmp_path / "rows.jsonl"
@@ -109,7 +109,7 @@ def test_local_engine_leader_regenerates_turn_by_turn(tmp_path):
             sys.executable,
             "-m",
             "hpctoolkit.submit",
-            "recipes/local.yaml",
+            "recipes/tiny.yaml",
             f"paths.output_dir={out}",
             *common_overrides(data),
             "evaluate.enabled=false",
@@ -137,7 +137,7 @@ def common_overrides(data: Path) -> list[str]:
 
 
 def test_slurm_engine_leader_regenerates_turn_by_turn(slurm_cluster, tmp_path):
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     target = resolve_target("builtin:tiny-qwen3")
     data = tmp_path / "rows.jsonl"

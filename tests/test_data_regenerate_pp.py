@@ -46,7 +46,7 @@ def test_pp2_regeneration_equals_one_device():
     from transformers import AutoTokenizer
 
     from hpctoolkit.data.prompts import load_prompt_ids
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     target = str(resolve_target("builtin:tiny-qwen3"))
     prompts = load_prompt_ids("builtin:tiny", AutoTokenizer.from_pretrained(target), 3, 64)

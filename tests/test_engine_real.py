@@ -28,7 +28,7 @@ COSINE_MIN = 0.9999
 
 @pytest.fixture(scope="module")
 def tiny_qwen3() -> str:
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     return str(resolve_target("builtin:tiny-qwen3"))
 

@@ -39,13 +39,13 @@ ENGINE_ID = "follower-test-e0"
 PER_NODE_FIELDS = {"node_rank"}
 
 
-def _engine_cfg(pp: int):
+def _engine_cfg(pp: int, nnodes: int = 1):
     from hpctoolkit.engine.config import EngineConfig
 
-    # One node's view with all workers local; the node split is applied to the kwargs after.
     return EngineConfig(
         target_layer_ids=TARGET_LAYER_IDS,
-        gpus_per_node=pp,
+        nnodes=nnodes,
+        gpus_per_node=pp // nnodes,
         pp_size=pp,
         dtype="bfloat16",
         max_model_len=512,
@@ -247,12 +247,20 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _wait_for(path: Path, timeout_s: float) -> None:
+def _wait_for(path: Path, timeout_s: float, peer_failed: Path | None = None) -> None:
+    """Wait for `path`; fail at once, with the peer's error, if `peer_failed` appears first."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
+        if peer_failed is not None and peer_failed.exists():
+            raise RuntimeError(f"the peer node failed: {peer_failed.read_text().strip()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path.name} did not appear within {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def _step(name: str) -> None:
+    """A timestamped progress line in the node's log, so a failed run shows where each node was."""
+    print(f"[node {time.strftime('%H:%M:%S')}] {name}", flush=True)
 
 
 def _read_back(manifests, address: str) -> list[dict[str, Any]]:
@@ -294,41 +302,45 @@ def node_single(args: dict[str, Any]) -> dict[str, Any]:
     return {"engine_start_s": started, "total_s": time.monotonic() - t0}
 
 
+def _node_kwargs(args: dict[str, Any], node_rank: int) -> dict[str, Any]:
+    """This node's keywords for `engine_llm_kwargs` / `CaptureEngine`, as the engine roles pass them:
+    its rank, the rendezvous, and its one core (each node gets a core of its own)."""
+    return {
+        "node_rank": node_rank,
+        "master_addr": "127.0.0.1",
+        "master_port": args["port"],
+        "cores": [node_rank % (os.cpu_count() or 1)],
+    }
+
+
 def node_leader(args: dict[str, Any]) -> dict[str, Any]:
-    """node_rank 0: the production CaptureEngine, its kwargs split over two nodes."""
+    """node_rank 0: the production CaptureEngine of a two-node engine (what `engine-leader` runs)."""
     import torch
 
-    from hpctoolkit.engine import engine as engine_mod
-    from hpctoolkit.engine.follower import check_node_invariant
+    from hpctoolkit.engine.engine import CaptureEngine
     from hpctoolkit.store.config import StoreConfig
 
     work = Path(args["work"])
-    plain = engine_mod.build_llm_kwargs
-
-    def two_node_kwargs(*a: Any, **kw: Any):
-        # CaptureEngine does not take nnodes yet: add the node keys to its kwargs, and hand the
-        # shared part to the follower exactly as the leader will use it.
-        kwargs, env = plain(*a, **kw)
-        kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
-        check_node_invariant(kwargs)
-        (work / "engine.json").write_text(json.dumps({"kwargs": kwargs, "env": env}))
-        kwargs.update(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=args["port"])
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # this node's one worker
-        return kwargs, env
-
-    engine_mod.build_llm_kwargs = two_node_kwargs
     t0 = time.monotonic()
-    with engine_mod.CaptureEngine(
-        _engine_cfg(2), args["model_dir"], args["address"], StoreConfig(), "nodes"
+    with CaptureEngine(
+        _engine_cfg(2, nnodes=2),
+        args["model_dir"],
+        args["address"],
+        StoreConfig(),
+        "nodes",
+        output_dir=work,
+        **_node_kwargs(args, 0),
     ) as eng:
         started = time.monotonic() - t0
+        _step(f"engine up in {started:.1f} s")
         t1 = time.monotonic()
         manifests = [m for ids in args["prompts"] for m in eng.capture([ids])]
         capture_s = time.monotonic() - t1
         # Stage 1's fragments live in the follower's segment: read them while it is up.
         torch.save(_read_back(manifests, args["address"]), args["out"])
         (work / "captured").touch()
-        _wait_for(work / "follower-checked", 60)
+        _step("captured; waiting for the follower's checks")
+        _wait_for(work / "follower-checked", NODE_TIMEOUT_S, peer_failed=work / "follower-failed")
     (work / "leader-down").touch()
     return {"engine_start_s": started, "capture_s": capture_s, "total_s": time.monotonic() - t0}
 
@@ -350,26 +362,44 @@ def _worker_children() -> list[str]:
 
 def node_follower(args: dict[str, Any]) -> dict[str, Any]:
     """node_rank 1: the headless follower, with the kwargs and environment the leader used."""
+    from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
+    from hpctoolkit.engine.env import detect_backend
+    from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
+    from hpctoolkit.store.config import StoreConfig
+
     work = Path(args["work"])
-    _wait_for(work / "engine.json", NODE_TIMEOUT_S)
-    shared = json.loads((work / "engine.json").read_text())
-    os.environ.update(shared["env"])
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"  # this node's one worker, on the other core
-
-    from hpctoolkit.engine.follower import HeadlessFollower
-
+    # What `engine-follower` does: the leader's own `engine_llm_kwargs` call, this node's keys.
+    _, kwargs, env = engine_llm_kwargs(
+        _engine_cfg(2, nnodes=2),
+        args["model_dir"],
+        args["address"],
+        StoreConfig(),
+        "nodes",
+        backend=detect_backend(),
+        fault_dir=fault_dir_for(work, 0),
+        **_node_kwargs(args, 1),
+    )
+    os.environ.update(env)
     t0 = time.monotonic()
     follower = HeadlessFollower(
-        shared["kwargs"], node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=args["port"]
+        {k: v for k, v in kwargs.items() if k not in NODE_KEYS},
+        node_rank=1,
+        nnodes=2,
+        master_addr="127.0.0.1",
+        master_port=args["port"],
     )
+    _step("starting the follower")
     follower.start()  # returns: the monitor runs on a daemon thread
     start_s = time.monotonic() - t0
+    _step(f"follower started in {start_s:.1f} s")
     workers = follower.worker_pids()
     healthy_at_start = follower.health_check()
     _wait_for(work / "captured", NODE_TIMEOUT_S)
+    _step("the leader captured")
     healthy_while_serving = follower.health_check()
     children_before = _worker_children()
     (work / "follower-checked").touch()
+    _step("checked; waiting for the leader to leave")
     # vLLM gives a follower no signal that its leader left (the worker stays alive, blocked on
     # the leader's queue): wait() must return on its own, through health_check's leader probe.
     stop = threading.Event()
@@ -456,7 +486,17 @@ def run_simulation(model_dir: str, work: Path) -> dict[str, Any]:
         fproc, flog = _spawn("follower", {**common, "port": port}, work)
         lproc, llog = _spawn("leader", {**common, "port": port, "out": str(work / "leader.pt")}, work)
         try:
-            leader = _finish(lproc, llog, NODE_TIMEOUT_S)
+            try:
+                leader = _finish(lproc, llog, NODE_TIMEOUT_S)
+            except AssertionError as e:
+                # The leader's failure is often the follower's: show both nodes' logs.
+                if fproc.poll() is None:
+                    os.killpg(fproc.pid, 9)
+                    fproc.wait()
+                ftail = "\n".join(flog.read_text(errors="replace").splitlines()[-40:])
+                raise AssertionError(
+                    f"{e}\n--- follower (exit {fproc.returncode}) log tail:\n{ftail}"
+                ) from None
             follower = _finish(fproc, flog, 120)
         finally:
             for p in (lproc, fproc):
@@ -525,7 +565,7 @@ def test_two_nodes_on_one_host_capture_bitwise_single_node(tmp_path):
     pytest.importorskip("psutil", reason="counts the follower's processes")
     if (os.cpu_count() or 1) < 2:
         pytest.skip("two simulated nodes need a core each")
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     res = run_simulation(str(resolve_target("builtin:tiny-qwen3")), tmp_path)
     print(f"\n[measure] two nodes on one host\n{summary(res)}")
@@ -535,12 +575,19 @@ def test_two_nodes_on_one_host_capture_bitwise_single_node(tmp_path):
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] in ROLES:
-        result = ROLES[argv[0]](json.loads(argv[1]))
+        args = json.loads(argv[1])
+        try:
+            result = ROLES[argv[0]](args)
+        except BaseException as e:
+            # Tell the peer at once (it would otherwise wait out its timeout for this node's file).
+            if "work" in args:
+                (Path(args["work"]) / f"{argv[0]}-failed").write_text(f"{type(e).__name__}: {e}")
+            raise
         print("NODE-RESULT " + json.dumps(result), flush=True)
         return 0
     import tempfile
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     work = Path(tempfile.mkdtemp(prefix="hpctoolkit-two-nodes-"))
     res = run_simulation(str(resolve_target("builtin:tiny-qwen3")), work)

@@ -47,7 +47,7 @@ def hosts(tmp_path_factory):
     )
     if why:
         pytest.skip(why)
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     resolve_target("builtin:tiny-qwen3")  # into the cache every host shares, before any job
     with emulated_hosts(tmp_path_factory.mktemp("hosts-state"), NODES) as env:

@@ -282,7 +282,7 @@ def test_local_cuda_trainers_draw_from_the_same_pool():
 def test_local_recipe_plans():
     from hpctoolkit.config.load import load_recipe
 
-    plan = make_plan(load_recipe("recipes/local.yaml"))
+    plan = make_plan(load_recipe("recipes/tiny.yaml"))
     assert plan.backend == "local" and len(plan.engines) == 1 and plan.trainer.world_size >= 1
 
 

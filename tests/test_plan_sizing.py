@@ -218,18 +218,18 @@ def test_a_segment_below_mooncakes_smallest_is_refused(k3_files):
 
 def test_watermarks_are_checked():
     with pytest.raises(ConfigError, match=r"store\.backpressure_high"):
-        load_recipe("recipes/local.yaml", ["store.backpressure_high=0.4", "store.backpressure_low=0.5"])
+        load_recipe("recipes/tiny.yaml", ["store.backpressure_high=0.4", "store.backpressure_low=0.5"])
 
 
 def _counts_cfg(n: int, steps: int, batch: int, world: int, epochs: int):
-    cfg = load_recipe("recipes/local.yaml", [])
+    cfg = load_recipe("recipes/tiny.yaml", [])
     t = dataclasses.replace(cfg.training, steps=steps, batch_size=batch, world_size=world, epochs=epochs)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_samples=n), training=t)
 
 
 def test_the_counts_relation_exhaustively():
     """Accepted iff max((E-1) P, P - b) < steps x b <= E P, with P = n // w and E given or derived."""
-    base = load_recipe("recipes/local.yaml", [])
+    base = load_recipe("recipes/tiny.yaml", [])
     for n, steps, b, w, e in itertools.product(
         range(1, 13), range(1, 13), (1, 2, 3), (1, 2, 4), (0, 1, 2, 3)
     ):
@@ -392,7 +392,7 @@ def test_dry_run_checks_the_files_exist(k3_files, missing):
 
 
 def test_json_needs_dry_run(k3_files):
-    p = _submit("recipes/local.yaml", "--json")
+    p = _submit("recipes/tiny.yaml", "--json")
     assert p.returncode == 2 and "--dry-run" in p.stderr
 
 

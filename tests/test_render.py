@@ -214,9 +214,9 @@ def test_render_is_pure_and_deterministic():
 
 
 def test_local_plans_do_not_render():
-    cfg, _ = load_for_render(ROOT / "recipes/local.yaml")
+    cfg, _ = load_for_render(ROOT / "recipes/tiny.yaml")
     with pytest.raises(ValueError, match="slurm"):
-        render_sbatch(cfg, make_plan(cfg), recipe_path="recipes/local.yaml")
+        render_sbatch(cfg, make_plan(cfg), recipe_path="recipes/tiny.yaml")
 
 
 def test_load_for_render_still_rejects_bad_keys():

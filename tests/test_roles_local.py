@@ -46,7 +46,7 @@ def role_processes(run_id: str) -> list[str]:
 @pytest.mark.timeout(1200)
 def test_make_run_path_then_a_failed_second_run_keeps_the_first(tmp_path):
     out = tmp_path / "runs"
-    r = submit("recipes/local.yaml", f"paths.output_dir={out}", *SHORT)
+    r = submit("recipes/tiny.yaml", f"paths.output_dir={out}", *SHORT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "[hpctoolkit] done in" in r.stdout
     latest = out / "latest"
@@ -74,7 +74,7 @@ def test_make_run_path_then_a_failed_second_run_keeps_the_first(tmp_path):
     before = {p: p.stat().st_mtime_ns for p in run.root.rglob("*") if p.is_file()}
 
     # A new user's typo in the master address: one line, exit 1, and the first run untouched.
-    r2 = submit("recipes/local.yaml", f"paths.output_dir={out}", "store.master_address=127.0.0.1:9")
+    r2 = submit("recipes/tiny.yaml", f"paths.output_dir={out}", "store.master_address=127.0.0.1:9")
     assert r2.returncode == 1, r2.stderr
     lines = error_lines(r2.stderr)
     assert len(lines) == 1 and "127.0.0.1:9" in lines[0], r2.stderr
@@ -92,7 +92,7 @@ def test_killing_the_master_during_capture_is_one_line(tmp_path):
         sys.executable,
         "-m",
         "hpctoolkit.submit",
-        "recipes/local.yaml",
+        "recipes/tiny.yaml",
         f"paths.output_dir={out}",
         "data.num_samples=64",
         "data.regenerate_tokens=0",
@@ -104,7 +104,7 @@ def test_killing_the_master_during_capture_is_one_line(tmp_path):
         deadline = time.monotonic() + 600
         record = None
         while time.monotonic() < deadline:
-            runs = [p for p in out.glob("local-*") if (p / "manifests" / "engine0.jsonl").exists()]
+            runs = [p for p in out.glob("tiny-*") if (p / "manifests" / "engine0.jsonl").exists()]
             if runs and (runs[0] / "manifests" / "engine0.jsonl").read_text().count("\n") >= 4:
                 record = json.loads((runs[0] / "master.json").read_text())
                 break
@@ -137,12 +137,12 @@ def test_killing_the_master_during_capture_is_one_line(tmp_path):
 
 
 def test_flags_and_overrides_in_any_order():
-    r = submit("recipes/local.yaml", "--dry-run", "engine.dtype=float32", timeout=120)
+    r = submit("recipes/tiny.yaml", "--dry-run", "engine.dtype=float32", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "dry run: recipe is valid" in r.stdout
-    r = submit("--dry-run", "recipes/local.yaml", "engine.dtype=float32", timeout=120)
+    r = submit("--dry-run", "recipes/tiny.yaml", "engine.dtype=float32", timeout=120)
     assert r.returncode == 0, r.stderr
-    r = submit("recipes/local.yaml", "--dry-runn", timeout=120)
+    r = submit("recipes/tiny.yaml", "--dry-runn", timeout=120)
     assert r.returncode == 2
     assert error_lines(r.stderr) == ["error: python -m hpctoolkit.submit: unrecognized arguments: --dry-runn"]
 

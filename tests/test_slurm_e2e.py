@@ -54,7 +54,7 @@ def _node_core(node_index: int) -> str:
     ids=["pp1-one-node", "pp1-two-trainer-ranks", "pp2-leader-and-follower"],
 )
 def test_slurm_job_captures_trains_and_exports(slurm_cluster, tmp_path, recipe, pp, extra):
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
     out = tmp_path / "run"

@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _submit(env: dict[str, str], tmp_path: Path, extra: list[str] | None = None):
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     resolve_target("builtin:tiny-qwen3")  # into the cache the nodes share, before submission
     out = tmp_path / "run"
@@ -143,7 +143,7 @@ class _NoticeAfter:
 
 
 def _train_job(out: Path, src):
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.loop import TrainJob
 
@@ -307,7 +307,7 @@ def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
 def _submit_through_submitit(env: dict[str, str], tmp_path: Path) -> tuple[str, Path, RunDir, str]:
     import subprocess
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     resolve_target("builtin:tiny-qwen3")
     out = tmp_path / "run"

@@ -57,7 +57,7 @@ def test_executor_parameters_accepted_by_submitit(tmp_path):
 
 
 def test_local_plan_is_refused():
-    cfg = load_recipe("recipes/local.yaml")
+    cfg = load_recipe("recipes/tiny.yaml")
     with pytest.raises(ConfigError, match="backend=slurm"):
         executor_parameters(cfg, make_plan(cfg))
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.synthetic import SyntheticSamples

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import acceptance_from_matches, dflash_loss, dspark_loss, eagle3_step_loss

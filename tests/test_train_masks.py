@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.synthetic import SyntheticSamples

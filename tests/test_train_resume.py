@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.loop import TrainJob
 from hpctoolkit.train.run import launch

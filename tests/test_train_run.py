@@ -10,7 +10,7 @@ from hpctoolkit.capture.manifest import build_manifest
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.data.offline import ShardWriter
 from hpctoolkit.data.sample import Sample
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.hf_capture import recapture
 from hpctoolkit.train.run import train
 from hpctoolkit.train.synthetic import SyntheticSamples

@@ -206,7 +206,7 @@ def report(rows: list[dict], timings: list[dict]) -> str:
 @pytest.mark.timeout(3 * ARM_TIMEOUT_S + 60)
 def test_pp2_and_pp3_export_is_bitwise_pp1(tmp_path):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     model_dir = str(resolve_target("builtin:tiny-qwen3"))
     t0 = time.monotonic()
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hpctoolkit-pp-equiv-"))
     work.mkdir(parents=True, exist_ok=True)

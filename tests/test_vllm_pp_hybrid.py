@@ -54,7 +54,7 @@ def check(rows: list[dict], work: Path, pps: list[int]) -> None:
 @pytest.mark.timeout(3 * 420 + 60)
 def test_hybrid_target_pp2_and_pp3_export_is_bitwise_pp1(tmp_path):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     t0 = time.monotonic()
     rows, timings = run_all(str(resolve_target(TARGET)), tmp_path, [2, 3])
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hpctoolkit-pp-hybrid-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,7 @@ def test_engine_config_with_extract_hidden_states_and_pp_is_accepted(pp, monkeyp
     """Released 0.32.0 raised NotImplementedError (...SupportsPP) right here."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     args = EngineArgs(
         model=str(resolve_target("builtin:tiny-qwen3")),
@@ -134,7 +134,7 @@ def test_v2_runner_refuses_extract_hidden_states_under_pp(monkeypatch):
     """The refusal is vLLM's own: V2's unsupported-feature list, so CUDA picks V1 by itself."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     def args(pp: int) -> EngineArgs:
         return EngineArgs(

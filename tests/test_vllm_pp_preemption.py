@@ -134,7 +134,7 @@ def run(model_dir: str, work: Path) -> tuple[list[float], dict]:
 @pytest.mark.timeout(2 * ARM_TIMEOUT_S + 60)
 def test_preempted_requests_export_their_own_rows(tmp_path):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cos, result = run(str(resolve_target("builtin:tiny-qwen3")), tmp_path)
     print(f"\n[measure] PP=2 under KV pressure: {result}, min cos {min(cos):.8f}")
@@ -149,7 +149,7 @@ if __name__ == "__main__":
         raise SystemExit(0)
     import tempfile
 
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cos, result = run(
         str(resolve_target("builtin:tiny-qwen3")), Path(tempfile.mkdtemp(prefix="hpctoolkit-preempt-"))

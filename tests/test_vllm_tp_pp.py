@@ -56,7 +56,7 @@ def check(pp_rows: list[dict], tp_rows: list[dict]) -> None:
 @pytest.mark.timeout(3 * ARM_TIMEOUT_S + 60)
 def test_tp2_pp2_export_is_bitwise_tp2_pp1_and_close_to_tp1(tmp_path):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     t0 = time.monotonic()
     pp_rows, tp_rows, timings = run_arms(str(resolve_target(TARGET)), tmp_path)
@@ -69,7 +69,7 @@ def test_tp2_pp2_export_is_bitwise_tp2_pp1_and_close_to_tp1(tmp_path):
 
 
 def main() -> int:
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     work = Path(tempfile.mkdtemp(prefix="hpctoolkit-tp-pp-"))
     pp_rows, tp_rows, timings = run_arms(str(resolve_target(TARGET)), work)

@@ -34,12 +34,12 @@ def read_json(path: str | Path, key: str) -> dict[str, Any]:
 
 def target_hf_config(target_model: str) -> dict[str, Any]:
     """The target's HF config dict (the text config for multimodal targets)."""
-    if target_model.startswith("builtin:"):
-        from hpctoolkit.testing.tiny_target import builtin_config
+    from hpctoolkit.targets.resolve import resolve_target, target_config_source
 
-        cfg = builtin_config(target_model.removeprefix("builtin:"))
-    else:
-        cfg = read_json(Path(target_model) / "config.json", "paths.target_model")
+    cfg = target_config_source(target_model)
+    if cfg is None:
+        # A packaged target is converted here on first use (once, into the cache).
+        cfg = read_json(resolve_target(target_model) / "config.json", "paths.target_model")
     return cfg.get("text_config") or cfg
 
 

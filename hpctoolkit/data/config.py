@@ -27,7 +27,8 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    # "builtin:tiny" (a prompt set built locally), or one JSON/JSONL/Parquet file of rows:
+    # "builtin:tiny" (plain text built locally), "builtin:chat" (chat prompts built locally; needs
+    # regenerate_tokens), or one JSON/JSONL/Parquet file of rows:
     # {"messages": [{"role", "content"}, ...]} (OpenAI), {"conversations": [{"from", "value"},
     # ...]} (ShareGPT), {"text": ...}, or {"input_ids": [...], "loss_mask": [...]}.
     prompts: str = "builtin:tiny"
@@ -75,6 +76,12 @@ class DataConfig:
     def validate(self) -> None:
         positive(self, "num_samples", "max_prompt_tokens", "num_proc")
         non_negative(self, "regenerate_tokens")
+        paths = [s.path for s in self.sources] or [self.prompts]
+        if "builtin:chat" in paths and not self.regenerate_tokens:
+            raise ConfigError(
+                "data.prompts: builtin:chat holds prompts without answers; set data.regenerate_tokens "
+                "so that the target answers them"
+            )
         one_of(self, "format", FORMATS)
         one_of(self, "system_prompt_policy", SYSTEM_PROMPT_POLICIES)
         one_of(self, "loss_mask", LOSS_MASKS)

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
 
     from hpctoolkit.config.load import compose
     from hpctoolkit.data.prompts import load_samples
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cfg = compose(args.recipe, args.overrides)
     target = resolve_target(cfg.paths.target_model)

@@ -3,7 +3,8 @@
 `load_rows(cfg, num)` gives the first `num` normalised rows of the mix; `encode_row` turns one
 into `{"input_ids", "loss_mask"}`; `load_samples` does both (tokenization runs as a `datasets`
 map over the file, so it is cached and runs on `data.num_proc` processes). A builtin set
-(`builtin:tiny`) is plain text built locally.
+(`builtin:tiny`) is plain text built locally; `builtin:chat` (`data.builtin_chat`) is chat prompts
+built locally, which the target answers (regeneration).
 
 Mixing: source `i` of weight `w_i` contributes `round(num * w_i / sum(w))` rows (largest
 remainder, ties to the earlier source), its first ones; a source with fewer rows is an error.
@@ -22,7 +23,7 @@ from hpctoolkit.data.template import ChatSpec, encode_chat, prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.testing.tiny_target import CORPUS
 
-BUILTINS = ("builtin:tiny",)
+BUILTINS = ("builtin:tiny", "builtin:chat")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ def _source_rows(src: DataSource, n: int, cfg: DataConfig, seed: int) -> Any:
             raise ConfigError(
                 f"data.prompts: unknown builtin prompt set {src.path!r}; known: {list(BUILTINS)}"
             )
+        if src.path == "builtin:chat":
+            from hpctoolkit.data.builtin_chat import chat_rows
+
+            return chat_rows(n, seed)
         return [
             {
                 "kind": "text",

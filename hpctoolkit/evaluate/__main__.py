@@ -17,7 +17,7 @@ from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.data.prompts import load_prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.compare import evaluate
-from hpctoolkit.testing.tiny_target import resolve_target
+from hpctoolkit.targets.resolve import resolve_target
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -183,7 +183,7 @@ def _objects(manifest: dict) -> list[dict]:
 
 def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
     from hpctoolkit.engine.engine import CaptureEngine, run_prefix
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cfg = ctx.cfg
     e = ctx.plan.engines[proc.engine or 0]
@@ -272,7 +272,7 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
     from hpctoolkit.engine.env import detect_backend
     from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cfg = ctx.cfg
     e = ctx.plan.engines[proc.engine or 0]

@@ -125,18 +125,6 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HPCTOOLKIT_CACHE", Path.home() / ".cache" / "hpctoolkit"))
-
-
-def resolve_target(spec: str) -> Path:
-    """A `paths.target_model` value as a directory: `builtin:NAME` is built into the cache."""
-    if spec.startswith("builtin:"):
-        name = spec.removeprefix("builtin:")
-        return build(name, cache_dir() / name)
-    return Path(spec)
-
-
 def main(argv: list[str]) -> int:
     ap = parser("hpctoolkit.testing.tiny_target", __doc__)
     ap.add_argument("out_dir")

@@ -73,7 +73,7 @@ def train(
     per-position metrics under `train_metrics`, `export_dir`, ...), also written to
     `out_dir/train_summary.json`.
     """
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
 
     cfg.training.validate()
     out = Path(out_dir)

