@@ -32,7 +32,7 @@ def check_files(cfg: RecipeConfig) -> None:
     wanted.append(("data.prompts", cfg.data.prompts, "file"))
     wanted += [(f"data.sources[{i}].path", src.path, "file") for i, src in enumerate(cfg.data.sources)]
     for key, path, kind in wanted:
-        if not path or path.startswith("builtin:"):
+        if not path or path.startswith(("builtin:", "pypi:")):
             continue
         p = Path(path)
         ok = p.is_dir() and (p / "config.json").is_file() if kind == "dir" else p.is_file()

@@ -1,0 +1,153 @@
+"""Served acceptance on MT-Bench against training tokens, DFlash and Eagle3, on the embedded default.
+
+    .venv/bin/python benchmarks/acceptance.py                       # the default sweep (hours on 2 cores)
+    .venv/bin/python benchmarks/acceptance.py --points 128:400,512:1600 --families dflash
+    .venv/bin/python benchmarks/acceptance.py --out runs/acceptance --plot acceptance.png
+
+Each point is one whole `make run` job (`python -m hpctoolkit.submit recipes/local.yaml`): the
+target (SmolLM2-135M-Instruct) answers `N` locally built chat prompts, the draft trains `S`
+steps on its answers, and vLLM serves draft and target on MT-Bench's 80 questions, both turns.
+A point is `N:S`; the step count grows with the data so that each point sees its data about
+as often. What comes out, per family and point: the supervised tokens the draft was trained on,
+served acceptance length on MT-Bench (incl. the bonus token, k = `evaluate.num_speculative_tokens`),
+its per-category spread, and the trainer's own simulated figure; a table on stdout, every point's
+summary under `--out`, and the plot (served acceptance against training tokens, one line per
+family). Points already run (their summary.json present under `--out`) are read, not rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = {
+    "dflash": "recipes/draft_models/smollm2_dflash.json",
+    "eagle3": "recipes/draft_models/smollm2_eagle3.json",
+}
+DEFAULT_POINTS = "64:200,128:400,256:800,512:1600,1024:3200"
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        n, _, s = item.partition(":")
+        if not (n.isdigit() and s.isdigit()) or int(n) < 1 or int(s) < 1:
+            raise SystemExit(f"--points: {item!r} is not SAMPLES:STEPS (e.g. 256:800)")
+        out.append((int(n), int(s)))
+    return out
+
+
+def run_point(family: str, samples: int, steps: int, out: Path, extra: list[str]) -> dict[str, Any]:
+    """One job; its summary (read back when an earlier sweep ran it already)."""
+    root = out / f"{family}-{samples}x{steps}"
+    done = root / "latest" / "summary.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    cmd = [
+        sys.executable, "-m", "hpctoolkit.submit", "recipes/local.yaml",
+        f"paths.output_dir={root}", f"draft.config={FAMILIES[family]}",
+        f"data.num_samples={samples}", f"training.steps={steps}",
+        f"training.checkpoint_every={max(steps // 2, 1)}", *extra,
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=REPO, check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(
+            f"{family} {samples}:{steps} failed (exit {r.returncode}): {tail}; logs under {root}"
+        )
+    summary = json.loads(done.read_text())
+    summary.setdefault("wall_seconds", round(time.monotonic() - t0, 1))
+    return summary
+
+
+def row(family: str, samples: int, steps: int, s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "family": family,
+        "samples": samples,
+        "steps": steps,
+        "supervised_tokens": s.get("supervised_tokens"),
+        "served": s.get("served_acceptance_length"),
+        "by_category": s.get("served_acceptance_by_category") or {},
+        "simulated_by_trainer": s.get("acceptance_length"),
+        "wall_s": s.get("wall_seconds"),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "family  samples  steps  sup.tokens  served  min-max by category  trainer-sim  wall s"
+    lines = [head]
+    for r in rows:
+        cats = list(r["by_category"].values())
+        spread = f"{min(cats):.2f}-{max(cats):.2f}" if cats else "-"
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(
+            f"{r['family']:<7} {r['samples']:>7} {r['steps']:>6} {r['supervised_tokens'] or 0:>11} "
+            f"{fmt(r['served']):>7} {spread:>20} {fmt(r['simulated_by_trainer']):>12} {r['wall_s'] or 0:>7}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, k: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for family in FAMILIES:
+        pts = sorted(
+            (r["supervised_tokens"], r["served"]) for r in rows if r["family"] == family and r["served"]
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
+    ax.set_xscale("log")
+    ax.set_xlabel("supervised training tokens (the target's own answers)")
+    ax.set_ylabel(f"served acceptance length on MT-Bench (incl. bonus, k={k})")
+    ax.set_title("SmolLM2-135M-Instruct drafts, vLLM-CPU, 80 questions x 2 turns")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default=DEFAULT_POINTS, help="SAMPLES:STEPS,... (default %(default)s)")
+    ap.add_argument("--families", default="dflash,eagle3", help="of " + ",".join(FAMILIES))
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "acceptance")
+    ap.add_argument("--plot", type=Path, default=None, help="default: OUT/acceptance.png")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides for every point (key=value)")
+    args = ap.parse_args(argv)
+    families = args.families.split(",")
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; known: {sorted(FAMILIES)}")
+    rows = []
+    for family in families:
+        for samples, steps in parse_points(args.points):
+            print(f"[acceptance] {family} {samples} samples x {steps} steps ...", flush=True)
+            rows.append(
+                row(family, samples, steps, run_point(family, samples, steps, args.out, args.overrides))
+            )
+            print(table(rows[-1:]).splitlines()[1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance.json").write_text(json.dumps(rows, indent=2) + "\n")
+    k = next(
+        (o.split("=", 1)[1] for o in args.overrides if o.startswith("evaluate.num_speculative_tokens=")), "3"
+    )
+    path = args.plot or args.out / "acceptance.png"
+    plot(rows, path, k)
+    print(table(rows))
+    print(f"[acceptance] table in {args.out / 'acceptance.json'}, plot in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
