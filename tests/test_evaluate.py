@@ -99,7 +99,7 @@ def test_served_matches_simulated(tmp_path, draft, capture_ids, steps):
     from hpctoolkit.config.schema import RecipeConfig
     from hpctoolkit.data.prompts import load_prompt_ids
     from hpctoolkit.evaluate import evaluate
-    from hpctoolkit.testing.tiny_target import resolve_target
+    from hpctoolkit.targets.resolve import resolve_target
     from hpctoolkit.train.hf_capture import HFCaptureSamples, greedy_sequences
     from hpctoolkit.train.run import train
 
