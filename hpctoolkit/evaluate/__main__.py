@@ -1,7 +1,8 @@
 """`python -m hpctoolkit.evaluate EXPORT_DIR --target TARGET_DIR`: served vs simulated acceptance.
 
-Prompts come from `--prompts` (`builtin:tiny` or a JSONL file), skipping `--prompt-offset` of them
-(e.g. the training ones). Prints the two acceptance lengths, then the result JSON (also written
+Prompts come from `--prompts`: `mt_bench` (MT-Bench's 80 questions, both turns, through the
+target's chat template; per-category figures), or `builtin:tiny` or a JSONL file, skipping
+`--prompt-offset` of them (e.g. the training ones). Prints the two acceptance lengths, then the result JSON (also written
 to `--out`); `--plot` writes a served-vs-simulated PNG.
 """
 
@@ -23,8 +24,12 @@ from hpctoolkit.targets.resolve import resolve_target
 def build_parser() -> argparse.ArgumentParser:
     ap = parser("hpctoolkit.evaluate", __doc__)
     ap.add_argument("export_dir")
-    ap.add_argument("--target", required=True, help="target model directory, or builtin:tiny-qwen3")
-    ap.add_argument("--prompts", default="builtin:tiny", help="builtin:tiny or a JSONL file")
+    ap.add_argument(
+        "--target",
+        required=True,
+        help="target model directory, builtin:tiny-qwen3 or pypi:SmolLM2-135M-Instruct",
+    )
+    ap.add_argument("--prompts", default="builtin:tiny", help="mt_bench, builtin:tiny or a JSONL file")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument(
         "--prompt-offset", type=int, default=0, help="skip this many prompts (e.g. the training ones)"
@@ -43,17 +48,31 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--num-speculative-tokens, --max-tokens and --num-prompts must be >= 1")
     target = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = load_prompt_ids(
-        args.prompts, tok, args.num_prompts, args.max_prompt_tokens, offset=args.prompt_offset
-    )
-    result = evaluate(
-        args.export_dir,
-        target,
-        prompts,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_tokens=args.max_tokens,
-        plot_path=args.plot,
-    )
+    if args.prompts == "mt_bench":
+        from hpctoolkit.evaluate.compare import evaluate_mt_bench
+        from hpctoolkit.evaluate.mt_bench import load_questions
+
+        result = evaluate_mt_bench(
+            args.export_dir,
+            target,
+            load_questions(),
+            tok,
+            num_speculative_tokens=args.num_speculative_tokens,
+            max_tokens=args.max_tokens,
+            plot_path=args.plot,
+        )
+    else:
+        prompts = load_prompt_ids(
+            args.prompts, tok, args.num_prompts, args.max_prompt_tokens, offset=args.prompt_offset
+        )
+        result = evaluate(
+            args.export_dir,
+            target,
+            prompts,
+            num_speculative_tokens=args.num_speculative_tokens,
+            max_tokens=args.max_tokens,
+            plot_path=args.plot,
+        )
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -62,6 +81,8 @@ def main(argv: list[str]) -> int:
         f"{result['simulated_acceptance_length']:.3f} (both incl. bonus; k={args.num_speculative_tokens})"
     )
     print(text)
+    for category, value in (result.get("served_acceptance_by_category") or {}).items():
+        print(f"  {category:<11} {value:.3f}")
     return 0
 
 
