@@ -81,10 +81,14 @@ def _run(use_event: bool, trials: int) -> tuple[int, int]:
         block_ids = [(trial * used + j) % blocks for j in range(used)]
         manifest = _manifest(trial)
         value = float(trial % 200 + 1)
+        # The write's index goes to the device before the sleep: indexing with a host list copies
+        # it there synchronously on the current stream, which would make this thread wait out the
+        # sleep, close the window and leave the control below nothing to catch.
+        index = torch.tensor(block_ids, device=device)
         with torch.cuda.stream(worker):
             # The last chunk's cache write, queued behind a long kernel on the worker stream.
             torch.cuda._sleep(SLEEP_CYCLES)
-            kv[block_ids] = value
+            kv.index_fill_(0, index, value)
             if use_event:
                 # What bind_connector_metadata runs on the step thread.
                 rows.publish_async(
