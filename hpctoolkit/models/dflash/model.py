@@ -184,7 +184,13 @@ class DFlashDraftModel(DraftModel):
         mask = layout.attention_mask().materialize(self.config.attention_backend)
         for i, layer in enumerate(self.layers):
             if i < self.checkpoint_layers and torch.is_grad_enabled():
-                x_BTH = checkpoint(layer, x_BTH, context_BSH, rope_q, rope_k, mask, use_reentrant=False)
+                # FSDP2 casts a layer's floating inputs (the fp32 rope pairs) to its compute dtype
+                # in its forward pre-hook, but skips that hook when the checkpoint recomputes the
+                # layer in backward; the recompute then saw fp32 rope where the forward saw bf16
+                # (CheckpointError on one H200). Hand the layer rope already in x's dtype (the
+                # compute dtype), so that forward and recompute see the same tensors.
+                rq, rk = (tuple(t.to(x_BTH.dtype) for t in r) for r in (rope_q, rope_k))
+                x_BTH = checkpoint(layer, x_BTH, context_BSH, rq, rk, mask, use_reentrant=False)
             else:
                 x_BTH = layer(x_BTH, context_BSH, rope_q, rope_k, mask)
         return getattr(self, self.final_norm_name)(x_BTH)
