@@ -52,50 +52,111 @@ this size. Same call, the ceilings (what `--ceilings` measures): copy 4.28 TB/s,
 GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 TFLOP/s), AdamW over
 2.83 B fp32 parameters 61.9 ms foreach / 22.9 ms fused, clip_grad_norm_ 9.8 ms (norm alone 3.4).
 
-## What changed, and the predicted effect
+## What changed
 
-NOT yet measured: no device was lent again after the profile above. The commands under "To
-measure" give the after-figures and the long-context table; until they run, what follows are
-predictions, each from the measured figure it would remove.
-
-- Fused AdamW on CUDA (`optim.build_optimizer`): 57 -> ~23 ms (the standalone figures).
+- Fused AdamW on CUDA (`optim.build_optimizer`).
 - The DSpark loss fused with its vocabulary GEMMs (`losses/dspark.py`): draft and target logits
   formed once per chunk, CE + L1 gradients formed in forward, no recompute, anchor rows (1/7,
-  weight 0) skipped, one compiled elementwise kernel per chunk: -8.4 TFLOP of recomputed draft
-  logits, -8.4 of recomputed target logits, -1/7 of the rest (~-30 ms of GEMM), most of the
-  ~50 ms eager elementwise. Tested against plain autograd in fp64 (`tests/test_train_losses.py`).
-- Frozen parameters cast once to bf16 and left out of FSDP (replicated, like the target head):
-  no per-step cast and all-gather of 2.35 B weights, 4.4 GiB less; no reshard after forward at
-  one-rank shard groups (no regather in backward).
+  weight 0) skipped, one compiled elementwise kernel per chunk. Tested against plain autograd in
+  fp64 (`tests/test_train_losses.py`).
+- Frozen parameters cast once to bf16 and left out of FSDP (replicated, like the target head);
+  no reshard after forward at one-rank shard groups (no regather in backward).
 - Decoder layers and the context projection compiled (`training.compile`, auto on CUDA).
-- No host sync between forward and backward; the loop moves batches in bf16 (half the H2D).
+- No host sync between forward and backward; the loop moves batches in bf16.
+- Activation checkpointing under bf16 FSDP2 (`models/dflash/model.py`): the rope pairs are handed
+  to a checkpointed layer in the compute dtype. FSDP2 casts a layer's floating inputs in its
+  forward pre-hook but skips that hook when the checkpoint recomputes the layer in backward, so the
+  recompute saw fp32 rope where the forward saw bf16 and every bf16 run with
+  `activation_checkpoint_layers > 0` raised `CheckpointError` (found on the H200 on 2026-12-02:
+  `tests/test_train_gpu.py`'s bf16 case and the 64k AC rows below; fp32 passed).
 
-Bound at batch 1 x 4096, 3584 slots: the model part at `draft_step.py`'s 72.6 % is 145 ms; fused
-AdamW 22.9 ms, grad norm + scaling 9.8 ms and one target-head pass for the L1 term (10.3 ms) are
-not model FLOPs, so about 188 ms (56 % MFU) is the best this step can reach, and ~199 ms (53 %)
-while `trainers/dflash.py`'s `block_targets` computes the target logits a second time for the
-labels (sharing them with the loss is the next ~11 ms). 60 % needs the optimizer amortised over
-more work per step: batch 2 at 4096 (or one 8192-token sample) is 167 model TFLOP against the
-same ~35 ms of optimizer and clipping.
+## After (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
 
-Static memory after the changes (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, frozen
-weights in bf16 4.4 GiB, target head 2.2 GiB, layers' gathered bf16 weights kept from forward to
-backward at one rank 5.3 GiB: 54 GiB, leaving ~75 GiB of the 130 GiB goal for activations.
+Device call 1 ran these one after another (`draft_step.py` and the trainer side by side):
 
-Model TFLOP per step at 512 anchors (`step_flops`), and the step time 60 % MFU would need:
-4096: 83.4 (176 ms), 16384: 120.5 (254 ms), 32768: 169.7 (358 ms), 65536: 266.8 (563 ms); the
-attention share grows from 4.3 to 70.0 TFLOP, so FlexAttention's backward (~150-190 TFLOP/s at
-these head dims, `flex_sweep.py`) sets the long-context MFU.
-
-## To measure (one H200; each line fits one device call)
-
-    python benchmarks/draft_step.py --variants ours-flex-compiled --no-profile > draft_step.json; \
-    python benchmarks/train_k3_gpu.py --profile prof.txt --out train_4k.json; \
+    python benchmarks/draft_step.py --variants ours-flex-compiled --no-profile > draft_step.json
+    python benchmarks/train_k3_gpu.py --profile prof.txt --out train_4k.json
     python benchmarks/train_k3_gpu.py --ceilings
-    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep 16384:0,32768:0,65536:0
-    python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep 65536:2,65536:5
-    python -m pytest -m gpu -q   # collecting needs omegaconf, absent there: carry its wheel
-                                 # (`.whl`, device README) and install it first
+
+| batch 1 x 4096, 3584 draft slots | before (6aacc55) | after           |
+|----------------------------------|------------------|-----------------|
+| median step (steps 2-7)          | 357.5 ms         | 226.1 ms (224-235) |
+| model TFLOP / MFU (790 TFLOP/s)  | 83.5 / 29.5 %    | 83.5 / 46.7 %   |
+| draft tok/s/GPU (context tok/s)  | 10.0k (11.5k)    | 15.8k (18.1k)   |
+| peak allocated (reserved)        | 65.5 GiB         | 55.1 GiB (68.6) |
+| first step (cold compile cache)  | 60.6 s           | 74.6 s; step 1 776 ms |
+| forward + loss                   | 112.8 ms         | 103.0 ms        |
+| backward                         | 176.7 ms         | 95.2 ms         |
+| clip_grad_norm                   | 10.0 ms          | 9.8 ms          |
+| optimizer                        | 57.0 ms          | 23.1 ms         |
+
+`draft_step.py`, same call (batch 2 x 4096, 7168 draft tokens, 167.2 model TFLOP): 292.9 ms
+median (289.3 min), 72.3 % MFU, 24.5k tok/s, 31.8 GiB peak; forward 74.7, fused loss 47.3,
+backward 171.2 ms; its 8k matmul 797.6 TFLOP/s. The trainer at the same shape (device call 2,
+`python benchmarks/train_k3_gpu.py --batch 2 --steps 6 --warmup 2 --out train_4k_b2.json`):
+398.9 ms median (397.8-405.4), 167.1 TFLOP, 53.0 % MFU, 18.0k draft tok/s/GPU (20.5k context),
+63.4 GiB peak allocated (77.9 reserved).
+
+The profiled step after (`--profile`, CUDA kernel time by class): GEMM 116.1 ms (`aten::mm`
+107.3 + `addmm` 9.3), FlexAttention 29.2 (backward 22.3, forward 6.7), fused AdamW 22.9, clipping
+9.3 (foreach norm 3.2, foreach mul 6.1), eager elementwise/reduce 21.3 (the fused loss's compiled
+chunk kernel 5.5 of it), device copies 37.4 inside the step (DtoD 8.6, reduce-scatter copy-in
+`chunk_cat` 8.5, fp32 -> bf16 parameter casts 4.3, other copies), FSDP post-backward reduce about
+2.6 per layer; plus 42.7 ms of pageable host -> device batch copy, outside the timed step. Same
+call, the ceilings: copy 4.30 TB/s, 8k bf16 GEMM 686 TFLOP/s (797.6 in `draft_step.py` earlier in
+the call), lm_head GEMM at 3072 rows 10.2 ms, AdamW over 2.83 B fp32 parameters 62.4 ms foreach /
+22.8 ms fused, clip_grad_norm_ 9.7 ms (norm alone 3.4).
+
+**The 60 % MFU target is not met**: 46.7 % at batch 1 x 4096, 53.0 % at batch 2 x 4096 (60 %
+needs 176 ms and 352 ms). At batch 2 the trainer spends 106 ms more than `draft_step.py`'s model
+step on the same shape. What is left there, from the profile: fused AdamW + clipping 33 ms per
+step (not model FLOPs; amortised only by more tokens per step), FSDP's one-rank copies about 25 ms
+(casts, all-gather copy-out, `chunk_cat`; a world-size-1 path without FSDP would drop them), and
+the target head's `[rows, 163840]` GEMMs (about 10 ms each at batch 1) that `trainers/dflash.py`'s
+`block_targets` and the loss's L1 term both run (sharing one pass saves one). Those three would
+bring batch 2 to about 60 %; batch 1 x 4096 stays near 55 % at best (the bound above: ~188 ms).
+
+## Long context (same defaults: batch 1, 512 blocks of 7)
+
+Each row one process through `--sweep` (`python benchmarks/train_k3_gpu.py --steps 4 --warmup 1
+--distinct 1 --sweep SEQ:AC`, one device call per row or two; the 4096 row is the run above).
+The loss is always chunked (`losses/dspark.py`, one `[chunk, V]` block at a time).
+
+| context | AC layers | step (median)  | MFU    | model TFLOP | peak allocated | peak reserved | draft tok/s/GPU |
+|---------|-----------|----------------|--------|-------------|----------------|---------------|-----------------|
+| 4096    | 0         | 226 ms         | 46.7 % | 83.5        | 55.1 GiB       | 68.6 GiB      | 15.85k          |
+| 16384   | 0         | 322 ms         | 47.4 % | 120.6       | 61.0 GiB       | 75.0 GiB      | 11.12k          |
+| 32768   | 0         | 447 ms         | 48.8 % | 172.5       | 69.3 GiB       | 83.3 GiB      | 8.01k           |
+| 65536   | 0         | 1093 ms        | 31.3 % | 270.4       | 85.8 GiB       | 100.0 GiB     | 3.28k           |
+| 65536   | 2, 5      | failed: CheckpointError (the bf16 bug fixed above; not re-measured) | | | | | |
+
+64k context fits on one H200 **without** activation checkpointing, at 85.8 GiB peak allocated
+(100 GiB reserved), under the 130 GiB goal; checkpointing is not needed up to 64k and was not
+measured after its fix (the device refused the next call). **The MFU goal at 64k is not shown**:
+the median 31.3 % is 15 points under the 4k figure. The three timed 64k steps took 1093, 1104
+and 730 ms; at every length the first step after compile was slow (740-840 ms) and at 64k the
+second too, so 4 steps with 1 warm-up do not reach steady state there; 730 ms would be 46.9 %.
+`--steps 8 --warmup 3 --sweep 65536:0` settles it; AC rows: `--steps 6 --warmup 2 --sweep
+65536:2,65536:5`.
+
+Draft tokens per second per GPU at the production anchor count (`recipes/k3.yaml`:
+`num_anchors: 512`, `max_seq_len: 8192`): 15.8k at 4096 context, 11.1k at 16384 (8192 not
+measured; between the two).
+
+Earlier estimate, kept for reference: bound at batch 1 x 4096, 3584 slots: the model part at
+`draft_step.py`'s 72.6 % is 145 ms; fused AdamW 22.9 ms, grad norm + scaling 9.8 ms and one
+target-head pass for the L1 term (10.3 ms) are not model FLOPs, so about 188 ms (56 % MFU) is the
+best this step can reach, ~199 ms (53 %) while `block_targets` computes the target logits a second
+time. Static memory (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, frozen weights in bf16
+4.4 GiB, target head 2.2 GiB, gathered bf16 layer weights kept to backward 5.3 GiB: 54 GiB.
+
+## GPU tests (same device call 1)
+
+    python -m pytest tests/test_publish_gpu.py -q -s -p no:cacheprovider   # 3 passed: with the
+        # event 0 stale rows of 14800; without it (the control) 3700 of 3700
+    python -m pytest -m gpu -q -p no:cacheprovider -rA   # 5 passed, 1 failed (the bf16 AC
+        # case, fixed above; not re-run on a GPU), 5 skipped (vLLM absent), 103.8 s
+    # collecting needs omegaconf, absent there: carry its wheel (`.whl`, device README)
 
 ## Earlier figures (2026-11-30, before this issue's changes)
 
