@@ -75,7 +75,7 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
         # Test-only: the engine's even split needs a core per worker; oversubscribe instead.
         engine_env_mod.cpu_bind_spec = round_robin_bind  # type: ignore[assignment]
     cfg = EngineConfig(
-        target_layer_ids=TARGET_LAYER_IDS,
+        target_layer_ids=args["target_layer_ids"],
         gpus_per_node=pp * tp,  # one node: tp = world // pp
         pp_size=pp,
         dtype=DTYPE,
@@ -120,15 +120,26 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def spawn_arm(pp: int, model_dir: str, address: str, work: Path, tp: int = 1) -> tuple[list[dict], dict]:
-    """Run one arm (TP x PP) in its own process; return its samples and timings, or fail with its log."""
+def spawn_arm(
+    pp: int,
+    model_dir: str,
+    address: str,
+    work: Path,
+    tp: int = 1,
+    prompt_ids: list[list[int]] | None = None,
+    target_layer_ids: list[int] = TARGET_LAYER_IDS,
+) -> tuple[list[dict], dict]:
+    """Run one arm (TP x PP) in its own process; return its samples and timings, or fail with its log.
+
+    `prompt_ids` default to `prompts()`; a real target passes its own, with its own layer ids."""
     out, log = work / f"tp{tp}-pp{pp}.pt", work / f"tp{tp}-pp{pp}.log"
     args = {
         "pp": pp,
         "tp": tp,
         "model_dir": model_dir,
         "address": address,
-        "prompts": prompts(),
+        "prompts": prompts() if prompt_ids is None else prompt_ids,
+        "target_layer_ids": target_layer_ids,
         "out": str(out),
     }
     result = run_arm_process(
@@ -145,7 +156,8 @@ def spawn_arm(pp: int, model_dir: str, address: str, work: Path, tp: int = 1) ->
 def compare(ref: list[dict], got: list[dict], pp: int) -> list[dict[str, Any]]:
     """Per prompt and tensor: max_abs, rel_l2, cosine, all in float64."""
     rows = []
-    for n, a, b in zip(PROMPT_LENGTHS, ref, got, strict=True):
+    for a, b in zip(ref, got, strict=True):
+        n = len(a["input_ids"])
         assert a["prompt_ok"] and b["prompt_ok"], "input ids read back differ from the prompt"
         assert torch.equal(a["input_ids"], b["input_ids"])
         assert a["layer_ids"] == b["layer_ids"]
@@ -168,17 +180,17 @@ def compare(ref: list[dict], got: list[dict], pp: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_all(model_dir: str, work: Path, pps: list[int]) -> tuple[list[dict], list[dict]]:
-    """PP=1 and then each of `pps` against it, under one Mooncake master."""
+def run_all(model_dir: str, work: Path, pps: list[int], **arm: Any) -> tuple[list[dict], list[dict]]:
+    """PP=1 and then each of `pps` against it, under one Mooncake master (`arm`: for `spawn_arm`)."""
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
 
     rows, timings = [], []
     with launch_master(StoreConfig(), work / "master-logs") as master:
-        ref, t = spawn_arm(1, model_dir, master.address, work)
+        ref, t = spawn_arm(1, model_dir, master.address, work, **arm)
         timings.append(t)
         for pp in pps:
-            got, t = spawn_arm(pp, model_dir, master.address, work)
+            got, t = spawn_arm(pp, model_dir, master.address, work, **arm)
             timings.append(t)
             rows += compare(ref, got, pp)
     return rows, timings
