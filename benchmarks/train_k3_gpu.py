@@ -68,7 +68,7 @@ GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 
   forward pre-hook but skips that hook when the checkpoint recomputes the layer in backward, so the
   recompute saw fp32 rope where the forward saw bf16 and every bf16 run with
   `activation_checkpoint_layers > 0` raised `CheckpointError` (found on the H200 on 2026-12-02:
-  `tests/test_train_gpu.py`'s bf16 case and the 64k AC rows below; fp32 passed).
+  `tests/test_train_gpu.py`'s bf16 case and the 64k AC runs of device call 2; fp32 passed).
 
 ## After (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
 
@@ -118,26 +118,28 @@ bring batch 2 to about 60 %; batch 1 x 4096 stays near 55 % at best (the bound a
 
 ## Long context (same defaults: batch 1, 512 blocks of 7)
 
-Each row one process through `--sweep` (`python benchmarks/train_k3_gpu.py --steps 4 --warmup 1
---distinct 1 --sweep SEQ:AC`, one device call per row or two; the 4096 row is the run above).
-The loss is always chunked (`losses/dspark.py`, one `[chunk, V]` block at a time).
+Each row one process through `--sweep` (fresh allocator and peak); the 4096 row is the run above.
+16k and 32k: `python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep SEQ:0`
+(device calls 1 and 2). 64k: `--steps 8 --warmup 3 --distinct 1 --sweep 65536:0` and `--steps 6
+--warmup 2 --distinct 1 --sweep 65536:5` (device call 3, after the checkpointing fix). The loss
+is always chunked (`losses/dspark.py`, one `[chunk, V]` block at a time).
 
-| context | AC layers | step (median)  | MFU    | model TFLOP | peak allocated | peak reserved | draft tok/s/GPU |
-|---------|-----------|----------------|--------|-------------|----------------|---------------|-----------------|
-| 4096    | 0         | 226 ms         | 46.7 % | 83.5        | 55.1 GiB       | 68.6 GiB      | 15.85k          |
-| 16384   | 0         | 322 ms         | 47.4 % | 120.6       | 61.0 GiB       | 75.0 GiB      | 11.12k          |
-| 32768   | 0         | 447 ms         | 48.8 % | 172.5       | 69.3 GiB       | 83.3 GiB      | 8.01k           |
-| 65536   | 0         | 1093 ms        | 31.3 % | 270.4       | 85.8 GiB       | 100.0 GiB     | 3.28k           |
-| 65536   | 2, 5      | failed: CheckpointError (the bf16 bug fixed above; not re-measured) | | | | | |
+| context | AC layers | step (median) | MFU    | model TFLOP | peak allocated | peak reserved | draft tok/s/GPU |
+|---------|-----------|---------------|--------|-------------|----------------|---------------|-----------------|
+| 4096    | 0         | 226 ms        | 46.7 % | 83.5        | 55.1 GiB       | 68.6 GiB      | 15.85k          |
+| 16384   | 0         | 322 ms        | 47.4 % | 120.6       | 61.0 GiB       | 75.0 GiB      | 11.12k          |
+| 32768   | 0         | 447 ms        | 48.8 % | 172.5       | 69.3 GiB       | 83.3 GiB      | 8.01k           |
+| 65536   | 0         | 734 ms        | 46.6 % | 270.4       | 85.8 GiB       | 100.5 GiB     | 4.88k           |
+| 65536   | 5 (all)   | 861 ms        | 39.8 % | 270.4       | 69.1 GiB       | 79.0 GiB      | 4.16k           |
 
-64k context fits on one H200 **without** activation checkpointing, at 85.8 GiB peak allocated
-(100 GiB reserved), under the 130 GiB goal; checkpointing is not needed up to 64k and was not
-measured after its fix (the device refused the next call). **The MFU goal at 64k is not shown**:
-the median 31.3 % is 15 points under the 4k figure. The three timed 64k steps took 1093, 1104
-and 730 ms; at every length the first step after compile was slow (740-840 ms) and at 64k the
-second too, so 4 steps with 1 warm-up do not reach steady state there; 730 ms would be 46.9 %.
-`--steps 8 --warmup 3 --sweep 65536:0` settles it; AC rows: `--steps 6 --warmup 2 --sweep
-65536:2,65536:5`.
+**The 64k goal is met**: 64k context on one H200 at 85.8 GiB peak allocated (100.5 reserved),
+under 130 GiB, at 46.6 % MFU, within 0.1 point of the 4k figure, without activation
+checkpointing; checkpointing every decoder layer saves 16.7 GiB for 17 % more step time, so it
+pays only beyond 64k (or with a larger batch). 64k steps after compile: 1345, 767, 830, 742, 725,
+716, 734 ms; one to three steps after the compiling one are slow at every length (740-840
+ms at 4k-32k), so a 4-step run with 1 warm-up is not steady at 64k (an earlier such run, device
+call 2, gave a 1093 ms median; its last step 730 ms). Not measured: `65536:2`, and the bf16
+checkpointing rows at 16k and 32k.
 
 Draft tokens per second per GPU at the production anchor count (`recipes/k3.yaml`:
 `num_anchors: 512`, `max_seq_len: 8192`): 15.8k at 4096 context, 11.1k at 16384 (8192 not
@@ -150,12 +152,13 @@ best this step can reach, ~199 ms (53 %) while `block_targets` computes the targ
 time. Static memory (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, frozen weights in bf16
 4.4 GiB, target head 2.2 GiB, gathered bf16 layer weights kept to backward 5.3 GiB: 54 GiB.
 
-## GPU tests (same device call 1)
+## GPU tests
 
-    python -m pytest tests/test_publish_gpu.py -q -s -p no:cacheprovider   # 3 passed: with the
-        # event 0 stale rows of 14800; without it (the control) 3700 of 3700
-    python -m pytest -m gpu -q -p no:cacheprovider -rA   # 5 passed, 1 failed (the bf16 AC
-        # case, fixed above; not re-run on a GPU), 5 skipped (vLLM absent), 103.8 s
+    python -m pytest tests/test_publish_gpu.py -q -s -p no:cacheprovider   # call 1: 3 passed;
+        # with the event 0 stale rows of 14800, without it (the control) 3700 of 3700
+    python -m pytest -m gpu -q -p no:cacheprovider -rA   # call 3, after the checkpointing fix:
+        # 6 passed (publish 2, models 2, train 2: AC fp32 and bf16), 5 skipped (vLLM absent),
+        # 122.6 s; call 1, before it: the bf16 AC case failed with CheckpointError
     # collecting needs omegaconf, absent there: carry its wheel (`.whl`, device README)
 
 ## Earlier figures (2026-11-30, before this issue's changes)
