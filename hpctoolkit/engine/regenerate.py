@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -289,8 +290,18 @@ def vllm_generator(
             )
             for m, s in zip(max_tokens, seeds, strict=True)
         ]
+        t0 = time.monotonic()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outs]
+        got = [(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outs]
+        took = time.monotonic() - t0
+        new = sum(len(g[0]) for g in got)
+        # A round can take minutes on a CPU: say what it did, so a user sees the run move.
+        print(
+            f"[hpctoolkit.engine] regenerated {len(got)} turns, {new} tokens in {took:.1f} s "
+            f"({new / max(took, 1e-9):.0f} tokens/s)",
+            flush=True,
+        )
+        return got
 
     return generate
 
