@@ -5,7 +5,7 @@ Imports nothing heavy: the recipe loader reads it on machines without torch.dist
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
 
@@ -60,6 +60,11 @@ class TrainingConfig:
     activation_checkpoint_layers: int = 0
     # torch.compile each decoder layer: "auto" on CUDA only, "on" also on the CPU, "off" never.
     compile: str = "auto"
+    # Start draft decoder layer i from target layer init_layers_from_target[i] (the weights the
+    # two share by name and shape: attention projections, MLP, layer norms) and the draft's final
+    # norm from the target's; [] keeps the fresh init. A small draft trained briefly learns from
+    # a language model's layer much faster than from noise.
+    init_layers_from_target: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         positive(
@@ -85,6 +90,8 @@ class TrainingConfig:
         one_of(self, "label_source", ("target", "data"))
         non_negative(self, "dflash_decay_gamma", "activation_checkpoint_layers")
         one_of(self, "compile", ("auto", "on", "off"))
+        bad = [i for i in self.init_layers_from_target if not isinstance(i, int) or i < 0]
+        require(not bad, "init_layers_from_target", "must list target layer indices (ints >= 0)", bad)
         require(
             self.warmup_steps <= self.steps,
             "warmup_steps",

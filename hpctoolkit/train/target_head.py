@@ -141,6 +141,19 @@ def load_head_tensors(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torc
     return _read(names[head_name], head_name), _read(names[norm_name], norm_name), eps
 
 
+def read_target_layer_tensor(target_dir: str | os.PathLike, layer: int, suffix: str) -> torch.Tensor | None:
+    """Tensor `suffix` (e.g. `mlp.up_proj.weight`) of the text model's decoder layer `layer`, or None."""
+    names = _checkpoint_files(Path(target_dir))
+    want = f"layers.{layer}.{suffix}"
+    hits = [
+        n for n in names if (n == want or n.endswith("." + want)) and "visual" not in n and "vision" not in n
+    ]
+    if not hits:
+        return None
+    name = min(hits, key=len)
+    return _read(names[name], name)
+
+
 def read_target_tensor(target_dir: str | os.PathLike, suffix: str) -> torch.Tensor | None:
     """One text-model tensor of the target by name suffix (e.g. `embed_tokens.weight`), or None."""
     names = _checkpoint_files(Path(target_dir))

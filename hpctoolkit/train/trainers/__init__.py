@@ -18,7 +18,7 @@ from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.target_head import TargetHead, read_target_tensor
+from hpctoolkit.train.target_head import TargetHead, read_target_layer_tensor, read_target_tensor
 from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, sample_generator
 from hpctoolkit.train.trainers.dflash import DFlashTrainer
 from hpctoolkit.train.trainers.dspark import DSparkTrainer
@@ -112,7 +112,47 @@ def build_trainer(
         )
         draft.set_vocab_mapping(draft_vocab_from_counts(counts, config.draft_vocab_size))
     init_from_target(draft, head, embed)
+    if cfg.init_layers_from_target:
+        if isinstance(target, TargetHead):
+            raise ConfigError("training.init_layers_from_target needs a target directory, not a bare head")
+        init_layers_from_target(draft, Path(target), cfg.init_layers_from_target)
     return trainer_cls(draft, head, cfg)
+
+
+def init_layers_from_target(draft: DraftModel, target_dir: Path, layer_ids: list[int]) -> list[str]:
+    """Copy target layer `layer_ids[i]` into draft layer `i` where names and shapes agree, and the
+    target's final norm into the draft's; returns the draft parameters set. A draft without that
+    many layers, a layer the target lacks, or a layer sharing nothing is a one-line error."""
+    layers = getattr(draft, "layers", None)
+    if layers is None or len(layer_ids) > len(layers):
+        have = 0 if layers is None else len(layers)
+        raise ConfigError(
+            f"training.init_layers_from_target lists {len(layer_ids)} layers; the draft has {have} decoder layers"
+        )
+    copied = []
+    params = dict(draft.named_parameters())
+    with torch.no_grad():
+        for i, t in enumerate(layer_ids):
+            got = []
+            for name, p in params.items():
+                if not name.startswith(f"layers.{i}."):
+                    continue
+                src = read_target_layer_tensor(target_dir, t, name.removeprefix(f"layers.{i}."))
+                if src is not None and tuple(src.shape) == tuple(p.shape):
+                    p.copy_(src.to(p))
+                    got.append(name)
+            if not got:
+                raise ConfigError(
+                    f"training.init_layers_from_target: target layer {t} of {target_dir} has no tensor "
+                    f"matching draft layer {i} (a layer index the target lacks, or other shapes)"
+                )
+            copied += got
+        norm = params.get("norm.weight")
+        src = read_target_tensor(target_dir, "norm.weight")
+        if norm is not None and src is not None and src.shape == norm.shape:
+            norm.copy_(src.to(norm))
+            copied.append("norm.weight")
+    return copied
 
 
 __all__ = [
@@ -124,6 +164,7 @@ __all__ = [
     "build_trainer",
     "check_draft_against_target",
     "init_from_target",
+    "init_layers_from_target",
     "needs_vocab_counts",
     "register_trainer",
     "sample_generator",
