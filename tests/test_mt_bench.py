@@ -185,6 +185,36 @@ def test_acceptance_by_group_sums_counters_before_dividing():
     assert acceptance_length({DRAFTS: 0, ACCEPTED: 0}) is None
 
 
+def test_request_counters_from_a_histogram():
+    from types import SimpleNamespace
+
+    from hpctoolkit.errors import DataIntegrityError
+    from hpctoolkit.evaluate.serve import request_counters
+
+    like = {
+        "vllm:spec_decode_num_drafts": 0,
+        "vllm:spec_decode_num_accepted_tokens": 0,
+        "vllm:spec_decode_num_draft_tokens": 0,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [0, 0, 0],
+    }
+    # 10 verifications: 4 accepted nothing, 3 one draft, 2 two, 1 all three.
+    got = request_counters(SimpleNamespace(histogram=[4, 3, 2, 1], num_draft_tokens=30), like, 3)
+    assert got == {
+        "vllm:spec_decode_num_drafts": 10,
+        "vllm:spec_decode_num_accepted_tokens": 3 + 4 + 3,
+        "vllm:spec_decode_num_draft_tokens": 30,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [6, 3, 1],
+    }
+    with pytest.raises(DataIntegrityError, match="without per-request spec-decode metrics"):
+        request_counters(None, like, 3)
+    with pytest.raises(DataIntegrityError, match="2 bins, expected 4"):
+        request_counters(SimpleNamespace(histogram=[1, 1], num_draft_tokens=3), like, 3)
+    with pytest.raises(DataIntegrityError, match="cannot be split"):
+        request_counters(
+            SimpleNamespace(histogram=[1, 0, 0, 0], num_draft_tokens=3), {**like, "vllm:x": 1}, 3
+        )
+
+
 def test_evaluate_config_prompts():
     assert EvaluateConfig().prompts == "held_out" and EvaluateConfig().questions_per_category == 10
     cfg = compose(
@@ -255,12 +285,13 @@ def test_two_turns_served_in_vllm(tmp_path, monkeypatch):
     assert (
         result["served_acceptance_length"] == 1.0 + served["counters"][ACCEPTED] / served["counters"][DRAFTS]
     )
-    assert len(seen) == 4
-    for (p1, o1), (p2, _), q, c in zip(seen[::2], seen[1::2], questions, calls[::2], strict=True):
-        answer = tok.decode(o1[0], skip_special_tokens=True)
-        assert answer.strip() and len(o1[0]) <= 16 and c["answers"] == [answer]
-        assert tok.decode(p1[0]).endswith("<|im_start|>assistant\n") and q.turns[0] in tok.decode(p1[0])
-        turn2 = tok.decode(p2[0])
+    assert len(seen) == 2  # one batch per turn, every question in it
+    (p1s, o1s), (p2s, _) = seen
+    for p1, o1, p2, q, c in zip(p1s, o1s, p2s, questions, calls[::2], strict=True):
+        answer = tok.decode(o1, skip_special_tokens=True)
+        assert answer.strip() and len(o1) <= 16 and c["answers"] == [answer]
+        assert tok.decode(p1).endswith("<|im_start|>assistant\n") and q.turns[0] in tok.decode(p1)
+        turn2 = tok.decode(p2)
         assert answer.strip() in turn2, (answer, turn2)
         assert turn2.index(q.turns[0]) < turn2.index(answer.strip()) < turn2.index(q.turns[1])
     assert result["answers"] == 4 and 0 <= result["answers_stopped_at_eos"] <= 4

@@ -4,8 +4,10 @@ Turn 1 is the user's first message rendered with the target tokenizer's chat tem
 generation prompt); the answer is greedy and stops at the tokenizer's EOS or `max_tokens`. Turn 2
 renders [user 1, assistant: the turn-1 answer's text, user 2] the same way. Greedy speculative
 decoding is lossless, so the turn-1 answer is the target's own. One engine serves every call; each
-(category, turn) is one `generate` call, so the spec-decode counters that call added are that
-group's, and per-category, per-turn and overall acceptance are sums of those counters.
+turn is one `generate` call over every question (a full batch), and each output carries its own
+acceptance histogram (vLLM's per-request spec-decode metrics): a (category, turn) group's counters
+are its requests' summed, per-category, per-turn and overall acceptance are sums of those, and the
+requests' counters must add up to what the engine counted (checked in `compare`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.mt_bench import Question
 from hpctoolkit.evaluate.serve import ServingSession, add_counters, counter_delta, model_len
 
+# Questions served at once: all 80 of a turn in two waves, within the CPU KV cache.
+MAX_NUM_SEQS = 40
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
@@ -85,8 +89,8 @@ def serve_two_turn(
 
     Returns `method`, `engine_start_s`, `max_model_len`, `calls` (one per (category, turn):
     `category`, `turn`, `question_ids`, `prompts`, `outputs`, `answers` (the outputs' text),
-    `counters` (what this call added), `generate_s`) and `counters` (what the engine counted over
-    the whole session, which the calls' counters add up to).
+    `counters` (its requests' summed), `generate_s` (its share of the turn's batch)) and `counters`
+    (what the engine counted over the whole session, which the calls' counters add up to).
     """
     if not questions:
         raise ConfigError("evaluate needs at least one MT-Bench question")
@@ -110,27 +114,44 @@ def serve_two_turn(
             )
         max_len = limit
     categories = list(dict.fromkeys(q.category for q in questions))
-    calls: list[dict[str, Any]] = []
-    with ServingSession(export_dir, target_dir, num_speculative_tokens=k, max_model_len=max_len) as session:
-        for category in categories:
-            group = [q for q in questions if q.category == category]
-            ids = [q.question_id for q in group]
-            answers = [""] * len(group)
-            for turn in (1, 2):
-                if turn == 1:
-                    prompts = [render(tokenizer, first_turn(q)) for q in group]
-                else:
-                    prompts = [
-                        render(tokenizer, second_turn(q, a)) for q, a in zip(group, answers, strict=True)
-                    ]
-                got = session.generate(prompts, max_tokens=max_tokens, ignore_eos=False)
-                answers = [tokenizer.decode(out, skip_special_tokens=True) for out in got["outputs"]]
-                calls.append(
-                    {"category": category, "turn": turn, "question_ids": ids, "prompts": prompts}
-                    | got
-                    | {"answers": answers}
-                )
+    per_turn: dict[int, dict[str, Any]] = {}
+    answers = [""] * len(questions)
+    with ServingSession(
+        export_dir,
+        target_dir,
+        num_speculative_tokens=k,
+        max_model_len=max_len,
+        max_num_seqs=min(len(questions), MAX_NUM_SEQS),
+    ) as session:
+        for turn in (1, 2):
+            if turn == 1:
+                prompts = [render(tokenizer, first_turn(q)) for q in questions]
+            else:
+                prompts = [
+                    render(tokenizer, second_turn(q, a)) for q, a in zip(questions, answers, strict=True)
+                ]
+            got = session.generate(prompts, max_tokens=max_tokens, ignore_eos=False)
+            answers = [tokenizer.decode(out, skip_special_tokens=True) for out in got["outputs"]]
+            per_turn[turn] = got | {"prompts": prompts, "answers": answers}
         totals = counter_delta(session.counters(), session.start_counters)
+    calls: list[dict[str, Any]] = []
+    for category in categories:
+        rows = [i for i, q in enumerate(questions) if q.category == category]
+        for turn in (1, 2):
+            got = per_turn[turn]
+            share = len(rows) / len(questions)  # the batch's time, split by questions
+            calls.append(
+                {
+                    "category": category,
+                    "turn": turn,
+                    "question_ids": [questions[i].question_id for i in rows],
+                    "prompts": [got["prompts"][i] for i in rows],
+                    "outputs": [got["outputs"][i] for i in rows],
+                    "answers": [got["answers"][i] for i in rows],
+                    "counters": add_counters([got["request_counters"][i] for i in rows]),
+                    "generate_s": got["generate_s"] * share,
+                }
+            )
     return {
         "method": session.method,
         "engine_start_s": session.engine_start_s,

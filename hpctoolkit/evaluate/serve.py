@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,8 @@ class ServingSession:
                 },
                 enforce_eager=True,
                 disable_log_stats=False,
+                # Each output carries its own acceptance histogram (`request_counters`).
+                per_request_spec_decode_metrics="summary",
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.max_num_seqs,
                 seed=0,
@@ -284,8 +287,37 @@ class ServingSession:
         return {
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "counters": delta,
+            "request_counters": [
+                request_counters(o.outputs[0].spec_decode_metrics, delta, self.num_speculative_tokens)
+                for o in outs
+            ],
             "generate_s": generate_s,
         }
+
+
+def request_counters(metrics: Any, like: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """One request's spec-decode counters, from its acceptance histogram (`h[j]`: verifications
+    that accepted `j` drafts), with the keys of the engine's counters `like`: drafts `sum h`,
+    accepted `sum j h[j]`, accepted at position `p` `sum_{j > p} h[j]`. A request vLLM reported no
+    histogram for fails: its acceptance would silently drop out of a per-group figure."""
+    if metrics is None:
+        raise DataIntegrityError(
+            "vLLM returned an output without per-request spec-decode metrics "
+            "(per_request_spec_decode_metrics); per-group acceptance cannot be counted"
+        )
+    h = [int(x) for x in metrics.histogram]
+    if len(h) != k + 1:
+        raise DataIntegrityError(f"a per-request acceptance histogram has {len(h)} bins, expected {k + 1}")
+    values: dict[str, Any] = {
+        "vllm:spec_decode_num_drafts": sum(h),
+        "vllm:spec_decode_num_accepted_tokens": sum(j * n for j, n in enumerate(h)),
+        "vllm:spec_decode_num_draft_tokens": int(metrics.num_draft_tokens),
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [sum(h[p + 1 :]) for p in range(k)],
+    }
+    unknown = sorted(set(like) - set(values))
+    if unknown:
+        raise DataIntegrityError(f"vLLM counts spec-decode metrics a request cannot be split into: {unknown}")
+    return {name: values[name] for name in like} if like else values
 
 
 def serve(
