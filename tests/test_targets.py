@@ -139,3 +139,19 @@ print("OK", out, rel)
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout
+
+
+@needs_wheel
+def test_the_embedded_default_is_the_real_model_on_mt_bench():
+    """`make run`'s recipe: SmolLM2 from its wheel, locally built chat prompts the target answers,
+    a DFlash draft reading three of its layers, served on all of MT-Bench."""
+    from hpctoolkit.config.load import load_recipe
+
+    cfg = load_recipe(str(REPO / "recipes/local.yaml"))
+    assert cfg.paths.target_model == "pypi:SmolLM2-135M-Instruct"
+    assert cfg.data.prompts == "builtin:chat" and cfg.data.regenerate_tokens > 0
+    assert cfg.evaluate.prompts == "mt_bench" and cfg.evaluate.questions_per_category == 10
+    assert cfg.evaluate.num_speculative_tokens == 3
+    assert list(cfg.engine.target_layer_ids) == [1, 14, 27]
+    draft = json.loads((REPO / cfg.draft.config).read_text())
+    assert draft["architectures"] == ["DFlashDraftModel"] and draft["block_size"] == 4

@@ -50,11 +50,21 @@ class EvaluateConfig:
     num_prompts: int = 8  # held_out only
     # mt_bench only: the first N questions of each of its 8 categories (10: all 80).
     questions_per_category: int = 10
+    # mt_bench only: the simulated (replayed) figure over the first N served questions of each
+    # category, both turns (the replay reruns the target in transformers: minutes on a CPU).
+    simulate_per_category: int = 10
     max_tokens: int = 48
 
     def validate(self) -> None:
         one_of(self, "prompts", ("held_out", "mt_bench"))
-        positive(self, "num_speculative_tokens", "num_prompts", "max_tokens", "questions_per_category")
+        positive(
+            self,
+            "num_speculative_tokens",
+            "num_prompts",
+            "max_tokens",
+            "questions_per_category",
+            "simulate_per_category",
+        )
         require(
             self.questions_per_category <= 10,
             "questions_per_category",

@@ -91,13 +91,15 @@ def evaluate_mt_bench(
     num_speculative_tokens: int,
     max_tokens: int,
     plot_path: str | os.PathLike | None = None,
+    simulate_per_category: int | None = None,
 ) -> dict[str, Any]:
     """Served and simulated acceptance of the exported draft on MT-Bench's two-turn `questions`.
 
     The held-out result's keys, plus `eval_set` ("mt_bench"), `num_questions`,
     `served_acceptance_by_category` and `served_acceptance_by_turn` ("1", "2"); `served` adds
     `calls`, one per (category, turn) with its counters and acceptance. The simulation replays
-    every (prompt, served output) pair of both turns.
+    the (prompt, served output) pairs of both turns of the first `simulate_per_category` served
+    questions of each category (all when None).
     """
     k = num_speculative_tokens
     run = serve_two_turn(
@@ -120,9 +122,12 @@ def evaluate_mt_bench(
             f"vLLM's spec-decode counters over the session ({run['counters']}) are not the sum of its "
             f"calls' ({groups['counters']}); a call's counters were read before they were complete"
         )
-    prompts = [p for c in calls for p in c["prompts"]]
-    outputs = [o for c in calls for o in c["outputs"]]
+    # The replay: every call's first `simulate_per_category` questions (all by default).
+    n = simulate_per_category
+    prompts = [p for c in calls for p in c["prompts"][:n]]
+    outputs = [o for c in calls for o in c["outputs"][:n]]
     simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k)
+    simulated["num_sequences"] = len(prompts)
     eos = tokenizer.eos_token_id
     served["calls"] = [
         {

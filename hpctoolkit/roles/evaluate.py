@@ -82,6 +82,7 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         tok,
         num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
         max_tokens=cfg.evaluate.max_tokens,
+        simulate_per_category=cfg.evaluate.simulate_per_category,
     )
     by_category = ", ".join(
         f"{c} {v:.2f}" if v is not None else f"{c} -" for c, v in ev["served_acceptance_by_category"].items()
