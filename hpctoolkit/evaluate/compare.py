@@ -158,7 +158,7 @@ def evaluate_mt_bench(
         "convention": CONVENTION + MT_BENCH_CONVENTION,
         "num_speculative_tokens": k,
         "max_tokens": max_tokens,
-        "answers": len(outputs),
+        "answers": sum(len(c["outputs"]) for c in calls),
         "answers_stopped_at_eos": sum(c["stopped_at_eos"] for c in served["calls"]),
         "served_per_position_acceptance": served["acceptance_rate_per_pos"],
         "simulated_per_position_acceptance": simulated["acceptance_rate_per_pos"],
