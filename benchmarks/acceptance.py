@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# Each family's draft config and what it changes in the default recipe (Eagle3's one layer reads
+# [embedding, fused hidden state], so no target layer fits it).
 FAMILIES = {
-    "dflash": "recipes/draft_models/smollm2_dflash.json",
-    "eagle3": "recipes/draft_models/smollm2_eagle3.json",
+    "dflash": ("recipes/draft_models/smollm2_dflash.json", []),
+    "eagle3": ("recipes/draft_models/smollm2_eagle3.json", ["training.init_layers_from_target=[]"]),
 }
 DEFAULT_POINTS = "64:200,128:400,256:800,512:1600,1024:3200"
 
@@ -51,7 +53,7 @@ def run_point(family: str, samples: int, steps: int, out: Path, extra: list[str]
         return json.loads(done.read_text())
     cmd = [
         sys.executable, "-m", "hpctoolkit.submit", "recipes/local.yaml",
-        f"paths.output_dir={root}", f"draft.config={FAMILIES[family]}",
+        f"paths.output_dir={root}", f"draft.config={FAMILIES[family][0]}", *FAMILIES[family][1],
         f"data.num_samples={samples}", f"training.steps={steps}",
         f"training.checkpoint_every={max(steps // 2, 1)}", *extra,
     ]  # fmt: skip

@@ -34,3 +34,14 @@ def test_regeneration_needs_a_one_node_engine():
     assert cfg.engine.world_size == 2
     with pytest.raises(ConfigError, match=r"needs a one-node engine \(engine.nnodes=2\)"):
         load_recipe("recipes/tiny.yaml", ["engine.nnodes=2", "data.regenerate_tokens=8"])
+
+
+def test_a_pruned_vocabulary_needs_a_source_it_can_count_without_consuming():
+    """Eagle3 counts its vocabulary from the first samples before the first step; a live store hands
+    each out once, so the recipe is refused unless the vocabulary or the samples are on disk."""
+    live = ["draft.config=recipes/draft_models/tiny_eagle3.json", "engine.target_layer_ids=[0,1,2]"]
+    with pytest.raises(
+        ConfigError, match=r"prunes its vocabulary \(draft_vocab_size=256\).*data.draft_vocab"
+    ):
+        load_recipe("recipes/tiny.yaml", live)
+    load_recipe("recipes/tiny.yaml", [*live, "data.draft_vocab=/runs/a/train/draft_vocab.json"])
