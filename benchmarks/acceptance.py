@@ -13,6 +13,14 @@ served acceptance length on MT-Bench (incl. the bonus token, k = `evaluate.num_s
 its per-category spread, and the trainer's own simulated figure; a table on stdout, every point's
 summary under `--out`, and the plot (served acceptance against training tokens, one line per
 family). Points already run (their summary.json present under `--out`) are read, not rerun.
+
+Measured (2026-12-02, 2 cores; only a smoke point, the sweep is hours of CPU):
+`benchmarks/acceptance.py --points 32:40 --families dflash,eagle3 --out /tmp/acc
+evaluate.questions_per_category=1 data.regenerate_tokens=64 training.warmup_steps=5`:
+dflash 32 x 40: 12,615 supervised tokens, served 1.04 (1.00-1.11 by category), trainer 1.09,
+211 s. eagle3 at SmolLM2's whole vocabulary: 46 s a training step here (seven test-time steps
+of 49,152-way logits), stopped after 8 of 40; the embedded default itself (128 x 300, DFlash)
+serves 1.13 (README). A pruned Eagle3 vocabulary needs `data.draft_vocab` in a live run.
 """
 
 from __future__ import annotations
