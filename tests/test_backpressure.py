@@ -236,7 +236,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
     from hpctoolkit.rundir.layout import RunDir
     from hpctoolkit.store.master import launch_master
     from hpctoolkit.store.mooncake import MooncakeStore, count_keys_via_master
-    from hpctoolkit.testing import tiny_target
+    from hpctoolkit.targets import resolve as target_resolve
 
     overrides = [
         f"paths.output_dir={tmp_path}",
@@ -276,7 +276,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         monkeypatch.setattr(engines, "engine_prompts", lambda *_: [(p, [1] * len(p)) for p in prompts])
         monkeypatch.setattr(engines, "engine_node_args", lambda *_, **__: {})
         monkeypatch.setattr(engine_mod, "CaptureEngine", _StandInEngine)
-        monkeypatch.setattr(tiny_target, "resolve_target", lambda t: t)
+        monkeypatch.setattr(target_resolve, "resolve_target", lambda t: t)
 
         prefix = engine_mod.run_prefix(ctx.run_id, 0)
         read: list[list[int]] = []

@@ -42,6 +42,8 @@ EXPECTED = {
     "tiny_dflash.json": (DFlashConfig, DFlashDraftModel),
     "qwen3_8b_eagle3.json": (Eagle3Config, Eagle3DraftModel),
     "tiny_eagle3.json": (Eagle3Config, Eagle3DraftModel),
+    "smollm2_dflash.json": (DFlashConfig, DFlashDraftModel),
+    "smollm2_eagle3.json": (Eagle3Config, Eagle3DraftModel),
 }
 
 
