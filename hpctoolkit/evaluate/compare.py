@@ -32,6 +32,17 @@ MT_BENCH_CONVENTION = (
 )
 
 
+def _acceptance_keys(served: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
+    """The served and simulated figures every evaluation reports, both incl. the bonus token."""
+    return {
+        "served_acceptance_length": served["acceptance_length_incl_bonus"],
+        "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
+        "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
+        "acceptance_length_gap": served["acceptance_length_incl_bonus"]
+        - simulated["acceptance_length_incl_bonus"],
+    }
+
+
 def evaluate(
     export_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
@@ -63,11 +74,7 @@ def evaluate(
     )
     result = {
         "eval_set": "held_out",
-        "served_acceptance_length": served["acceptance_length_incl_bonus"],
-        "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
-        "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
-        "acceptance_length_gap": served["acceptance_length_incl_bonus"]
-        - simulated["acceptance_length_incl_bonus"],
+        **_acceptance_keys(served, simulated),
         "convention": CONVENTION,
         "num_speculative_tokens": num_speculative_tokens,
         "num_prompts": len(prompts_token_ids),
@@ -148,13 +155,9 @@ def evaluate_mt_bench(
         "eval_set": "mt_bench",
         "num_questions": len(questions),
         "categories": list(groups["by_category"]),
-        "served_acceptance_length": served["acceptance_length_incl_bonus"],
+        **_acceptance_keys(served, simulated),
         "served_acceptance_by_category": groups["by_category"],
         "served_acceptance_by_turn": groups["by_turn"],
-        "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
-        "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
-        "acceptance_length_gap": served["acceptance_length_incl_bonus"]
-        - simulated["acceptance_length_incl_bonus"],
         "convention": CONVENTION + MT_BENCH_CONVENTION,
         "num_speculative_tokens": k,
         "max_tokens": max_tokens,
