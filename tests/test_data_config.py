@@ -1,4 +1,4 @@
-"""The recipe's data section: its own checks, and the regeneration coupling (one-node engines)."""
+"""The recipe's data section: its own checks, and regeneration on every engine layout."""
 
 from __future__ import annotations
 
@@ -27,13 +27,21 @@ def test_bad_data_settings_name_the_key(override, match):
         load_recipe("recipes/tiny.yaml", [override])
 
 
-def test_regeneration_needs_a_one_node_engine():
+def test_regeneration_runs_on_the_engines_layout_over_its_nodes(tmp_path):
+    """A multi-node engine regenerates too (its followers serve the generating engine first), on a
+    rendezvous port of its own that the plan claims beside the capture engine's."""
+    from hpctoolkit.plan.placement import REGENERATE_PORT_OFFSET, make_plan
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    over = [f"data.prompts={rows}", "data.num_samples=4", "data.regenerate_tokens=8"]
+    cfg = load_recipe("tests/recipes/multihost.yaml", over)
+    e = make_plan(cfg).engines[0]
+    assert e.nnodes == 2 and e.regenerate_port == e.master_port + REGENERATE_PORT_OFFSET
     cfg = load_recipe(
         "recipes/tiny.yaml", ["engine.gpus_per_node=2", "engine.pp_size=2", "data.regenerate_tokens=8"]
     )
     assert cfg.engine.world_size == 2
-    with pytest.raises(ConfigError, match=r"needs a one-node engine \(engine.nnodes=2\)"):
-        load_recipe("recipes/tiny.yaml", ["engine.nnodes=2", "data.regenerate_tokens=8"])
 
 
 def test_a_pruned_vocabulary_needs_a_source_it_can_count_without_consuming():

@@ -275,3 +275,29 @@ def test_gather_heads_reads_each_ids_rows_at_the_slots_and_copies(physical):
             assert torch.equal(rows[k][t], kv[s // bs, h, s % bs])
     kv.zero_()
     assert all(r.abs().sum() > 0 for r in rows.values())  # copies: freed blocks may be reused
+
+
+def test_generating_engine_nodes_differ_only_in_node_keys(tmp_path):
+    """A multi-node engine's generating engine: leader and follower build one `LLM` dict but for
+    the node keys, on the rendezvous they are given, without the capture parts."""
+    from hpctoolkit.engine.follower import NODE_KEYS
+    from hpctoolkit.engine.regenerate import CAPTURE_ONLY_KEYS, generation_kwargs, generator_llm_kwargs
+
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2)
+    node = {"master_addr": "198.18.0.13", "master_port": 29700, "backend": "cpu"}
+    built = [
+        generation_kwargs(cfg, tmp_path, node_rank=r, host_ip=f"198.18.0.1{3 + r}", cores=[r], **node)
+        for r in (0, 1)
+    ]
+    (lead, lenv), (follow, fenv) = built
+    assert not set(CAPTURE_ONLY_KEYS) & set(lead)
+    assert lead["master_port"] == follow["master_port"] == 29700
+    assert (lead["node_rank"], follow["node_rank"]) == (0, 1)
+
+    def strip(kw):
+        return {k: v for k, v in generator_llm_kwargs(tmp_path, 7, 256, kw).items() if k not in NODE_KEYS}
+
+    assert strip(lead) == strip(follow)
+    assert strip(lead)["seed"] == 7 and strip(lead)["max_model_len"] == 256
+    assert lenv["VLLM_HOST_IP"] == "198.18.0.13" and fenv["VLLM_HOST_IP"] == "198.18.0.14"

@@ -140,6 +140,35 @@ def test_job_across_four_hosts_through_submit(hosts, tmp_path):
     assert not job_processes(job)
 
 
+def test_an_engine_over_two_hosts_regenerates_then_captures(hosts, tmp_path):
+    """The leader (host3) and its follower (host4) first answer the rows with a generating engine
+    laid out as the capture engine (PP=2 over both hosts, a rendezvous of its own), then capture;
+    the captured answers are the target's own greedy ones, computed here on one device."""
+    from regen_helpers import ROWS, check_regenerated, common_overrides
+
+    from hpctoolkit.targets.resolve import resolve_target
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    job, run = sbatch(hosts, out, *common_overrides(data))
+    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    log = log_of(out, job)
+    print(
+        f"\n[measure] regenerating multi-host job {job} {state} in {time.monotonic() - t0:.1f}s\n{ours(log)}"
+    )
+    assert state == "COMPLETED", log[-6000:]
+    assert (
+        "joining the leader's generating engine" in log
+        and "generation done; joining the capture engine" in log
+    )
+    check_regenerated(run, resolve_target("builtin:tiny-qwen3"))
+    for line in run.queue(0).read_text().splitlines():
+        assert sorted({f["stage"] for f in json.loads(line)["fragments"]}) == [0, 1]
+    assert not job_processes(job)
+
+
 def test_a_network_some_hosts_lack_fails_naming_the_host_and_setting(hosts, tmp_path):
     # 198.18.0.8/30 holds host1's address only: the check step (host1) passes, every other
     # host's roles stop at start.

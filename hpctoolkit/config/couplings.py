@@ -128,9 +128,3 @@ def check_couplings(cfg: RecipeConfig) -> None:
     # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
     size_store(cfg, target)
 
-    if cfg.data.regenerate_tokens and e.nnodes > 1:
-        raise ConfigError(
-            f"data.regenerate_tokens={cfg.data.regenerate_tokens} needs a one-node engine "
-            f"(engine.nnodes={e.nnodes}): each leader generates the responses with the engine's "
-            "PP x TP layout on its own node before it captures; a multi-node one is not supported yet"
-        )

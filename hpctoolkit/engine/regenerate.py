@@ -19,6 +19,11 @@ A chat's last regenerated turn is captured as exactly what the target produced: 
 tokens, end-of-turn token included where it stopped on one; earlier turns enter that history as
 their decoded text. `regenerate_rows` takes any `generate(prompts, max_tokens, seeds) -> [(token_ids, finish)]`; the
 vLLM one (`vllm_generator`) runs the target in this process, so call it from a child process.
+
+A multi-node engine generates over all of its nodes, as it captures: the leader's generating
+engine (`generation_kwargs` with the node's keys and the plan's `regenerate_port`) waits for each
+follower node's workers (`follow_generation`, a headless follower of that engine), and a follower
+tells that it is done by its rendezvous port closing.
 """
 
 from __future__ import annotations
@@ -232,21 +237,37 @@ CAPTURE_ONLY_KEYS = ("speculative_config", "kv_transfer_config", "worker_extensi
 
 
 def generation_kwargs(
-    engine_cfg: Any, target_dir: str | os.PathLike
+    engine_cfg: Any, target_dir: str | os.PathLike, **node: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """`LLM` kwargs and environment of a one-node engine laid out as the capture engine is (its
-    PP x TP, dtype, lengths and batching, `engine.extra_args`), without the capture parts."""
+    """`LLM` kwargs and environment of the generating engine of one node, laid out as the capture
+    engine is (its PP x TP over its nodes, dtype, lengths and batching, `engine.extra_args`),
+    without the capture parts. `node` as for `engine_llm_kwargs` (`roles.context.engine_node_args`):
+    a multi-node engine's leader and followers each pass their own, with the generating
+    rendezvous port (`EnginePlacement.regenerate_port`) as `master_port`."""
     from hpctoolkit.engine.engine import engine_llm_kwargs
     from hpctoolkit.engine.env import detect_backend
 
-    if engine_cfg.nnodes > 1:
-        raise DataIntegrityError(
-            f"regeneration runs on the leader's node only; engine.nnodes={engine_cfg.nnodes} is not supported"
-        )
-    _, kwargs, env = engine_llm_kwargs(
-        engine_cfg, target_dir, None, {}, "regenerate", backend=detect_backend()
-    )
+    node.setdefault("backend", detect_backend())
+    _, kwargs, env = engine_llm_kwargs(engine_cfg, target_dir, None, {}, "regenerate", **node)
     return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS}, env
+
+
+def generator_llm_kwargs(
+    target_dir: str | os.PathLike,
+    seed: int,
+    max_model_len: int,
+    llm_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The generating engine's whole `LLM` kwargs: what `vllm_generator` builds its `LLM` with, and
+    what a follower node of a multi-node engine must start its workers with (the same dict)."""
+    kwargs: dict[str, Any] = dict(llm_kwargs or {"enforce_eager": True, "max_num_seqs": 16})
+    kwargs.update(
+        model=str(Path(target_dir)),
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        seed=seed,
+    )
+    return kwargs
 
 
 def vllm_generator(
@@ -270,14 +291,7 @@ def vllm_generator(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(llm_kwargs or {"enforce_eager": True, "max_num_seqs": 16})
-    kwargs.update(
-        model=str(Path(target_dir)),
-        max_model_len=max_model_len,
-        enable_prefix_caching=False,
-        seed=sampling.seed,
-    )
-    llm = LLM(**kwargs)
+    llm = LLM(**generator_llm_kwargs(target_dir, sampling.seed, max_model_len, llm_kwargs))
 
     def generate(prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Generated]:
         params = [
@@ -304,6 +318,33 @@ def vllm_generator(
         return got
 
     return generate
+
+
+def follow_generation(llm_kwargs: dict[str, Any], env: dict[str, str], poll_s: float = 2.0) -> dict[str, Any]:
+    """Child-process entry on a follower node of a multi-node engine: this node's workers of the
+    leader's generating engine (`generator_llm_kwargs`'s dict, with this node's keys), until the
+    leader's generating engine leaves. `{"left": True}` then, or `{"left": False}` if a worker died."""
+    os.environ.update(env)
+    from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
+
+    follower = HeadlessFollower(
+        {k: v for k, v in llm_kwargs.items() if k not in NODE_KEYS},
+        node_rank=llm_kwargs["node_rank"],
+        nnodes=llm_kwargs["nnodes"],
+        master_addr=llm_kwargs["master_addr"],
+        master_port=llm_kwargs["master_port"],
+    )
+    try:
+        follower.start()
+        print(
+            f"[hpctoolkit.engine] node_rank {llm_kwargs['node_rank']}: serving the leader's generating engine",
+            flush=True,
+        )
+        follower.wait(poll_s=poll_s)
+        # The leader left (this node's workers still run), or a local worker died.
+        return {"left": follower.health_check(probe_leader=False)}
+    finally:
+        follower.shutdown()
 
 
 def regenerate(

@@ -45,6 +45,10 @@ LOCALHOST = "localhost"
 # before the process that listens on them is up.
 STORE_DEFAULT_PORT = 50051  # mooncake_master's own default
 ENGINE_PORT_BASE = 29600  # engine e's vLLM rendezvous: ENGINE_PORT_BASE + e (unique on one host)
+# A multi-node engine that regenerates first runs a generating engine over the same nodes, with a
+# rendezvous of its own: its followers tell that it left by its port closing, so it must not be
+# the capture engine's, which opens right after.
+REGENERATE_PORT_OFFSET = 100
 TRAINER_PORT = 29500  # torch.distributed rendezvous of the FSDP ranks
 
 
@@ -87,6 +91,11 @@ class EnginePlacement:
     nodes: tuple[EngineNode, ...]
     # vLLM multi-node rendezvous: master_addr is the leader node's host, master_port this.
     master_port: int
+
+    @property
+    def regenerate_port(self) -> int:
+        """The generating engine's rendezvous port (`data.regenerate_tokens` on several nodes)."""
+        return self.master_port + REGENERATE_PORT_OFFSET
 
     @property
     def leader(self) -> EngineNode:
@@ -469,6 +478,12 @@ def _check_ports(plan: Plan, cfg: RecipeConfig) -> None:
     )
     for e in plan.engines:
         claim(e.leader.node, e.master_port, f"engine {e.index}'s vLLM rendezvous (port {e.master_port})")
+        if e.nnodes > 1 and cfg.data.regenerate_tokens:
+            claim(
+                e.leader.node,
+                e.regenerate_port,
+                f"engine {e.index}'s generating rendezvous (port {e.regenerate_port})",
+            )
 
 
 def _assert_consistent(plan: Plan) -> None:

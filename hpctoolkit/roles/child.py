@@ -8,6 +8,7 @@ message, and is re-raised in the parent as the same error class when it is one o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import traceback
@@ -75,3 +76,19 @@ class Child:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+    def kill_tree(self) -> None:
+        """End the child and every process it started (vLLM's workers); nothing if it is gone."""
+        import psutil
+
+        if not self.proc.is_alive():
+            return
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        self.kill()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)

@@ -11,6 +11,8 @@ Inside a run directory (every node of a Slurm job shares it):
     master.json                  the Mooncake master's addresses (`roles.master`)
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
+    manifests/engine<i>.regenerated  engine i's generating engine is done ({"run_prefix"}): the
+                                 followers of a multi-node engine then join its capture engine
     manifests/engine<i>.closed   engine i's leader released its store segment and left
     manifests/engine<i>.stale.jsonl  an earlier attempt's queue: its leader removes the fragments
                                  it lists from the store, then the file (`rundir.ledger`)
@@ -89,6 +91,10 @@ class RunDir:
 
     def queue_failed(self, engine: int) -> Path:
         return self.manifests / f"engine{engine}.failed"
+
+    def regenerated(self, engine: int) -> Path:
+        """The leader's record that its generating engine is done (its followers then capture)."""
+        return self.manifests / f"engine{engine}.regenerated"
 
     def engine_closed(self, engine: int) -> Path:
         return self.manifests / f"engine{engine}.closed"
