@@ -304,14 +304,16 @@ def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
     assert not left, f"left {LEFTOVER_BOUND_S}s after scancel:\n" + "\n".join(left)
 
 
-def _submit_through_submitit(env: dict[str, str], tmp_path: Path) -> tuple[str, Path, RunDir, str]:
+def _submit_through_submitit(
+    env: dict[str, str], tmp_path: Path, extra: list[str] | None = None
+) -> tuple[str, Path, RunDir, str]:
     import subprocess
 
     from hpctoolkit.targets.resolve import resolve_target
 
     resolve_target("builtin:tiny-qwen3")
     out = tmp_path / "run"
-    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}"]
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}", *(extra or [])]
     r = subprocess.run(
         [sys.executable, "-m", "hpctoolkit.submit", RECIPE, *overrides],
         cwd=ROOT,
@@ -327,13 +329,14 @@ def _submit_through_submitit(env: dict[str, str], tmp_path: Path) -> tuple[str, 
     return job, out, RunDir.of(out, slurm_run_id(cfg.name, job)), r.stdout
 
 
-def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm_cluster, tmp_path):
+def _usr2_through_submitit(env: dict[str, str], tmp_path: Path, extra: list[str] | None = None) -> dict:
+    """Submit through `python -m hpctoolkit.submit`, send USR2 after step 5, let the requeued
+    attempt train to the end; what happened, measured."""
     from hpctoolkit.slurm.submit import RELEASE_BOUND_S
 
-    env = _env(slurm_cluster)
-    cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}"])
+    cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}", *(extra or [])])
     t0 = time.monotonic()
-    job, out, run, told = _submit_through_submitit(env, tmp_path)
+    job, out, run, told = _submit_through_submitit(env, tmp_path, extra)
     print(f"\n{told}")
     assert f"scancel {job}" in told and f"slurm-{job}.out" in told and f"within {RELEASE_BOUND_S} s" in told
     _wait_steps(run, job, env, 5, JOB_TIMEOUT_S)
@@ -366,12 +369,51 @@ def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm
     assert summary["resumed_from_step"] == done.step and summary["steps_trained"] == cfg.training.steps
     order = _order(run)
     assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
-    assert sorted(p for r in order for p in r["prompts"]) == list(range(cfg.data.num_samples))
+    prompts = [p for r in order for p in r["prompts"]]
+    assert sorted(prompts) == list(range(cfg.data.num_samples)), "a prompt was skipped or trained twice"
+    assert done.prompts == {p for r in order if r["step"] <= done.step for p in r["prompts"]}
     for _ in range(20):
         if not job_processes(job):
             break
         time.sleep(0.5)
     assert not job_processes(job)
+    return {"job": job, "run": run, "log": _log(out, job), "done": done}
+
+
+def test_submitit_usr2_requeues_and_resumes_and_the_job_releases_its_nodes(slurm_cluster, tmp_path):
+    _usr2_through_submitit(_env(slurm_cluster), tmp_path)
+
+
+def test_submitit_usr2_requeues_on_an_external_master(slurm_cluster, tmp_path):
+    """`store.master_address` set: no master task, so submitit's task 0 is the watcher (the trainer
+    and the engine leader own their SIGUSR2 handlers). The master, started here, outlives the first
+    attempt; the requeued attempt's leader removes what the first attempt's queue lists."""
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake import count_keys_via_master
+
+    recipe = load_recipe(ROOT / RECIPE)
+    master = launch_master(
+        StoreConfig(bind_host="127.0.0.1", kv_lease_ttl_s=recipe.store.kv_lease_ttl_s), tmp_path / "master"
+    )
+    try:
+        extra = [
+            f"store.master_address={master.address}",
+            f"store.master_metrics_address={master.metrics_address}",
+        ]
+        got = _usr2_through_submitit(_env(slurm_cluster), tmp_path, extra)
+        keys_after = count_keys_via_master(master.metrics_address)
+        assert master.alive(), "the external master died during the job"
+    finally:
+        master.stop()
+    log, run = got["log"], got["run"]
+    removed = [x for x in log.splitlines() if "an earlier attempt left" in x]
+    print(f"[measure] external master {master.address}: keys left {keys_after}\n" + "\n".join(removed))
+    assert "watching run" in log, log[-4000:]
+    assert "[hpctoolkit.master] Mooncake master at" not in log  # the plan placed none
+    assert removed, f"the requeued attempt removed nothing an earlier one left:\n{log[-4000:]}"
+    assert json.loads(run.summary.read_text())["keys_left_in_store"] == 0
+    assert keys_after == 0
 
 
 def _read(path: Path):

@@ -168,3 +168,33 @@ def test_submitit_without_container_runs_this_python(tmp_path):
         cfg, make_plan(cfg), folder=tmp_path / "s", recipe_path="tests/golden/small_2node.yaml"
     )
     assert ex.python.strip("'") == sys.executable
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "watcher"),
+    [
+        ("recipes/k3.yaml", [], False),
+        ("tests/recipes/slurm_preempt.yaml", [], False),
+        ("tests/recipes/slurm_preempt.yaml", ["store.master_address=127.0.0.1:50999"], True),
+        ("recipes/k3.yaml", ["store.master_address=10.0.0.1:50051"], True),
+    ],
+)
+def test_task_zero_keeps_submitits_requeue_handler(recipe, overrides, watcher):
+    """Global task 0 runs the master (which leaves SIGUSR2 to submitit) or, with an external
+    master, the watcher; every planned process gets exactly one task."""
+    from hpctoolkit.plan.placement import ROLE_MASTER, Process
+    from hpctoolkit.slurm.submit import WATCHER, task_process, tasks_per_node
+
+    cfg, _ = load_for_render(recipe, overrides)
+    plan = make_plan(cfg)
+    n = tasks_per_node(plan)
+    tasks = {(node, i): task_process(plan, node, i) for node in range(plan.num_nodes) for i in range(n)}
+    first = tasks[(0, 0)]
+    assert first == WATCHER if watcher else isinstance(first, Process) and first.role == ROLE_MASTER
+    placed = {key: t for key, t in tasks.items() if isinstance(t, Process)}
+    assert sorted(map(repr, placed.values())) == sorted(map(repr, plan.processes()))
+    assert all(t.node == node for (node, _), t in placed.items())
+    assert n == plan.max_processes_per_node() + (
+        watcher and len(plan.on_node(0)) == plan.max_processes_per_node()
+    )
+    assert executor_parameters(cfg, plan)["ntasks_per_node"] == n

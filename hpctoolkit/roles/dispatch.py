@@ -5,8 +5,8 @@
 and exit 0: the real-Slurm tests use it to prove placement on machines without GPUs.
 
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
-on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, and spare tasks
-return at once.
+on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
+(`slurm.submit.task_process`), and spare tasks return at once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hpctoolkit.plan.placement import (
 )
 from hpctoolkit.roles.context import NodeContext, load_context, note_host, store_address
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
-from hpctoolkit.roles.master import run_master
+from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.roles.watch import PeerWatch, Probe
@@ -137,18 +137,23 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
     count) and dry runs decide from it alone, without loading the recipe; a real role loads the
     recipe and refuses to start if its plan differs.
     """
+    from hpctoolkit.slurm.submit import WATCHER, task_process
+
     senv = SlurmEnvironment.from_env()
-    here = plan.on_node(senv.node_index)
-    if senv.local_id >= len(here):
+    proc = task_process(plan, senv.node_index, senv.local_id)
+    if proc is None or (dry and proc == WATCHER):
         return None
-    proc = here[senv.local_id]
     if dry:
+        assert isinstance(proc, Process)
         line = _dry_line(plan, senv.nodename or "?", proc)
         print(line, flush=True)
         return line
     os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
     ctx = load_context(recipe, overrides)
     _begin_attempt(ctx, senv)
+    if proc == WATCHER:
+        return run_watcher(ctx)
+    assert isinstance(proc, Process)
     return run_process(ctx, proc, dry=False)
 
 

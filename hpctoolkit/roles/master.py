@@ -1,9 +1,16 @@
 """The `master` role: launch the Mooncake master, record its addresses in the run directory, and
 stay up until the run ends (the trainers' `ended.json`), this process is told to stop, or the
-job's time limit passes."""
+job's time limit passes.
+
+Under submitit the master is global task 0, whose SIGUSR2 handler (submitit's, which the master
+leaves alone) requeues the job. A run on an external master (`store.master_address`) places no
+master; task 0 then runs `run_watcher` in its slot (`slurm.submit.task_process`).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import replace
 
@@ -11,6 +18,7 @@ from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
+from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.store.master import resolve_master
@@ -55,4 +63,30 @@ def run_master(ctx: NodeContext, proc: Process) -> int:
             if time.monotonic() > deadline:
                 say("the job's time limit passed; stopping")
                 break
+    return 0
+
+
+def run_watcher(ctx: NodeContext) -> int:
+    """Task 0 of a submitit job without a master of its own: keep submitit's SIGUSR2 handler (it
+    calls `RoleTask.checkpoint`, which waits for the trainers' checkpoint, then requeues the job)
+    and wait for the run's end, this process being told to stop, or the time limit."""
+    stop = term_event()
+    deadline = time.monotonic() + 60.0 * time_limit_minutes(ctx.cfg.cluster.time)
+    say(f"watching run {ctx.run_id} for its end on {ctx.nodename} (submitit requeues on SIGUSR2 here)")
+    while not stop.wait(END_POLL_S):
+        ended = read_json(ctx.run.ended)
+        if isinstance(ended, dict) and ended.get("preempted"):
+            # The trainers checkpointed on a notice this task never got (a SIGUSR2 sent to a rank
+            # alone): hand it to submitit's handler, as if it had come here too.
+            handler = signal.getsignal(signal.SIGUSR2)
+            if callable(handler):
+                say("the trainers checkpointed on SIGUSR2; asking submitit to requeue the job")
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return ledger.PREEMPTED_EXIT
+        if isinstance(ended, dict):
+            say("the trainers are done; stopping")
+            break
+        if time.monotonic() > deadline:
+            say("the job's time limit passed; stopping")
+            break
     return 0

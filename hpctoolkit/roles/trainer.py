@@ -162,12 +162,11 @@ class _DrainWatch:
 
     def _watch(self) -> None:
         from hpctoolkit.capture.queue import write_drained
-        from hpctoolkit.store.mooncake import count_keys_via_master
 
         while not self.stop.wait(0.5):
             if _read_totals(self.source, self.ctx.plan.trainer.world_size)[2]:
                 try:
-                    self.result["keys_left_in_store"] = count_keys_via_master(self.metrics)
+                    self.result["keys_left_in_store"] = _count_keys(self.metrics)
                 finally:  # the engines go either way; a failed count is counted again later
                     write_drained(self.ctx.run.root, self.ctx.run_id)
                 self.result["at_s"] = time.monotonic() - self.t0
@@ -184,8 +183,20 @@ class _DrainWatch:
 
 def _metrics_address(ctx: NodeContext) -> str | None:
     if ctx.plan.master is None:
+        if ctx.cfg.store.master_metrics_address is None:
+            say(
+                "WARNING: store.master_metrics_address is unset: summary.json cannot count the keys "
+                f"left in the external master at {ctx.cfg.store.master_address} (keys_left_in_store: null)"
+            )
         return ctx.cfg.store.master_metrics_address
     return read_master_record(ctx)["metrics_address"]
+
+
+def _count_keys(metrics: str | None) -> int | None:
+    """Keys the master holds; None for an external master whose metrics address the recipe omits."""
+    from hpctoolkit.store.mooncake import count_keys_via_master
+
+    return None if metrics is None else count_keys_via_master(metrics)
 
 
 def _train_live(ctx: NodeContext, proc: Process) -> int:
@@ -228,8 +239,6 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
 def _live_summary(
     ctx: NodeContext, source: Any, watch: _DrainWatch, prefixes: tuple[str, ...], result: Any, t0: float
 ) -> dict[str, Any]:
-    from hpctoolkit.store.mooncake import count_keys_via_master
-
     world = ctx.plan.trainer.world_size
     deadline = time.monotonic() + READ_RECORDS_TIMEOUT_S
     read, moved, complete = _read_totals(source, world)
@@ -238,7 +247,7 @@ def _live_summary(
         read, moved, complete = _read_totals(source, world)
     keys_left = watch.result.get("keys_left_in_store")
     if keys_left is None:
-        keys_left = count_keys_via_master(watch.metrics)
+        keys_left = _count_keys(watch.metrics)
     published = _published(ctx, prefixes)
     summary = {
         "recipe": ctx.cfg.name,

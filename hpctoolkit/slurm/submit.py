@@ -4,8 +4,8 @@ Both take their topology from the `Plan`, never from numbers typed twice. `sbatc
 `hpctoolkit.slurm.shell.run`, the package's one place for one-shot commands.
 
 `python -m hpctoolkit.submit RECIPE` submits through submitit (`submit_job`): one job of
-`plan.num_nodes` nodes and `plan.max_processes_per_node()` tasks per node, every task running
-`RoleTask` (the role its node and local task id pick, `roles.dispatch.run_task`), inside the image
+`plan.num_nodes` nodes and `tasks_per_node(plan)` tasks per node, every task running
+`RoleTask` (the role its node and local task id pick, `task_process`), inside the image
 when `cluster.container` is set (submitit's python command is `container.command_prefix`). Every
 task writes to the one log `<paths.output_dir>/slurm-<job>.out`, as the batch script's steps do.
 Preemption uses submitit's machinery: Slurm sends SIGUSR2 `cluster.signal_before_s` before the time
@@ -14,6 +14,15 @@ engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's 
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
 the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed.
+
+submitit installs its SIGUSR2 handler in every task, but only global task 0's requeues, and a role
+that installs its own (the trainers, the engine leaders) replaces it. So task 0 must run a process
+that leaves SIGUSR2 to submitit (`task_process`): the Mooncake master where the plan places it
+first on node 0, else (an external master, `store.master_address`) a **watcher** in the master's
+slot (`roles.master.run_watcher`), which waits for the run's end and nothing else. That keeps
+every role free to own its signal handling; chaining submitit's handler from the roles' instead
+would run submitit's blocking wait and `sys.exit` inside the trainer's or an engine's handler,
+against the checkpoint the same signal asks for.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.plan.placement import Plan
+from hpctoolkit.plan.placement import ROLE_MASTER, Plan, Process
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.slurm.render import render_sbatch
@@ -109,7 +118,7 @@ def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
         "job_name": c.job_name,
         "nodes": plan.num_nodes,
         # Every node gets the same task count; tasks beyond a node's processes return at once.
-        "ntasks_per_node": plan.max_processes_per_node(),
+        "ntasks_per_node": tasks_per_node(plan),
         "gpus_per_node": plan.gpus_per_node,
         "time": time_limit_minutes(c.time),
         "signal_delay_s": c.signal_before_s,
@@ -122,6 +131,34 @@ def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
     if c.account:
         params["account"] = c.account
     return params
+
+
+# What global task 0 runs when the plan's first process on node 0 would replace submitit's handler.
+WATCHER = "watcher"
+
+
+def needs_watcher(plan: Plan) -> bool:
+    """Task 0 (node 0, local id 0) must leave SIGUSR2 to submitit: only the master role does."""
+    here = plan.on_node(0)
+    return not here or here[0].role != ROLE_MASTER
+
+
+def task_process(plan: Plan, node: int, local_id: int) -> Process | str | None:
+    """What task `local_id` of node `node` runs under submitit: one of the plan's processes on that
+    node, `WATCHER` (task 0 when `needs_watcher`), or None (a spare task). Pure."""
+    here = plan.on_node(node)
+    if node == 0 and needs_watcher(plan):
+        if local_id == 0:
+            return WATCHER
+        local_id -= 1
+    return here[local_id] if local_id < len(here) else None
+
+
+def tasks_per_node(plan: Plan) -> int:
+    """submitit's tasks per node: the busiest node's processes, node 0's watcher counted. Pure."""
+    return max(
+        len(plan.on_node(n)) + (1 if n == 0 and needs_watcher(plan) else 0) for n in range(plan.num_nodes)
+    )
 
 
 def submit_submitit(
@@ -165,7 +202,8 @@ def make_executor(
 
 class RoleTask:
     """What every task of a submitit job runs; submitit's preemption handler calls `checkpoint` on
-    task 0 (its global rank 0) and requeues the job when it returns a submission."""
+    task 0 (its global rank 0: the master or the watcher, `task_process`) and requeues the job when
+    it returns a submission."""
 
     def __call__(self, plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> Any:
         from hpctoolkit.roles.dispatch import run_task
