@@ -127,4 +127,3 @@ def check_couplings(cfg: RecipeConfig) -> None:
     _check_family_rules(cfg, draft)
     # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
     size_store(cfg, target)
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,10 @@ def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
             "message": str(err),
             "traceback": traceback.format_exc(),
         }
-    Path(result_path).write_text(json.dumps(payload, default=str))
+    # Whole or absent: the parent may read it while this process is still exiting.
+    tmp = Path(result_path + ".tmp")
+    tmp.write_text(json.dumps(payload, default=str))
+    tmp.replace(result_path)
 
 
 class ChildFailedError(RuntimeError):
@@ -52,8 +56,21 @@ class Child:
     def alive(self) -> bool:
         return self.proc.is_alive()
 
-    def result(self, timeout: float | None = None) -> Any:
-        self.proc.join(timeout)
+    def result(self, timeout: float | None = None, linger_s: float | None = None) -> Any:
+        """Wait for the phase's result (up to `timeout`). With `linger_s`, a child that wrote its
+        result but is still exiting after `linger_s` more is ended with what it started: vLLM's
+        exit-time shutdown of an engine spanning nodes can wait forever on the other nodes."""
+        if linger_s is None:
+            self.proc.join(timeout)
+        else:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.proc.is_alive() and not self.result_path.is_file():
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self.proc.join(0.5)
+            self.proc.join(linger_s if self.result_path.is_file() else 0)
+            if self.proc.is_alive() and self.result_path.is_file():
+                self.kill_tree()
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()

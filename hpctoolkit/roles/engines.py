@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 # Leaders: the trainers' `drained` record after the last capture.
 DRAIN_TIMEOUT_S = 3600.0
+# Leaders: how long the generating process may take to exit after its result.
+REGENERATE_LINGER_S = 20.0
 # Followers: the leader's `regenerated` record once its generating engine left.
 REGENERATED_TIMEOUT_S = 600.0
 
@@ -116,7 +118,8 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     llm_kwargs, env = generation_kwargs(cfg.engine, target_dir, **generation_node_args(ctx, proc))
     args = (target_dir, rows, spec, sampling, d.max_prompt_tokens, cfg.engine.max_model_len, llm_kwargs, env)
     # vLLM does not release its workers within a process: the generation gets its own.
-    out = Child("regenerate", _regenerate, args, ctx.run.logs).result()
+    # Its engine's exit-time shutdown may wait on the other nodes' workers: it is ended once done.
+    out = Child("regenerate", _regenerate, args, ctx.run.logs).result(linger_s=REGENERATE_LINGER_S)
     from hpctoolkit.engine.regenerate import RegenReport
 
     report = RegenReport(**out["report"])
@@ -382,7 +385,7 @@ def _follow_generation(ctx: NodeContext, proc: Process, target_dir: str, stop: t
                     f"node_rank {proc.node_rank} leaves"
                 )
             child.proc.join(1.0)
-        out = child.result()
+        out = child.result(linger_s=REGENERATE_LINGER_S)
     finally:
         child.kill_tree()
     if not out["left"]:
