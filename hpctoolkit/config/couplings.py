@@ -68,16 +68,6 @@ def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
         floor, why = serving.min_loss_tokens(draft)
         if cfg.training.min_loss_tokens < floor:
             raise ConfigError(f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= {why}")
-    pruned = draft.get("draft_vocab_size")
-    # The pruned vocabulary is counted from the first samples before the first step, and a live
-    # store hands each sample out once: the count would consume what training then reads.
-    counted_live = cfg.training.data_source == "live" and not cfg.data.draft_vocab
-    if pruned and int(pruned) < int(draft.get("vocab_size", pruned)) and counted_live:
-        raise ConfigError(
-            f"draft.config: {cfg.draft.config} prunes its vocabulary (draft_vocab_size={pruned}), which "
-            "is counted from samples a live run reads only once; set data.draft_vocab to an earlier "
-            "run's train/draft_vocab.json, training.data_source=offline, or draft_vocab_size=vocab_size"
-        )
 
 
 def fill_from_draft(cfg: RecipeConfig) -> RecipeConfig:

@@ -132,6 +132,27 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     return [(list(x["input_ids"]), list(x["loss_mask"])) for x in out["samples"]]
 
 
+def _write_vocab_counts(
+    ctx: NodeContext, engine: int, samples: list[tuple[list[int], list[int]]], prefix: str
+) -> None:
+    """`manifests/engine<i>.vocab.json`: how often each token id is supervised in this engine's
+    samples (all of them, also on a resumed attempt, so every attempt chooses the same vocabulary).
+    A live run's trainers read it instead of counting samples the store hands out only once."""
+    from collections import Counter
+
+    counts: Counter[int] = Counter()
+    for ids, mask in samples:
+        counts.update(t for t, m in zip(ids, mask, strict=True) if m)
+    write_json_atomic(
+        ctx.run.vocab_counts(engine),
+        {
+            "run_prefix": prefix,
+            "samples": len(samples),
+            "counts": {str(k): v for k, v in sorted(counts.items())},
+        },
+    )
+
+
 def _loss_masks(ctx: NodeContext, samples: list[tuple[list[int], list[int]]]) -> LossMasks:
     """The leader's writer of its samples' loss masks (a small segment of its own)."""
     from hpctoolkit.store.fragments import LossMasks, mask_segment_bytes
@@ -228,6 +249,8 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
         _remove_stale_fragments(ctx, e.index)
         target_dir = str(resolve_target(cfg.paths.target_model))
         samples = engine_prompts(ctx, proc, target_dir)
+        # What a pruned draft vocabulary is chosen from: every sample's supervised tokens.
+        _write_vocab_counts(ctx, e.index, samples, queue.run_prefix)
         if regenerates(cfg, e.index):
             # The generating engine has left: a follower node may now join the capture engine.
             write_json_atomic(ctx.run.regenerated(e.index), {"run_prefix": queue.run_prefix})

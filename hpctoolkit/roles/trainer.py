@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import (
     NodeContext,
@@ -217,6 +217,7 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
     prefixes = tuple(run_prefix(attempt, i) for i in range(cfg.engine.num_engines))
     wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)
     source = _live_source(ctx, prefixes, done)
+    cfg = counted_vocab(ctx, cfg, prefixes, announce=rank0)
     watch = _DrainWatch(ctx, source, _metrics_address(ctx) if rank0 else None, t0)
     if rank0:
         watch.thread.start()
@@ -234,6 +235,70 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
         watch.thread.join(timeout=30)
         _finish(ctx, _live_summary(ctx, source, watch, prefixes, result, t0))
     return 0
+
+
+def counted_vocab(ctx: NodeContext, cfg: Any, prefixes: Sequence[str], *, announce: bool = False) -> Any:
+    """`cfg`, with `data.draft_vocab` set to the pruned vocabulary chosen from the engines' counts
+    of every sample's supervised tokens when the draft prunes its vocabulary and the recipe names
+    none (a live store hands each sample out once, so the trainers cannot count them first). Every
+    rank chooses the same ids from the same counts; the file is `manifests/draft_vocab.json`."""
+    import dataclasses
+    from collections import Counter
+
+    import torch
+
+    from hpctoolkit.models.registry import load_draft_config
+    from hpctoolkit.train.trainers import needs_vocab_counts
+    from hpctoolkit.train.trainers.eagle3 import draft_vocab_from_counts
+
+    draft = load_draft_config(cfg.draft.config)
+    if cfg.data.draft_vocab or not needs_vocab_counts(draft):
+        return cfg
+    total: Counter[int] = Counter()
+    samples = 0
+    for engine, prefix in enumerate(prefixes):
+        rec = _wait_vocab_counts(ctx, engine, prefix)
+        samples += int(rec["samples"])
+        total.update({int(k): int(v) for k, v in rec["counts"].items()})
+    counts = torch.zeros(draft.vocab_size, dtype=torch.float64)
+    if total:
+        ids = torch.tensor(list(total), dtype=torch.long)
+        if int(ids.max()) >= draft.vocab_size:
+            raise ConfigError(
+                f"the engines counted token id {int(ids.max())}, outside the draft's vocab_size={draft.vocab_size}"
+            )
+        counts[ids] = torch.tensor(list(total.values()), dtype=torch.float64)
+    chosen = draft_vocab_from_counts(counts, draft.draft_vocab_size)
+    body = {
+        "vocab_size": draft.vocab_size,
+        "draft_vocab_size": draft.draft_vocab_size,
+        "source": f"the engines' counts of the supervised tokens of all {samples} samples",
+        "target_ids": chosen.tolist(),
+    }
+    write_json_atomic(ctx.run.engine_vocab, body)  # every rank writes the same ids
+    if announce:
+        say(f"pruned vocabulary: {draft.draft_vocab_size} of {draft.vocab_size} ids from {body['source']}")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, draft_vocab=str(ctx.run.engine_vocab)))
+
+
+def _wait_vocab_counts(ctx: NodeContext, engine: int, prefix: str) -> dict[str, Any]:
+    """Engine `engine`'s counts of this attempt (bounded as the queues are; its failure named)."""
+    deadline = time.monotonic() + QUEUE_STALL_TIMEOUT_S
+    while True:
+        rec = read_json(ctx.run.vocab_counts(engine))
+        if isinstance(rec, dict) and rec.get("run_prefix") == prefix:
+            return rec
+        failed = read_json(ctx.run.queue_failed(engine))
+        if isinstance(failed, dict) and failed.get("run_prefix") == prefix:
+            raise DataIntegrityError(
+                f"engine {engine} failed before it counted its samples: {failed.get('error')}"
+            )
+        if time.monotonic() > deadline:
+            raise DataIntegrityError(
+                f"{ctx.run.vocab_counts(engine)} did not appear within {QUEUE_STALL_TIMEOUT_S:.0f}s "
+                "(the pruned vocabulary is chosen from it)"
+            )
+        time.sleep(0.5)
 
 
 def _live_summary(

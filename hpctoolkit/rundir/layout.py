@@ -11,6 +11,9 @@ Inside a run directory (every node of a Slurm job shares it):
     master.json                  the Mooncake master's addresses (`roles.master`)
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
+    manifests/engine<i>.vocab.json   engine i's counts of its samples' supervised tokens, by id;
+                                 manifests/draft_vocab.json: the pruned vocabulary a live run's
+                                 trainers chose from them (`roles.trainer`)
     manifests/engine<i>.regenerated  engine i's generating engine is done ({"run_prefix"}): the
                                  followers of a multi-node engine then join its capture engine
     manifests/engine<i>.closed   engine i's leader released its store segment and left
@@ -91,6 +94,15 @@ class RunDir:
 
     def queue_failed(self, engine: int) -> Path:
         return self.manifests / f"engine{engine}.failed"
+
+    def vocab_counts(self, engine: int) -> Path:
+        """Engine i's counts of its samples' supervised tokens, written before it captures."""
+        return self.manifests / f"engine{engine}.vocab.json"
+
+    @property
+    def engine_vocab(self) -> Path:
+        """A live run's pruned Eagle3 vocabulary, chosen by the trainers from the engines' counts."""
+        return self.manifests / "draft_vocab.json"
 
     def regenerated(self, engine: int) -> Path:
         """The leader's record that its generating engine is done (its followers then capture)."""
