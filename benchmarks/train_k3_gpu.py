@@ -8,7 +8,8 @@
 
 The trainer's own stack end to end: `build_trainer` (DSparkTrainer + K3DSparkModel),
 `shard_trainer` (activation checkpointing `--ac`, compiled layers `--compile`, FSDP2
-`fully_shard` full_shard, bf16 compute, fp32 master weights), AdamW, warmup+cosine,
+`fully_shard` full_shard on several ranks, `LocalMixedPrecision` on one (`--fsdp-on-one-rank`
+keeps FSDP2 there), bf16 compute, fp32 master weights), AdamW, warmup+cosine,
 `forward_backward` (DSpark's 0.1 CE + 0.9 L1 + 1.0 BCE with global normalisation), gradient
 clipping. The target head is synthetic (random `[V, H]` bf16 lm_head, unit final norm), and
 hidden states are random: this measures throughput and memory, not learning. `--distinct`
@@ -70,7 +71,7 @@ GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 
   `activation_checkpoint_layers > 0` raised `CheckpointError` (found on the H200 on 2026-12-02:
   `tests/test_train_gpu.py`'s bf16 case and the 64k AC runs of device call 2; fp32 passed).
 
-## After (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
+## After round 1 (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
 
 Device call 1 ran these one after another (`draft_step.py` and the trainer side by side):
 
@@ -107,7 +108,7 @@ call, the ceilings: copy 4.30 TB/s, 8k bf16 GEMM 686 TFLOP/s (797.6 in `draft_st
 the call), lm_head GEMM at 3072 rows 10.2 ms, AdamW over 2.83 B fp32 parameters 62.4 ms foreach /
 22.8 ms fused, clip_grad_norm_ 9.7 ms (norm alone 3.4).
 
-**The 60 % MFU target is not met**: 46.7 % at batch 1 x 4096, 53.0 % at batch 2 x 4096 (60 %
+After round 1, the 60 % MFU target was not met: 46.7 % at batch 1 x 4096, 53.0 % at batch 2 x 4096 (60 %
 needs 176 ms and 352 ms). At batch 2 the trainer spends 106 ms more than `draft_step.py`'s model
 step on the same shape. What is left there, from the profile: fused AdamW + clipping 33 ms per
 step (not model FLOPs; amortised only by more tokens per step), FSDP's one-rank copies about 25 ms
@@ -116,9 +117,85 @@ the target head's `[rows, 163840]` GEMMs (about 10 ms each at batch 1) that `tra
 `block_targets` and the loss's L1 term both run (sharing one pass saves one). Those three would
 bring batch 2 to about 60 %; batch 1 x 4096 stays near 55 % at best (the bound above: ~188 ms).
 
+## Round 2 (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
+
+What changed:
+
+- One rank trains without FSDP (`fsdp.LocalMixedPrecision`, chosen by `shard_trainer` when the
+  mesh has one rank): fp32 parameters keep their names (checkpoints, optimizer, export unchanged);
+  a forward pre-hook casts them into persistent bf16 twins and registers those, the floating
+  inputs of the trainer and of each decoder layer are cast as FSDP2 casts them, each twin's
+  gradient is cast to fp32 into the fp32 parameter's `.grad` as backward produces it, and the fp32
+  parameters are registered again when backward ends. Bit for bit the FSDP2 step at one rank
+  (losses, gradients, two AdamW updates; bf16 with and without checkpointing, fp32:
+  `tests/test_train_one_rank.py`). No all-gather copy-in/out, no `chunk_cat`, no reduce-scatter.
+- The DSpark trainer runs the target head once a step: `block_targets(target_ids=False)` skips
+  its pass over every slot, and the fused loss takes each supervised slot's `label_source: target`
+  label from the target logits it forms for the L1 term anyway (`labels_from_target`; the same
+  loss, statistics and gradients as precomputed labels in fp64, and the head sees only the scored
+  rows: `tests/test_train_one_rank.py`).
+- Clipping without the rescaling pass: with fused AdamW on one rank, `clip_grad_norm(model,
+  max_norm, optimizer)` computes the norm and hands `1 / clip_coef` to the step as `grad_scale`
+  (the GradScaler protocol), which the fused kernel divides by; one rounding from
+  `clip_grad_norm_` then step when clipping, identical when not (tested). Sharded gradients (several
+  ranks) are still clipped in place.
+
+Device call 1 of round 2 ran these one after another, `draft_step.py` and the trainer side by side:
+
+    python benchmarks/draft_step.py --variants ours-flex-compiled --no-profile > draft_step.json
+    python benchmarks/train_k3_gpu.py --profile prof.txt --out train_4k.json
+    python benchmarks/train_k3_gpu.py --batch 2 --steps 6 --warmup 2 --out train_4k_b2.json
+
+| one H200, 512 blocks of 7 per sample | before (6aacc55) | after round 1 | after round 2 |
+|--------------------------------------|------------------|---------------|---------------|
+| batch 1 x 4096: median step          | 357.5 ms         | 226.1 ms      | 214.8 ms (205-226) |
+| batch 1: MFU (83.5 model TFLOP)      | 29.5 %           | 46.7 %        | 49.2 %        |
+| batch 1: draft tok/s/GPU (context)   | 10.0k (11.5k)    | 15.8k (18.1k) | 16.7k (19.1k) |
+| batch 1: peak allocated (reserved)   | 65.5 GiB         | 55.1 (68.6)   | 55.2 (61.7)   |
+| batch 1: forward + loss              | 112.8 ms         | 103.0 ms      | 92.7 ms       |
+| batch 1: backward                    | 176.7 ms         | 95.2 ms       | 90.2 ms       |
+| batch 1: clip_grad_norm              | 10.0 ms          | 9.8 ms        | 3.4 ms (norm only) |
+| batch 1: optimizer                   | 57.0 ms          | 23.1 ms       | 27.2 ms (+ the clip factor) |
+| batch 2 x 4096: median step          |                  | 398.9 ms      | 372.3 ms (370.7-374.6) |
+| batch 2: MFU (167.1 model TFLOP)     |                  | 53.0 %        | 56.8 %        |
+| batch 2: draft tok/s/GPU (context)   |                  | 18.0k (20.5k) | 19.3k (22.0k) |
+| batch 2: peak allocated (reserved)   |                  | 63.4 (77.9)   | 63.4 (66.7)   |
+
+Rounds 1 and 2 were measured in different device calls (round 1's figures are its own above); the
+`.before` run of round 1's code in round 2's call was cut for time. First step (cold compile cache)
+102.4 s at batch 1, then 910 ms, then steady; at batch 2 (warm cache) 28.0 s, then 1132 ms.
+
+`draft_step.py`, same call (batch 2 x 4096, 7168 draft tokens, 167.2 model TFLOP): 296.1 ms
+median (288.5 min), 71.5 % MFU, 24.2k tok/s, 31.8 GiB peak; forward 75.5, fused loss 48.3,
+backward 170.9 ms; its 8k matmul 775.6 TFLOP/s.
+
+The profiled step after round 2 (batch 1 x 4096, `--profile`, self CUDA time): GEMMs 107.4 ms
+(`aten::mm` 97.9 + `addmm` 9.5), FlexAttention 29.1 (backward 22.5, forward 6.6), fused AdamW with
+the clip factor 27.0, foreach grad norm 3.1, the non-vectorised dtype-converting copy kernel 10.9
+(by its size, the bf16 -> fp32 gradient casts: 17 GB moved would take 4 ms at copy speed), the
+vectorised fp32 -> bf16 weight casts 4.2, the fused loss's compiled chunk kernel 5.2, DtoD 0.6;
+plus 58.2 ms of pageable host -> device batch copy outside the timed step. 197 ms of kernels in a
+214.8 ms step: about 18 ms of the step the GPU waits on the host. (The `kernel_classes_ms` of the
+JSON add operator rows to kernel rows, e.g. `aten::copy_` with the host copy in it, and
+`Optimizer.step` with `_fused_adamw_`: read the table, not those sums.)
+
+**The 60 % MFU target is not met**: 49.2 % at batch 1 x 4096 and 56.8 % at batch 2 x 4096 (60 %
+needs 176 ms and 352 ms). At batch 2 the trainer takes 76 ms more than `draft_step.py`'s model
+step on the same shape: fused AdamW + grad norm 30.4 ms (not model FLOPs, fixed per step), the
+target head for the L1 term (6144 rows x 7168 x 163840, about 14.4 TFLOP, ~19 ms, not counted as
+model FLOPs by `step_flops`), the weight and gradient casts ~15 ms, and ~12 ms of host waits.
+What would still pay: a vectorised bf16 -> fp32 gradient cast (about 7 ms; PyTorch's dtype-changing
+copy runs its unrolled kernel), and more tokens per step (the optimizer's 30 ms is fixed: at batch 4
+the same arithmetic gives about 63 %, not measured). Even with everything above at zero, batch 1 x
+4096 is bounded by `draft_step.py`'s own efficiency plus the optimizer and the L1 term's head pass
+(about 181 ms, 58 %).
+
 ## Long context (same defaults: batch 1, 512 blocks of 7)
 
-Each row one process through `--sweep` (fresh allocator and peak); the 4096 row is the run above.
+Each row one process (fresh allocator and peak). Rows marked r1 are round 1's code, the 4096 row
+its run above; rows marked r2 round 2's, device call 2 of round 2 (2026-12-02):
+`python benchmarks/train_k3_gpu.py --seq SEQ --ac AC --steps 6 --warmup 2 --distinct 1`
+(`--steps 5` at 16384); the 4096 r2 row is round 2's call 1 above.
 16k and 32k: `python benchmarks/train_k3_gpu.py --steps 4 --warmup 1 --distinct 1 --sweep SEQ:0`
 (device calls 1 and 2). 64k: `--steps 8 --warmup 3 --distinct 1 --sweep 65536:0` and `--steps 6
 --warmup 2 --distinct 1 --sweep 65536:5` (device call 3, after the checkpointing fix). The loss
@@ -131,6 +208,23 @@ is always chunked (`losses/dspark.py`, one `[chunk, V]` block at a time).
 | 32768   | 0         | 447 ms        | 48.8 % | 172.5       | 69.3 GiB       | 83.3 GiB      | 8.01k           |
 | 65536   | 0         | 734 ms        | 46.6 % | 270.4       | 85.8 GiB       | 100.5 GiB     | 4.88k           |
 | 65536   | 5 (all)   | 861 ms        | 39.8 % | 270.4       | 69.1 GiB       | 79.0 GiB      | 4.16k           |
+| 4096 r2 | 0         | 215 ms        | 49.2 % | 83.5        | 55.2 GiB       | 61.7 GiB      | 16.68k          |
+| 8192 r2 | 0         | no step in 200 s (twice): see below |  |             |                |               |                 |
+| 16384 r2| 5 (all)   | 350 ms        | 43.6 % | 120.6       | 57.3 GiB       | 59.6 GiB      | 10.24k          |
+| 65536 r2| 2         | 741 ms        | 46.2 % | 270.4       | 75.9 GiB       | 79.9 GiB      | 4.84k           |
+
+Round 2: 64k with the first 2 decoder layers checkpointed: 741 ms (steps after the compiling one
+778, 731, 743, 750, 739 ms), 75.9 GiB peak allocated, 46.2 % MFU, 3 points under the 4k figure;
+against round 1's 64k without checkpointing (85.8 GiB, 734 ms) 10 GiB less for 1 % more time.
+16k with all 5 layers checkpointed: 350 ms, 57.3 GiB (round 1 without: 322 ms, 61.0 GiB). 32k
+with checkpointing: not measured (cut for device time). **8192 context, the production length
+(`recipes/k3.yaml`), did not finish its first step** in two runs on two machines: 226 s (round 2
+call 1, killed at the call's limit) and 200 s (`timeout 200`, call 2) after "first batch on the
+device at 7.3 s", where every other length's first step (compile) took 28-44 s with a warm cache
+and 102 s cold. The tiny draft at 8192 x 512 anchors runs on the CPU (`--tiny --seq 8192 --anchors
+512 --compile off`: 3.0 s steps), so this is GPU-side (compile or a kernel at those shapes, a
+FlexAttention key length of 8192 + 3584); not diagnosed: the next thing to run there, with
+`TORCH_LOGS=recompiles,graph_breaks` and `--compile off` as a control.
 
 **The 64k goal is met**: 64k context on one H200 at 85.8 GiB peak allocated (100.5 reserved),
 under 130 GiB, at 46.6 % MFU, within 0.1 point of the 4k figure, without activation
@@ -142,8 +236,9 @@ call 2, gave a 1093 ms median; its last step 730 ms). Not measured: `65536:2`, a
 checkpointing rows at 16k and 32k.
 
 Draft tokens per second per GPU at the production anchor count (`recipes/k3.yaml`:
-`num_anchors: 512`, `max_seq_len: 8192`): 15.8k at 4096 context, 11.1k at 16384 (8192 not
-measured; between the two).
+`num_anchors: 512`, `max_seq_len: 8192`, batch 1): 16.7k at 4096 context (round 2), 10.2k at
+16384 with all layers checkpointed (round 2), 11.1k at 16384 without (round 1); 8192 itself is
+not measured (its first step did not finish, above).
 
 Earlier estimate, kept for reference: bound at batch 1 x 4096, 3584 slots: the model part at
 `draft_step.py`'s 72.6 % is 145 ms; fused AdamW 22.9 ms, grad norm + scaling 9.8 ms and one
@@ -159,6 +254,8 @@ time. Static memory (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, froz
     python -m pytest -m gpu -q -p no:cacheprovider -rA   # call 3, after the checkpointing fix:
         # 6 passed (publish 2, models 2, train 2: AC fp32 and bf16), 5 skipped (vLLM absent),
         # 122.6 s; call 1, before it: the bf16 AC case failed with CheckpointError
+    python -m pytest -m gpu -q -p no:cacheprovider -rA   # round 2, call 2: 6 passed (publish 2,
+        # models 2, train 2: AC fp32 and bf16, now through LocalMixedPrecision), 5 skipped, 105.4 s
     # collecting needs omegaconf, absent there: carry its wheel (`.whl`, device README)
 
 ## Earlier figures (2026-11-30, before this issue's changes)
@@ -234,6 +331,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ac", type=int, default=0, help="training.activation_checkpoint_layers")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="training.compile")
     p.add_argument(
+        "--fsdp-on-one-rank",
+        action="store_true",
+        help="wrap in FSDP2 even on one rank (the path before `LocalMixedPrecision`), for comparison",
+    )
+    p.add_argument(
         "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
     )
     return p.parse_args()
@@ -297,7 +399,7 @@ def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_p
         den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
         (parts.numerator * (ctx.world_size / den.clamp_min(1e-12)).to(parts.numerator.dtype)).backward()
         rec(2)
-        clip_grad_norm(trainer, cfg.grad_clip)
+        clip_grad_norm(trainer, cfg.grad_clip, optimizer)
         rec(3)
         optimizer.step()
         scheduler.step()
@@ -450,9 +552,11 @@ def main() -> int:
     n_train = sum(p.numel() for p in trainer.parameters() if p.requires_grad)
     n_frozen = sum(p.numel() for p in trainer.parameters() if not p.requires_grad)
     trainer.to(ctx.device)
-    shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
+    shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg, fsdp_on_one_rank=args.fsdp_on_one_rank)
     optimizer, scheduler = build_optimizer(trainer, cfg)
     build_s = time.monotonic() - t0
+    if ctx.is_main:
+        print(f"built and sharded in {build_s:.1f} s", flush=True)
     src = SyntheticSamples(
         num_samples=args.batch * world * (args.steps + 3),
         vocab_size=V,
@@ -470,6 +574,8 @@ def main() -> int:
         batch = _next_batch(stream, args, cfg, ctx)
         if step == 0:
             anchors_BN = trainer.step_inputs(batch, 0)["anchors_BN"]
+            if ctx.is_main:
+                print(f"first batch on the device at {time.monotonic() - t0:.1f} s", flush=True)
         if device == "cuda":
             torch.cuda.synchronize()
         if ctx.world_size > 1:
@@ -481,7 +587,7 @@ def main() -> int:
                 torch.cuda.synchronize()
         t = time.monotonic()
         parts = forward_backward(trainer, batch, step, ctx)
-        gn = clip_grad_norm(trainer, cfg.grad_clip)
+        gn = clip_grad_norm(trainer, cfg.grad_clip, optimizer)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -528,6 +634,7 @@ def main() -> int:
         "attention_backend": config.attention_backend,
         "activation_checkpoint_layers": args.ac,
         "compile": args.compile,
+        "fsdp_on_one_rank": args.fsdp_on_one_rank,
         "batch_per_gpu": args.batch,
         "context_tokens_per_sample": args.seq,
         "draft_tokens_per_sample": args.anchors * config.block_size,

@@ -2,8 +2,8 @@
 
     python -m pytest tests/test_train_gpu.py -q
 
-The production path: `build_trainer`, `shard_trainer` (FSDP2 on one rank, compiled decoder
-layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
+The production path: `build_trainer`, `shard_trainer` (one rank: `LocalMixedPrecision`, compiled
+decoder layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
 """
 
 from pathlib import Path
@@ -47,7 +47,12 @@ def _step(ctx, cfg: TrainingConfig, batch, backend: str = "flex"):
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
     parts = forward_backward(trainer, batch.to(ctx.device, torch.float32), 0, ctx)
-    grads = {n: p.grad.full_tensor().float() for n, p in trainer.named_parameters() if p.grad is not None}
+    # One rank trains without FSDP (plain fp32 gradients); a DTensor would need `full_tensor`.
+    grads = {
+        n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)().float()
+        for n, p in trainer.named_parameters()
+        if p.grad is not None
+    }
     return float(parts.numerator.detach()) / float(parts.denominator), grads
 
 

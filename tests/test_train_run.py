@@ -218,7 +218,12 @@ def _step_grads(ctx, cfg, batch):
     )
     shard_trainer(tr, build_mesh(ctx, cfg.fsdp_mode), cfg)
     parts = forward_backward(tr, batch, 0, ctx)
-    grads = {n: p.grad.full_tensor() for n, p in tr.named_parameters() if p.grad is not None}
+    # One rank trains without FSDP (plain gradients); `full_tensor` where a DTensor comes back.
+    grads = {
+        n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+        for n, p in tr.named_parameters()
+        if p.grad is not None
+    }
     return float(parts.numerator.detach()) / float(parts.denominator), grads, tr
 
 

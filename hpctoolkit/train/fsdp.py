@@ -16,15 +16,26 @@ target-shared embedding and lm_head, 2.35 B at K3 shapes) are left out of FSDP: 
 once to the compute dtype and replicated, like the target head, instead of being kept as fp32
 shards and all-gathered (and cast) every step. With shard groups of one rank, nothing is freed
 by resharding after forward, so layers keep their gathered bf16 weights until backward.
+
+On a mesh of one rank, FSDP has nothing to shard or reduce, yet its all-gather copy-in and
+copy-out, reduce-scatter `chunk_cat` and post-backward copies cost about 25 ms a step at K3
+shapes on one H200 (`benchmarks/train_k3_gpu.py`). There `shard_trainer` applies
+`LocalMixedPrecision` instead: the same step as FSDP2 at one rank, bit for bit (the bf16 copies of
+the fp32 weights, the floating inputs of the trainer and of each decoder layer cast to the compute
+dtype, the bf16 gradients cast to fp32 into the fp32 parameters' `.grad`), with one cast of the
+weights before forward and one of each gradient as backward produces it. Parameters stay plain
+fp32 tensors under their own names, so checkpoints and the optimizer see what they see with FSDP.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -124,10 +135,93 @@ def freeze_to_compute_dtype(trainer: FamilyTrainer, cfg: TrainingConfig) -> set[
     return frozen
 
 
-def shard_trainer(trainer: FamilyTrainer, mesh: DeviceMesh, cfg: TrainingConfig) -> FamilyTrainer:
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    """`x` with every floating tensor in it (through tuples and lists) cast to `dtype`, as FSDP2
+    casts a module's forward inputs."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
+    return x
+
+
+class LocalMixedPrecision:
+    """One rank's FSDP2 step without FSDP (see module doc): fp32 parameters, bf16 compute.
+
+    A forward pre-hook on the trainer casts every trainable fp32 parameter into its persistent
+    bf16 twin (one copy kernel per tensor) and registers the twins in the modules in their place;
+    a post-accumulate-grad hook on each twin casts its gradient to fp32 into the fp32 parameter's
+    `.grad` (adding, as FSDP accumulates) and drops the bf16 one; once backward ends, the fp32
+    parameters are registered again. Checkpointed layers recompute with the twins still in place.
+    A forward without autograd (evaluation) restores the fp32 parameters when it returns.
+    """
+
+    def __init__(self, trainer: nn.Module, units: list[nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        twins: dict[int, nn.Parameter] = {}
+        for module in trainer.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.requires_grad or not torch.is_floating_point(p):
+                    continue
+                if id(p) not in twins:
+                    twin = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=True)
+                    twin.register_post_accumulate_grad_hook(self._grad_hook(p))
+                    twins[id(p)] = twin
+                self.slots.append((module, name, p, twins[id(p)]))
+        self.pairs = [(p, twins[id(p)]) for p in {id(p): p for _, _, p, _ in self.slots}.values()]
+        self.active = False
+        self.callback_queued = False
+        trainer.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        trainer.register_forward_hook(self._post_forward)
+        for unit in units:
+            unit.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+
+    def _cast_inputs(self, module, args, kwargs):
+        return _cast_floating(args, self.dtype), {k: _cast_floating(v, self.dtype) for k, v in kwargs.items()}
+
+    def _pre_forward(self, module, args, kwargs):
+        if not self.active:
+            with torch.no_grad():
+                for p, twin in self.pairs:
+                    twin.copy_(p)
+            self._register(twin=True)
+        return self._cast_inputs(module, args, kwargs)
+
+    def _post_forward(self, module, args, output):
+        if not torch.is_grad_enabled():
+            self._register(twin=False)
+
+    def _register(self, *, twin: bool) -> None:
+        for module, name, p, t in self.slots:
+            module._parameters[name] = t if twin else p
+        self.active = twin
+
+    def _grad_hook(self, p: nn.Parameter):
+        def hook(twin: torch.Tensor) -> None:
+            assert twin.grad is not None
+            g = twin.grad.to(p.dtype)
+            p.grad = g if p.grad is None else p.grad + g
+            twin.grad = None
+            if not self.callback_queued:
+                self.callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        return hook
+
+    def _end_backward(self) -> None:
+        self.callback_queued = False
+        self._register(twin=False)
+
+
+def shard_trainer(
+    trainer: FamilyTrainer, mesh: DeviceMesh, cfg: TrainingConfig, *, fsdp_on_one_rank: bool = False
+) -> FamilyTrainer:
     """Checkpoint, compile, then `fully_shard` every decoder layer and the root (see module doc).
 
-    The target head is buffers only, so FSDP leaves it whole on every rank.
+    The target head is buffers only, so FSDP leaves it whole on every rank. On a mesh of one rank
+    `LocalMixedPrecision` stands in for FSDP (bf16) or nothing does (fp32), unless
+    `fsdp_on_one_rank` (the tests that hold the two to the same step).
     """
     units = trainer.shard_units()
     apply_activation_checkpointing(trainer, cfg.activation_checkpoint_layers)
@@ -140,6 +234,10 @@ def shard_trainer(trainer: FamilyTrainer, mesh: DeviceMesh, cfg: TrainingConfig)
                 unit.compile(dynamic=False)
     frozen = freeze_to_compute_dtype(trainer, cfg)
     policy = mp_policy(cfg)
+    if mesh.size() == 1 and not fsdp_on_one_rank:
+        if policy.param_dtype is not None:
+            trainer._local_mixed_precision = LocalMixedPrecision(trainer, units, policy.param_dtype)  # type: ignore[assignment]
+        return trainer
     reshard = mesh.size(mesh.ndim - 1) > 1
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=frozen)

@@ -229,7 +229,7 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
     order_log.write(json.dumps(record) + "\n")
     order_log.flush()
     parts = forward_backward(run.trainer, batch, run.step, ctx)
-    grad_norm = clip_grad_norm(run.trainer, cfg.grad_clip)
+    grad_norm = clip_grad_norm(run.trainer, cfg.grad_clip, run.optimizer)
     lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()

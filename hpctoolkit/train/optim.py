@@ -30,15 +30,43 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig):
     opt = torch.optim.AdamW(
         params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=fused or None
     )
+    if fused:
+        # `clip_grad_norm` hands the fused step its clip factor; it holds for that step only.
+        opt.register_step_post_hook(lambda o, args, kwargs: setattr(o, "grad_scale", None))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps))
     return opt, sched
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global gradient norm (before clipping), as a tensor (no device sync); clips when `max_norm > 0`."""
+def _fused(optimizer) -> bool:
+    return optimizer is not None and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def _plain(params: list[nn.Parameter]) -> bool:
+    """No DTensor among them (one rank: no FSDP): a plain-tensor `grad_scale` is safe."""
+    return not any(hasattr(p.grad, "full_tensor") for p in params)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:
+    """Global gradient norm (before clipping), as a tensor (no device sync); clips when `max_norm > 0`.
+
+    With a fused `optimizer` (AdamW on CUDA) the gradients are not rescaled here: the clip factor
+    goes to the optimizer's next `step()` as the divisor its fused kernel applies to every gradient
+    as it reads it (`grad_scale`, the protocol of `torch.amp.GradScaler`), which saves a read and
+    a write of every gradient (6 ms a step at K3 shapes on one H200). `clip_grad_norm_` multiplies
+    by `c = min(1, max_norm / (norm + 1e-6))`; the kernel divides by `1 / c`, the same to within
+    one rounding (exactly the same when nothing is clipped). Sharded (FSDP, several ranks)
+    gradients are clipped in place as before: each rank rescales only its shard there.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
+    if _fused(optimizer):
+        optimizer.grad_scale = None
     if not params:
         return torch.zeros(())
+    if max_norm > 0 and _fused(optimizer) and _plain(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        optimizer.grad_scale = (1.0 / coef).to(torch.float32)
+        return norm
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

@@ -30,13 +30,22 @@ DSPARK_DECAY = 4.0
 
 
 def _dspark_rows(
-    z_NV: torch.Tensor, t_NV: torch.Tensor, labels_N: torch.Tensor, w_N: torch.Tensor, grad_dtype: torch.dtype
+    z_NV: torch.Tensor,
+    t_NV: torch.Tensor,
+    labels_N: torch.Tensor,
+    w_N: torch.Tensor,
+    grad_dtype: torch.dtype,
+    labels_from_target: bool = False,
 ):
     """One chunk: `(sum_n w_n (0.1 ce_n + 0.9 l1_n), ce_N, l1_N, draft argmax, target argmax,
-    d(that sum)/d z_NV)`. `z_NV` draft logits, `t_NV` target logits, `w_N` the slot weights."""
+    d(that sum)/d z_NV)`. `z_NV` draft logits, `t_NV` target logits, `w_N` the slot weights.
+    `labels_from_target`: each supervised row's label is the target's argmax (`t_NV`'s)."""
     acc = torch.promote_types(z_NV.dtype, torch.float32)  # fp32, or fp64 in the CPU tests
     z = z_NV.to(acc)
     t = t_NV.to(acc)
+    tgt = t.argmax(-1)
+    if labels_from_target:
+        labels_N = torch.where(labels_N != IGNORE_INDEX, tgt, labels_N)
     p = torch.exp(z - torch.logsumexp(z, dim=-1, keepdim=True))
     q = torch.exp(t - torch.logsumexp(t, dim=-1, keepdim=True))
     d = p - q
@@ -50,7 +59,7 @@ def _dspark_rows(
     # d ce / dz = p - onehot(label); d l1 / dz = p * (s - <s, p>) (softmax Jacobian).
     grad = DSPARK_CE_W * p + DSPARK_L1_W * p * (s - (s * p).sum(-1, keepdim=True))
     grad = grad.scatter_add(1, safe, (-DSPARK_CE_W * valid.to(grad.dtype)).unsqueeze(1))
-    return total, ce, l1, z.argmax(-1), t.argmax(-1), (grad * w_N.unsqueeze(1)).to(grad_dtype)
+    return total, ce, l1, z.argmax(-1), tgt, (grad * w_N.unsqueeze(1)).to(grad_dtype)
 
 
 _compiled_rows = None
@@ -76,7 +85,9 @@ class _FusedDSparkRows(torch.autograd.Function):
     """`(weighted CE+L1 sum, ce_N, l1_N, pred_N, tgt_N)` over rows; gradients formed in forward."""
 
     @staticmethod
-    def forward(ctx, h_NH, m_NR, w_VH, w2_VR, t_NH, labels_N, weight_N, target_fn, chunk, compiled):
+    def forward(
+        ctx, h_NH, m_NR, w_VH, w2_VR, t_NH, labels_N, weight_N, target_fn, chunk, compiled, from_target
+    ):
         n = h_NH.shape[0]
         dev = h_NH.device
         acc = torch.promote_types(h_NH.dtype, torch.float32)
@@ -95,7 +106,7 @@ class _FusedDSparkRows(torch.autograd.Function):
             z = torch.addmm(F.linear(m_NR[sl], w2_VR), h_NH[sl], w_VH.t())
             t = target_fn(t_NH[sl])
             part, ce_N[sl], l1_N[sl], pred_N[sl], tgt_N[sl], grad = rows(
-                z, t, labels_N[sl], weight_N[sl], h_NH.dtype
+                z, t, labels_N[sl], weight_N[sl], h_NH.dtype, from_target
             )
             total += part
             del z, t
@@ -119,7 +130,7 @@ class _FusedDSparkRows(torch.autograd.Function):
             None if g is None else (g * grad_total.to(g.dtype)).to(dt)
             for g, dt in zip(grads, ctx.dtypes, strict=True)
         ]
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def dspark_loss(
@@ -136,10 +147,15 @@ def dspark_loss(
     block_size: int,
     chunk_rows: int = LOGIT_CHUNK_ROWS,
     compile_elementwise: bool | None = None,
+    labels_from_target: bool = False,
 ) -> LossParts:
     """Draft logits are `hidden @ lm_head.T + markov @ markov_w2.T` (DSpark's bigram bias);
     `target_logits_fn(rows_NH) -> [N, V]` (no grad) gives the target's at each slot from
     `target_rows_BTH` (the target's last state one position before the slot).
+
+    `labels_from_target`: `labels_BT` only marks the supervised slots (any id there, IGNORE_INDEX
+    elsewhere); each one's CE label is the target's argmax from those same target logits, so the
+    target head runs once a step (the trainer's `label_source: target`).
 
     `compile_elementwise` (default: on CUDA) fuses each chunk's softmax / L1 / gradient passes."""
     B, T, _ = hidden_BTH.shape
@@ -164,6 +180,7 @@ def dspark_loss(
         target_logits_fn,
         chunk_rows,
         compile_elementwise,
+        labels_from_target,
     )
 
     def slots(x_BT: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B*N, K-1], dropping the anchor slot

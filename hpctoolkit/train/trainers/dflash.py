@@ -89,12 +89,25 @@ class DFlashTrainer(FamilyTrainer):
         anchors_BN: torch.Tensor,
         anchor_ok_BN: torch.Tensor,
         last_prenorm: bool,
+        *,
+        target_ids: bool = True,
     ):
-        """Layout, target rows (last state one before each slot), target greedy ids, CE labels."""
+        """Layout, target rows (last state one before each slot), target greedy ids, CE labels.
+
+        `target_ids=False` (a loss that forms the target logits itself) skips the target head:
+        the ids come back as None and, under `label_source: target`, the labels are 0 at every
+        supervised slot (IGNORE_INDEX elsewhere) for the loss to replace with the target's argmax.
+        """
         K = self.block_size
         layout = make_block_layout(anchors_BN, K, input_ids_BS.shape[1])
         pos_BT = layout.q_position_ids()
         target_rows_BTH = gather_rows(last_BSH, pos_BT - 1)
+        data_labels_BT = layout.labels(input_ids_BS, loss_mask_BS)
+        block_ok_BT = anchor_ok_BN.repeat_interleave(K, dim=1)
+        supervised_BT = (data_labels_BT != IGNORE_INDEX) & block_ok_BT
+        if not target_ids:
+            src = data_labels_BT if self.cfg.label_source == "data" else torch.zeros_like(data_labels_BT)
+            return layout, target_rows_BTH, None, src.masked_fill(~supervised_BT, IGNORE_INDEX)
         with torch.no_grad():
             rows_NH = target_rows_BTH.flatten(0, 1)
             target_ids_BT = torch.cat(
@@ -103,9 +116,6 @@ class DFlashTrainer(FamilyTrainer):
                     for i in range(0, rows_NH.shape[0], LOGIT_CHUNK_ROWS)
                 ]
             ).view(pos_BT.shape)
-        data_labels_BT = layout.labels(input_ids_BS, loss_mask_BS)
-        block_ok_BT = anchor_ok_BN.repeat_interleave(K, dim=1)
-        supervised_BT = (data_labels_BT != IGNORE_INDEX) & block_ok_BT
         labels_src = target_ids_BT if self.cfg.label_source == "target" else data_labels_BT
         labels_BT = labels_src.masked_fill(~supervised_BT, IGNORE_INDEX)
         return layout, target_rows_BTH, target_ids_BT, labels_BT

@@ -27,8 +27,10 @@ class DSparkTrainer(DFlashTrainer):
         anchors_BN: torch.Tensor,
         anchor_ok_BN: torch.Tensor,
     ) -> LossParts:
+        # The loss forms the target logits of every scored slot for its L1 term anyway, so it
+        # also takes the target-greedy labels from them: one target-head pass a step, not two.
         layout, target_rows_BTH, _, labels_BT = self.block_targets(
-            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm
+            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm, target_ids=False
         )
         out = self.draft(context_BSC, input_ids_BS, layout)
         return dspark_loss(
@@ -42,4 +44,5 @@ class DSparkTrainer(DFlashTrainer):
             labels_BT,
             anchor_ok_BN,
             block_size=self.block_size,
+            labels_from_target=self.cfg.label_source == "target",
         )
