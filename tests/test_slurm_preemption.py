@@ -237,6 +237,39 @@ def test_begin_attempt_clears_what_would_mislead_the_next(tmp_path):
     assert ledger.store_run_id("r-j7", "9", 0) == "r-j7-j9r0"
 
 
+def test_a_new_job_on_an_earlier_jobs_run_directory_resumes_it(tmp_path):
+    """Resume by hand: `HPCTOOLKIT_RUN_ID=<name>-j<old job>` names the dead job's run directory;
+    the new job's first attempt resumes from its newest complete checkpoint, under keys of its own."""
+    from hpctoolkit.roles.context import run_id_for
+    from hpctoolkit.slurm.submit import describe_submission
+
+    cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}"])
+    run = RunDir.of(tmp_path, slurm_run_id(cfg.name, "7"))
+    env = {"HPCTOOLKIT_RUN_ID": run.run_id}
+    assert run_id_for(cfg.name, None, env) == run.run_id
+    for step in (5, 10):
+        d = run.checkpoints / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        ledger.write_part(d, 0, step, range(step))
+        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": 1}))
+    (run.checkpoints / "step-00000015").mkdir()  # the dead job's unfinished checkpoint
+    run.manifests.mkdir(parents=True)
+    run.queue(0).write_text('{"sample_key": "slurm-preempt-j7-e0-0"}\n')
+    run.attempt.write_text(json.dumps({"job_id": "7", "restart": 0, "resume_step": None}))
+    run.ended.write_text(json.dumps({"ok": False, "error": "killed"}))
+    told = describe_submission(cfg, "9", tmp_path, env)
+    assert f"its run directory is {run.root} (resumes from its checkpoint step-00000010)" in told
+    assert ledger.begin_attempt(run, "9", 0)
+    assert json.loads(run.attempt.read_text())["resume_step"] == 10
+    assert not run.ended.exists() and not run.queue(0).exists() and run.stale_queue(0).exists()
+    done = ledger.attempt_ledger(run)
+    assert done is not None and done.step == 10 and done.prompts == set(range(10))
+    assert ledger.attempt_run_id(run.run_id, "9", {}) == "slurm-preempt-j7-j9r0"
+    # Without the variable the new job starts a run of its own.
+    first = describe_submission(cfg, "9", tmp_path, {}).splitlines()[0]
+    assert first.endswith(f"its run directory is {tmp_path / slurm_run_id(cfg.name, '9')}")
+
+
 def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster, tmp_path):
     env = _env(slurm_cluster)
     t0 = time.monotonic()
@@ -282,6 +315,44 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
     assert sorted(prompts) == list(range(cfg.data.num_samples)), "a prompt was skipped or trained twice"
     # The checkpoint's ledger holds exactly the prompts of the steps up to it.
     assert done.prompts == {p for r in order if r["step"] <= done.step for p in r["prompts"]}
+
+
+def test_a_new_job_resumes_a_dead_jobs_run_by_hand(slurm_cluster, tmp_path):
+    """The job dies (plain `scancel`, no checkpoint on the way out) after a periodic checkpoint; a new
+    job with `HPCTOOLKIT_RUN_ID=<name>-j<dead job>` resumes it from that checkpoint to the same
+    final step, every prompt trained once (the steps after the checkpoint again, on the same prompts)."""
+    env = _env(slurm_cluster)
+    every = ["training.checkpoint_every=5"]
+    cfg, out, job, run = _submit(env, tmp_path, every)
+    _wait_steps(run, job, env, 8, JOB_TIMEOUT_S)
+    shell.run(["scancel", job], env=env)
+    assert wait_done(job, env, 120) == "CANCELLED"
+    _stepds_gone(job)
+    done = ledger.read_ledger(run.checkpoints)
+    assert done is not None and done.step % 5 == 0, "no periodic checkpoint before the job died"
+    died_at = len(_order(run))
+    t0 = time.monotonic()
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}", *every]
+    cfg2 = load_recipe(ROOT / RECIPE, overrides)  # the master's new port is part of the plan
+    text = render_sbatch(cfg2, make_plan(cfg2), recipe_path=RECIPE, overrides=overrides)
+    again = submit_sbatch(text, ROOT, env={**env, "HPCTOOLKIT_RUN_ID": run.run_id})
+    state = wait_done(again, env, JOB_TIMEOUT_S)
+    _stepds_gone(again)
+    log = _log(out, again)
+    print(
+        f"\n[measure] job {job} died after step {died_at} (checkpoint of step {done.step}); job {again} on "
+        f"its run directory {state} {time.monotonic() - t0:.1f}s after submission"
+    )
+    assert state == "COMPLETED", log[-6000:]
+    assert f"resuming from step-{done.step:08d}" in log, log[-4000:]
+    assert not RunDir.of(out, slurm_run_id(cfg.name, again)).root.exists()
+    summary = json.loads((run.train / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == done.step and summary["steps_trained"] == cfg.training.steps
+    assert json.loads(run.summary.read_text())["keys_left_in_store"] == 0
+    order = _order(run)
+    assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
+    prompts = [p for r in order for p in r["prompts"]]
+    assert sorted(prompts) == list(range(cfg.data.num_samples)), "a prompt was skipped or trained twice"
 
 
 def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):

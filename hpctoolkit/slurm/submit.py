@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import ROLE_MASTER, Plan, Process
 from hpctoolkit.slurm import shell
@@ -92,13 +93,19 @@ def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[st
     return job.job_id, describe_submission(cfg, job.job_id, out)
 
 
-def describe_submission(cfg: Any, job_id: str, out: Path) -> str:
-    from hpctoolkit.rundir.layout import slurm_run_id
+def describe_submission(cfg: Any, job_id: str, out: Path, environ: Mapping[str, str] | None = None) -> str:
+    from hpctoolkit.rundir.layout import RunDir, slurm_run_id
+    from hpctoolkit.rundir.ledger import complete_checkpoints
 
+    env = os.environ if environ is None else environ
+    # A by-hand resume names an earlier job's run directory; the job's tasks read the same variable.
+    run = RunDir.of(out, env.get(envs.HPCTOOLKIT_RUN_ID.name) or slurm_run_id(cfg.name, job_id))
+    done = complete_checkpoints(run.checkpoints)
+    resumes = f" (resumes from its checkpoint {done[-1].name})" if done else ""
     log = out / f"slurm-{job_id}.out"
     return "\n".join(
         [
-            f"submitted Slurm job {job_id}; its run directory is {out / slurm_run_id(cfg.name, job_id)}",
+            f"submitted Slurm job {job_id}; its run directory is {run.root}{resumes}",
             f"log (every task):  {log}",
             f"submitit records:  {out / 'submitit' / job_id}",
             f"follow:            tail -F {log}    (state: squeue -j {job_id}; sacct -j {job_id})",
