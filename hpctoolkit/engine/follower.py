@@ -196,6 +196,17 @@ class HeadlessFollower:
         self.vllm_config: VllmConfig | None = None
         self._executor: Any = None
 
+    @classmethod
+    def from_node_kwargs(cls, kwargs: Mapping[str, Any]) -> HeadlessFollower:
+        """A follower from one node's whole `LLM` kwargs (the shared ones plus `NODE_KEYS`)."""
+        return cls(
+            {k: v for k, v in kwargs.items() if k not in NODE_KEYS},
+            node_rank=kwargs["node_rank"],
+            nnodes=kwargs["nnodes"],
+            master_addr=kwargs["master_addr"],
+            master_port=kwargs["master_port"],
+        )
+
     def start(self) -> None:
         """Spawn this node's workers and return once they are up; the monitor runs on a daemon thread."""
         if self._executor is not None:

@@ -325,15 +325,9 @@ def follow_generation(llm_kwargs: dict[str, Any], env: dict[str, str], poll_s: f
     leader's generating engine (`generator_llm_kwargs`'s dict, with this node's keys), until the
     leader's generating engine leaves. `{"left": True}` then, or `{"left": False}` if a worker died."""
     os.environ.update(env)
-    from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
+    from hpctoolkit.engine.follower import HeadlessFollower
 
-    follower = HeadlessFollower(
-        {k: v for k, v in llm_kwargs.items() if k not in NODE_KEYS},
-        node_rank=llm_kwargs["node_rank"],
-        nnodes=llm_kwargs["nnodes"],
-        master_addr=llm_kwargs["master_addr"],
-        master_port=llm_kwargs["master_port"],
-    )
+    follower = HeadlessFollower.from_node_kwargs(llm_kwargs)
     try:
         follower.start()
         print(

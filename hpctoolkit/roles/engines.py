@@ -323,7 +323,7 @@ def _cores() -> list[int]:
 def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
     from hpctoolkit.engine.env import detect_backend
-    from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
+    from hpctoolkit.engine.follower import HeadlessFollower
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = ctx.cfg
@@ -348,13 +348,7 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     if regenerates(cfg, e.index):
         _follow_generation(ctx, proc, str(target_dir), stop)
     os.environ.update(env)
-    follower = HeadlessFollower(
-        {k: v for k, v in kwargs.items() if k not in NODE_KEYS},
-        node_rank=kwargs["node_rank"],
-        nnodes=kwargs["nnodes"],
-        master_addr=kwargs["master_addr"],
-        master_port=kwargs["master_port"],
-    )
+    follower = HeadlessFollower.from_node_kwargs(kwargs)
     try:
         follower.start()  # returns once this node's workers joined the leader
         say(
