@@ -26,6 +26,7 @@ PURE_ROOMS = (
     "hpctoolkit.capture.manifest",
     "hpctoolkit.plan.placement",
     "hpctoolkit.slurm.render",
+    "hpctoolkit.slurm.tasks",
     "hpctoolkit.rundir.layout",
 )
 GPU_ROOMS = ("hpctoolkit.models", "hpctoolkit.train")

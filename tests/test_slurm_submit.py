@@ -183,7 +183,7 @@ def test_task_zero_keeps_submitits_requeue_handler(recipe, overrides, watcher):
     """Global task 0 runs the master (which leaves SIGUSR2 to submitit) or, with an external
     master, the watcher; every planned process gets exactly one task."""
     from hpctoolkit.plan.placement import ROLE_MASTER, Process
-    from hpctoolkit.slurm.submit import WATCHER, task_process, tasks_per_node
+    from hpctoolkit.slurm.tasks import WATCHER, task_process, tasks_per_node
 
     cfg, _ = load_for_render(recipe, overrides)
     plan = make_plan(cfg)

@@ -6,7 +6,7 @@ and exit 0: the real-Slurm tests use it to prove placement on machines without G
 
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
 on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
-(`slurm.submit.task_process`), and spare tasks return at once.
+(`slurm.tasks.task_process`), and spare tasks return at once.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.roles.watch import PeerWatch, Probe
 from hpctoolkit.slurm.env import SlurmEnvironment
+from hpctoolkit.slurm.tasks import WATCHER, task_process
 
 ROLE_FUNCS: dict[str, Callable[[NodeContext, Process], int]] = {
     ROLE_MASTER: run_master,
@@ -137,8 +138,6 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
     count) and dry runs decide from it alone, without loading the recipe; a real role loads the
     recipe and refuses to start if its plan differs.
     """
-    from hpctoolkit.slurm.submit import WATCHER, task_process
-
     senv = SlurmEnvironment.from_env()
     proc = task_process(plan, senv.node_index, senv.local_id)
     if proc is None or (dry and proc == WATCHER):

@@ -4,7 +4,7 @@ job's time limit passes.
 
 Under submitit the master is global task 0, whose SIGUSR2 handler (submitit's, which the master
 leaves alone) requeues the job. A run on an external master (`store.master_address`) places no
-master; task 0 then runs `run_watcher` in its slot (`slurm.submit.task_process`).
+master; task 0 then runs `run_watcher` in its slot (`slurm.tasks.task_process`).
 """
 
 from __future__ import annotations

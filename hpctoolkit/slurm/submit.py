@@ -5,7 +5,7 @@ Both take their topology from the `Plan`, never from numbers typed twice. `sbatc
 
 `python -m hpctoolkit.submit RECIPE` submits through submitit (`submit_job`): one job of
 `plan.num_nodes` nodes and `tasks_per_node(plan)` tasks per node, every task running
-`RoleTask` (the role its node and local task id pick, `task_process`), inside the image
+`RoleTask` (the role its node and local task id pick, `slurm.tasks.task_process`), inside the image
 when `cluster.container` is set (submitit's python command is `container.command_prefix`). Every
 task writes to the one log `<paths.output_dir>/slurm-<job>.out`, as the batch script's steps do.
 Preemption uses submitit's machinery: Slurm sends SIGUSR2 `cluster.signal_before_s` before the time
@@ -15,14 +15,10 @@ the trainers' end record within the lead time, then submitit requeues the job, w
 the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed.
 
-submitit installs its SIGUSR2 handler in every task, but only global task 0's requeues, and a role
-that installs its own (the trainers, the engine leaders) replaces it. So task 0 must run a process
-that leaves SIGUSR2 to submitit (`task_process`): the Mooncake master where the plan places it
-first on node 0, else (an external master, `store.master_address`) a **watcher** in the master's
-slot (`roles.master.run_watcher`), which waits for the run's end and nothing else. That keeps
-every role free to own its signal handling; chaining submitit's handler from the roles' instead
-would run submitit's blocking wait and `sys.exit` inside the trainer's or an engine's handler,
-against the checkpoint the same signal asks for.
+Which process task 0 runs so that submitit's requeue handler survives is `slurm.tasks`'s rule (the
+master, or a watcher in its slot). That keeps every role free to own its signal handling; chaining
+submitit's handler from the roles' instead would run submitit's blocking wait and `sys.exit` inside
+the trainer's or an engine's handler, against the checkpoint the same signal asks for.
 """
 
 from __future__ import annotations
@@ -37,10 +33,11 @@ from typing import Any
 
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.plan.placement import ROLE_MASTER, Plan, Process
+from hpctoolkit.plan.placement import Plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.slurm.render import render_sbatch
+from hpctoolkit.slurm.tasks import tasks_per_node
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
 
@@ -140,34 +137,6 @@ def executor_parameters(cfg: Any, plan: Plan) -> dict[str, Any]:
     return params
 
 
-# What global task 0 runs when the plan's first process on node 0 would replace submitit's handler.
-WATCHER = "watcher"
-
-
-def needs_watcher(plan: Plan) -> bool:
-    """Task 0 (node 0, local id 0) must leave SIGUSR2 to submitit: only the master role does."""
-    here = plan.on_node(0)
-    return not here or here[0].role != ROLE_MASTER
-
-
-def task_process(plan: Plan, node: int, local_id: int) -> Process | str | None:
-    """What task `local_id` of node `node` runs under submitit: one of the plan's processes on that
-    node, `WATCHER` (task 0 when `needs_watcher`), or None (a spare task). Pure."""
-    here = plan.on_node(node)
-    if node == 0 and needs_watcher(plan):
-        if local_id == 0:
-            return WATCHER
-        local_id -= 1
-    return here[local_id] if local_id < len(here) else None
-
-
-def tasks_per_node(plan: Plan) -> int:
-    """submitit's tasks per node: the busiest node's processes, node 0's watcher counted. Pure."""
-    return max(
-        len(plan.on_node(n)) + (1 if n == 0 and needs_watcher(plan) else 0) for n in range(plan.num_nodes)
-    )
-
-
 def submit_submitit(
     cfg: Any,
     plan: Plan,
@@ -209,7 +178,7 @@ def make_executor(
 
 class RoleTask:
     """What every task of a submitit job runs; submitit's preemption handler calls `checkpoint` on
-    task 0 (its global rank 0: the master or the watcher, `task_process`) and requeues the job when
+    task 0 (its global rank 0: the master or the watcher, `slurm.tasks.task_process`) and requeues the job when
     it returns a submission."""
 
     def __call__(self, plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> Any:
