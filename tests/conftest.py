@@ -55,10 +55,13 @@ def emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], 
         shell.run(["bash", str(SCRIPT), "stop"], env=env, timeout_s=60)
 
 
-def wait_done(job: str, env: dict[str, str], timeout_s: float = 150, poll_s: float = 0.5) -> str:
+def wait_done(
+    job: str, env: dict[str, str], timeout_s: float = 150, poll_s: float = 0.5, log: Path | None = None
+) -> str:
     """Poll sacct until the job leaves PENDING/RUNNING; return its final state.
 
-    On timeout the job is cancelled, so a stuck job never outlives its test.
+    On timeout the job is cancelled, so a stuck job never outlives its test; the error carries the
+    tail of `log` (the job's output), where the stuck role says what it last did.
     """
     deadline = time.monotonic() + timeout_s
     state = ""
@@ -69,7 +72,8 @@ def wait_done(job: str, env: dict[str, str], timeout_s: float = 150, poll_s: flo
             return state
         time.sleep(poll_s)
     shell.run(["scancel", job], env=env)
-    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled")
+    tail = log.read_text(errors="replace")[-8000:] if log is not None and log.is_file() else ""
+    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled\n{tail}")
 
 
 @contextmanager

@@ -103,7 +103,7 @@ def check_summary(run: RunDir) -> dict:
 def test_job_across_four_hosts_through_sbatch(hosts, tmp_path):
     t0 = time.monotonic()
     job, run = sbatch(hosts, tmp_path / "out")
-    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    state = wait_done(job, hosts, JOB_TIMEOUT_S, log=tmp_path / "out" / f"slurm-{job}.out")
     log = log_of(tmp_path / "out", job)
     print(f"\n[measure] sbatch multi-host job {job} {state} in {time.monotonic() - t0:.1f}s\n{ours(log)}")
     assert state == "COMPLETED", log[-6000:]
@@ -132,7 +132,7 @@ def test_job_across_four_hosts_through_submit(hosts, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     job = r.stdout.split("submitted Slurm job ")[1].split(";")[0]
-    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    state = wait_done(job, hosts, JOB_TIMEOUT_S, log=out / f"slurm-{job}.out")
     log = log_of(out, job)
     print(f"\n[measure] submit multi-host job {job} {state} in {time.monotonic() - t0:.1f}s")
     assert state == "COMPLETED", log[-6000:]
@@ -153,7 +153,7 @@ def test_an_engine_over_two_hosts_regenerates_then_captures(hosts, tmp_path):
     out = tmp_path / "out"
     t0 = time.monotonic()
     job, run = sbatch(hosts, out, *common_overrides(data))
-    state = wait_done(job, hosts, JOB_TIMEOUT_S)
+    state = wait_done(job, hosts, JOB_TIMEOUT_S, log=out / f"slurm-{job}.out")
     log = log_of(out, job)
     print(
         f"\n[measure] regenerating multi-host job {job} {state} in {time.monotonic() - t0:.1f}s\n{ours(log)}"

@@ -393,6 +393,7 @@ def _follow_generation(ctx: NodeContext, proc: Process, target_dir: str, stop: t
     child = Child(
         f"regenerate-follower{e.index}-{proc.node_rank}", follow_generation, (kwargs, env), ctx.run.logs
     )
+    gone_at: float | None = None
     try:
         while child.alive():
             record = _leader_record(ctx, e.index, prefix)
@@ -401,8 +402,18 @@ def _follow_generation(ctx: NodeContext, proc: Process, target_dir: str, stop: t
                     f"engine {e.index}: the leader stopped while generating ({record or 'step ended'}); "
                     f"node_rank {proc.node_rank} leaves"
                 )
+            if record == "regenerated":
+                # The leader's generating engine is gone (it writes the record after ending it,
+                # killed when its own exit lingered): this node's workers may wait on it forever.
+                gone_at = gone_at or time.monotonic()
+                if time.monotonic() - gone_at > REGENERATE_LINGER_S:
+                    say(
+                        f"engine {e.index} node_rank {proc.node_rank}: the generating workers outlived "
+                        f"the leader's engine by {REGENERATE_LINGER_S:.0f}s; ending them"
+                    )
+                    break
             child.proc.join(1.0)
-        out = child.result(linger_s=REGENERATE_LINGER_S)
+        out = {"left": True} if child.alive() else child.result(linger_s=REGENERATE_LINGER_S)
     finally:
         child.kill_tree()
     if not out["left"]:
