@@ -7,15 +7,16 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit import envs
 from hpctoolkit.targets import packaged
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HPCTOOLKIT_CACHE", Path.home() / ".cache" / "hpctoolkit"))
+    """Where built and converted targets live (`HPCTOOLKIT_CACHE`, else ~/.cache/hpctoolkit)."""
+    return Path(envs.get(envs.HPCTOOLKIT_CACHE.name) or Path.home() / ".cache" / "hpctoolkit")
 
 
 def resolve_target(spec: str) -> Path:
