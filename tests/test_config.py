@@ -120,6 +120,12 @@ def test_wrong_type(capsys, recipe):
         ("store.global_segment_size=1MB", "below Mooncake's smallest segment"),
         ("data.num_samples=100000", "never read (captured for nothing)"),
         ("training.epochs=1", "set training.epochs="),
+        # The longest sample (max_prompt_tokens 512 + regenerate_tokens) against the engine and trainer.
+        (
+            "data.regenerate_tokens=1536",
+            "= 2048 tokens, a sample the engine cannot capture: engine.max_model_len=2048",
+        ),
+        ("training.max_seq_len=500", "training.max_seq_len=500 would cut such a sample"),
     ],
 )
 def test_out_of_range(capsys, recipe, override, needle):

@@ -81,6 +81,27 @@ def fill_from_draft(cfg: RecipeConfig) -> RecipeConfig:
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, target_layer_ids=list(draft_ids)))
 
 
+def _check_sample_lengths(cfg: RecipeConfig) -> None:
+    """The longest sample the data can make (a prompt, or a regenerated turn's history, of at most
+    `data.max_prompt_tokens`, plus at most `data.regenerate_tokens` of answer) must fit the engine,
+    which captures at most `engine.max_model_len - 1` tokens, and the trainer, which would cut it:
+    found at load, not on an engine node or as silently shortened samples."""
+    d = cfg.data
+    longest = d.max_prompt_tokens + d.regenerate_tokens
+    what = f"data.max_prompt_tokens + data.regenerate_tokens = {d.max_prompt_tokens} + {d.regenerate_tokens}"
+    if longest >= cfg.engine.max_model_len:
+        raise ConfigError(
+            f"{what} = {longest} tokens, a sample the engine cannot capture: engine.max_model_len="
+            f"{cfg.engine.max_model_len} holds at most {cfg.engine.max_model_len - 1}; raise "
+            f"engine.max_model_len above {longest} or lower data.max_prompt_tokens"
+        )
+    if cfg.training.max_seq_len < longest:
+        raise ConfigError(
+            f"{what} = {longest} tokens, but training.max_seq_len={cfg.training.max_seq_len} would cut "
+            f"such a sample; raise training.max_seq_len to at least {longest} or lower data.max_prompt_tokens"
+        )
+
+
 def check_couplings(cfg: RecipeConfig) -> None:
     """The rules across sections (they read the target's and the draft's configs). Pure: raises
     `ConfigError` naming the key, changes nothing."""
@@ -114,6 +135,7 @@ def check_couplings(cfg: RecipeConfig) -> None:
             f"draft.config: target_hidden_size={want_hidden} but the target's hidden_size is {target.get('hidden_size')}"
         )
 
+    _check_sample_lengths(cfg)
     _check_family_rules(cfg, draft)
     # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
     size_store(cfg, target)

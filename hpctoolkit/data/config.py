@@ -37,16 +37,15 @@ class DataConfig:
     # The format of `prompts` (sources name their own); "auto" reads it from each row.
     format: str = "auto"
     num_samples: int = 32
-    # Longest prompt (text rows, and each regenerated turn's history); longer text rows are cut,
-    # longer chat rows are an error.
+    # Longest prompt (text rows, and each regenerated turn's history); longer rows are cut to it.
     max_prompt_tokens: int = 512
     # Where the local run keeps the samples it read (offline shards, replayable); "" means
     # <output_dir>/shards.
     offline_dir: str = ""
     # Keyword arguments of the target tokenizer's chat template (e.g. {enable_thinking: false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # System prompt policy: keep each row's own (none added), drop every system message, add
-    # `system_prompt` where a row has none (default), or replace every row's with it (replace).
+    # System prompt policy: "keep" each row's own, none added (the default); "drop" every system
+    # message; "default": add `system_prompt` where a row has none; "replace" every row's with it.
     system_prompt_policy: str = "keep"
     system_prompt: str = ""
     # Supervised tokens: every assistant turn's content and end-of-turn token, only the last
