@@ -9,6 +9,7 @@ master; task 0 then runs `run_watcher` in its slot (`slurm.tasks.task_process`).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -38,6 +39,16 @@ def _run_over(ctx: NodeContext) -> bool:
     return all(read_json(ctx.run.engine_closed(e.index)) is not None for e in ctx.plan.engines)
 
 
+def _deadline(ctx: NodeContext) -> float:
+    """When this process stops waiting for the run's end on its own. Under Slurm never: Slurm ends
+    the job's steps at the job's limit, which an operator may have changed since submission
+    (`scontrol update TimeLimit`, also while a requeued job waits), so the recipe's `cluster.time`
+    is only what was asked for. Elsewhere, `cluster.time` from this start."""
+    if ctx.slurm is not None:
+        return math.inf
+    return time.monotonic() + 60.0 * time_limit_minutes(ctx.cfg.cluster.time)
+
+
 def run_master(ctx: NodeContext, proc: Process) -> int:
     m = ctx.plan.master
     if m is None:
@@ -51,7 +62,7 @@ def run_master(ctx: NodeContext, proc: Process) -> int:
         record = {"run_id": ctx.run_id, "address": master.address, "metrics_address": master.metrics_address}
         write_json_atomic(ctx.run.master_record, record)
         say(f"Mooncake master at {master.address} on {ctx.nodename}")
-        deadline = time.monotonic() + 60.0 * time_limit_minutes(ctx.cfg.cluster.time)
+        deadline = _deadline(ctx)
         while not stop.wait(END_POLL_S):
             if _run_over(ctx):
                 say("the trainers are done and every engine has left; stopping")
@@ -61,7 +72,7 @@ def run_master(ctx: NodeContext, proc: Process) -> int:
                     f"the Mooncake master at {master.address} exited during the run; see {ctx.run.logs}"
                 )
             if time.monotonic() > deadline:
-                say("the job's time limit passed; stopping")
+                say("the run's time limit passed; stopping")
                 break
     return 0
 
@@ -71,7 +82,7 @@ def run_watcher(ctx: NodeContext) -> int:
     calls `RoleTask.checkpoint`, which waits for the trainers' checkpoint, then requeues the job)
     and wait for the run's end, this process being told to stop, or the time limit."""
     stop = term_event()
-    deadline = time.monotonic() + 60.0 * time_limit_minutes(ctx.cfg.cluster.time)
+    deadline = _deadline(ctx)
     say(f"watching run {ctx.run_id} for its end on {ctx.nodename} (submitit requeues on SIGUSR2 here)")
     while not stop.wait(END_POLL_S):
         ended = read_json(ctx.run.ended)
@@ -87,6 +98,6 @@ def run_watcher(ctx: NodeContext) -> int:
             say("the trainers are done; stopping")
             break
         if time.monotonic() > deadline:
-            say("the job's time limit passed; stopping")
+            say("the run's time limit passed; stopping")
             break
     return 0
