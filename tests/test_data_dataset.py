@@ -172,6 +172,28 @@ def test_index_names_only_complete_shards_after_a_crash(tmp_path):
     assert [s.key for s in ShardReader(tmp_path).dataset()] == ["s0", "s2"]
 
 
+def test_a_shard_write_failing_midway_leaves_no_partial_or_temporary_file(tmp_path, monkeypatch):
+    import hpctoolkit.data.offline as offline
+
+    st, ms = _published(2)
+    samples = list(HiddenStateDataset(ms, st, retry_max_wait_s=0))
+    w = ShardWriter(tmp_path, max_shard_bytes=1)
+    w.add(samples[0])
+    w.flush()
+    real = offline._write_safetensors
+
+    def half_then_fail(path, tensors, meta):
+        real(path, tensors[:1], meta)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(offline, "_write_safetensors", half_then_fail)
+    w.add(samples[1])
+    with pytest.raises(OSError, match="disk full"):
+        w.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "shard-00000.safetensors"]
+    assert [s.key for s in ShardReader(tmp_path).dataset()] == ["s0"]
+
+
 def test_truncated_or_mismatched_shard_is_rejected(tmp_path):
     st, ms = _published(1)
     save_manifest_samples(HiddenStateDataset(ms, st, retry_max_wait_s=0), tmp_path)

@@ -5,7 +5,7 @@ Layout of `out_dir`
     object's own key (`<key>_input_ids`, `<key>_layer<id>`), and the samples' manifests as JSON in
     the safetensors metadata (`hpctoolkit.manifests`, a list in write order).
     `index.json`: `{"format", "shards": [{"file", "samples", "nbytes"}], "num_samples"}`. Shards
-    and the index are written to a temporary name and `os.replace`d, and the index is rewritten
+    and the index are written atomically (`rundir.atomic`), and the index is rewritten
     after every shard, so a crash leaves an index that names only complete shards.
 
 `ShardReader` is an `ObjectStore` (read-only; `remove` is a no-op) plus a manifest source, so
@@ -28,7 +28,7 @@ import torch
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir.atomic import write_text_atomic
+from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
 from hpctoolkit.store.api import MissingKeysError
 
 INDEX_NAME = "index.json"
@@ -46,6 +46,7 @@ _ST_DTYPES = {
 
 
 def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
+    # Not synced here: callers write to `rundir.atomic.atomic_path`, which syncs before the rename.
     # Written by hand rather than with safetensors.save_file: a sample's tensors are views into one
     # buffer, which save_file refuses (shared memory), and cloning them would copy every sample.
     header: dict[str, Any] = {"__metadata__": meta}
@@ -66,8 +67,6 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
         for _, t in tensors:
             # ndarray has the buffer protocol; numpy's stubs do not declare it for Python 3.11.
             f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))  # type: ignore[arg-type]
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class ShardWriter:
@@ -110,9 +109,8 @@ class ShardWriter:
         name = f"shard-{len(self._shards):05d}.safetensors"
         tensors = [kt for s in self._pending for kt in s.destinations()]
         meta = {MANIFESTS_META: json.dumps([s.manifest.to_dict() for s in self._pending]), "format": FORMAT}
-        tmp = self.out_dir / f".{name}.tmp-{os.getpid()}"
-        _write_safetensors(tmp, tensors, meta)
-        os.replace(tmp, self.out_dir / name)
+        with atomic_path(self.out_dir / name) as tmp:
+            _write_safetensors(tmp, tensors, meta)
         self._shards.append(
             {"file": name, "samples": [s.key for s in self._pending], "nbytes": self._pending_bytes}
         )
@@ -125,7 +123,7 @@ class ShardWriter:
             "shards": self._shards,
             "num_samples": sum(len(s["samples"]) for s in self._shards),
         }
-        write_text_atomic(self.out_dir / INDEX_NAME, json.dumps(index, indent=1))
+        write_json_atomic(self.out_dir / INDEX_NAME, index, indent=1)
 
     def close(self) -> None:
         self.flush()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -18,6 +17,7 @@ from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.data.prompts import load_prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.compare import evaluate
+from hpctoolkit.rundir.atomic import write_text_atomic
 from hpctoolkit.targets.resolve import resolve_target
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         )
     text = json.dumps(result, indent=2, default=str)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_text_atomic(args.out, text + "\n")
     print(
         f"served acceptance length {result['served_acceptance_length']:.3f}, simulated "
         f"{result['simulated_acceptance_length']:.3f} (both incl. bonus; k={args.num_speculative_tokens})"

@@ -1,6 +1,5 @@
 """Plain draft checkpoints: `config.json` + `model.safetensors` holding our module names."""
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,6 +9,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import architecture_for, build_draft_model, load_draft_config
+from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -25,11 +25,10 @@ def save_draft(model: DraftModel, out_dir: str | Path) -> Path:
     """Write `config.json` and `model.safetensors` (full state dict, buffers included)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(
-        json.dumps(config_to_dict(model.config), indent=2, sort_keys=True) + "\n"
-    )
+    write_json_atomic(out / "config.json", config_to_dict(model.config), indent=2, sort_keys=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_NAME))
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(state, str(tmp))
     return out
 
 

@@ -23,7 +23,6 @@ serving counterpart is refused with `ConfigError` rather than exported and silen
 because vLLM's draft `load_weights` does not report unused or missing weights.
 """
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from hpctoolkit.models.checkpoint import load_state_dict
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.families import serving_for
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
+from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -123,8 +123,9 @@ def export_draft(
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_json_atomic(out / "config.json", cfg, indent=2, sort_keys=True)
     return out
 
 

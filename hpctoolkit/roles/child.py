@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import errors
+from hpctoolkit.rundir.atomic import write_json_atomic
 
 
 def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
@@ -32,9 +33,7 @@ def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
             "traceback": traceback.format_exc(),
         }
     # Whole or absent: the parent may read it while this process is still exiting.
-    tmp = Path(result_path + ".tmp")
-    tmp.write_text(json.dumps(payload, default=str))
-    tmp.replace(result_path)
+    write_json_atomic(result_path, payload)
 
 
 class ChildFailedError(RuntimeError):

@@ -1,38 +1,73 @@
 """Atomic writes: a reader on any node sees the old file or the new one, never half of either.
 
-The text goes to a temporary name in the same directory (unique per process and thread), is
-flushed, then `os.replace`d over the target. Every JSON record, index and marker of a run is
-written through here.
+The content goes to a temporary name in the same directory (`.<name>.tmp-<pid>-<thread>`, so
+concurrent writers never share one), is flushed to disk, then `os.replace`d over the target; on
+any failure the temporary file is removed and the target is left as it was. Every JSON record,
+index, marker and weights file of a run is written through here: text with `write_text_atomic` /
+`write_json_atomic`, bytes with `write_bytes_atomic`, and anything a library writes to a path
+(safetensors, a hand-rolled shard) through `atomic_path`.
+
+Pure standard library: `models` and `train` use it on machines without vllm or mooncake.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` atomically (parent directories are created); returns the path."""
+def _tmp_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+
+
+def _fsync(path: Path) -> None:
+    # The writer may not have synced (safetensors does not): the rename must not land first.
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, sync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path next to `path` (parent directories are created) to write the whole
+    file to; on a clean exit it is synced (unless the writer did: `sync=False`) and renamed over
+    `path`, on an exception removed."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp = _tmp_name(target)
     try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if sync:
+            _fsync(tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    return target
 
 
-def write_json_atomic(path: str | os.PathLike, record: Any, *, indent: int | None = None) -> Path:
-    """`record` as JSON (one line unless `indent`), newline-terminated, written atomically."""
-    return write_text_atomic(path, json.dumps(record, indent=indent, default=str) + "\n")
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically (parent directories are created); returns the path."""
+    with atomic_path(path, sync=False) as tmp, tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return Path(path)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` atomically (parent directories are created); returns the path."""
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_json_atomic(
+    path: str | os.PathLike, record: Any, *, indent: int | None = None, sort_keys: bool = False
+) -> Path:
+    """`record` as JSON (one line unless `indent`; values JSON cannot hold as `str`),
+    newline-terminated, written atomically."""
+    return write_text_atomic(path, json.dumps(record, indent=indent, sort_keys=sort_keys, default=str) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any | None:

@@ -23,9 +23,11 @@ Inside a run directory (every node of a Slurm job shares it):
                                  job these records belong to (`rundir.ledger.begin_attempt`)
     faults/engine<i>/            store errors the engine's workers recorded
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
-    spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record
+    spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record (`SpoolDir`)
     train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json,
-                                 data_order/rank<r>.jsonl (each step's samples and prompts)
+                                 draft_vocab.json, acceptance_per_position.png,
+                                 data_order/rank<r>.jsonl (each step's samples and prompts):
+                                 `TrainDir`, also the layout of any `run.train` output directory
     train/checkpoints/step-N/ledger-rank<r>.json  the sample ledger: the prompts rank r trained
                                  on up to step N (`rundir.ledger`; complete with the checkpoint)
     evaluate.json                served vs simulated acceptance (local backend)
@@ -55,6 +57,67 @@ def local_run_id(name: str, now: float | None = None) -> str:
 def slurm_run_id(name: str, job_id: str) -> str:
     """The run id of Slurm job `job_id`: the same on every node and after a requeue."""
     return f"{name}-j{job_id}"
+
+
+@dataclass(frozen=True)
+class TrainDir:
+    """The trainer's output directory: `RunDir.train` in a run, any directory given to `run.train`."""
+
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def data_order(self) -> Path:
+        return self.root / "data_order"
+
+    def order_log(self, rank: int) -> Path:
+        """Rank r's log of each step's samples and prompts (what a resume is checked against)."""
+        return self.data_order / f"rank{rank}.jsonl"
+
+    @property
+    def draft(self) -> Path:
+        """The trained draft under our module names (`models.checkpoint.save_draft`)."""
+        return self.root / "draft"
+
+    @property
+    def export(self) -> Path:
+        """What vLLM serves (`models.export.export_draft`)."""
+        return self.root / "export"
+
+    @property
+    def draft_vocab(self) -> Path:
+        """The pruned Eagle3 vocabulary the trainers chose (`data.draft_vocab` reuses it)."""
+        return self.root / "draft_vocab.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "train_summary.json"
+
+    @property
+    def acceptance_plot(self) -> Path:
+        return self.root / "acceptance_per_position.png"
+
+
+@dataclass(frozen=True)
+class SpoolDir:
+    """A live run's trainer spool (`RunDir.spool`): each rank's replay shards and read record."""
+
+    root: Path
+
+    def shards(self, rank: int) -> Path:
+        """Rank r's replay copy of its first pass (offline shards)."""
+        return self.root / f"rank{rank}"
+
+    def read_record(self, rank: int) -> Path:
+        """Rank r's read record (`train.source.LiveSource`), which backpressure reads."""
+        return self.root / f"read-rank{rank}.json"
 
 
 @dataclass(frozen=True)
@@ -133,16 +196,24 @@ class RunDir:
         return self.root / "spool"
 
     @property
+    def spool_files(self) -> SpoolDir:
+        return SpoolDir(self.spool)
+
+    @property
     def train(self) -> Path:
         return self.root / "train"
 
     @property
+    def train_files(self) -> TrainDir:
+        return TrainDir(self.train)
+
+    @property
     def checkpoints(self) -> Path:
-        return self.train / "checkpoints"
+        return self.train_files.checkpoints
 
     @property
     def export(self) -> Path:
-        return self.train / "export"
+        return self.train_files.export
 
     @property
     def evaluate(self) -> Path:

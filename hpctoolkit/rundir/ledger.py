@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir
 
 # The manifest `extra` key an engine leader puts the sample's prompt index under.
@@ -171,8 +171,10 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
         queue, stale_list = run.queue(engine), run.stale_queue(engine)
         if queue.exists():
             found = True
-            with stale_list.open("a") as f:
-                f.write(queue.read_text())
+            # Whole or not at all: a torn line would stop the leader reading the list. A crash
+            # before the unlink lists the queue twice, which only removes its fragments twice.
+            listed = stale_list.read_text() if stale_list.exists() else ""
+            write_text_atomic(stale_list, listed + queue.read_text())
             queue.unlink()
     write_json_atomic(run.attempt, record)
     return found

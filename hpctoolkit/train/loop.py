@@ -15,6 +15,8 @@ import torch
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.rundir.atomic import write_json_atomic, write_text_atomic
+from hpctoolkit.rundir.layout import TrainDir
 from hpctoolkit.rundir.ledger import PROMPT_KEY
 from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate
@@ -49,8 +51,13 @@ class TrainJob:
     # A pruned Eagle3 vocabulary saved by an earlier run (`draft_vocab.json`); "" counts this data's.
     draft_vocab: str = ""
 
+    @property
+    def files(self) -> TrainDir:
+        """Where each output of the run lives in `out_dir` (`rundir.layout.TrainDir`)."""
+        return TrainDir(Path(self.out_dir))
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+DRAFT_VOCAB_FILE = TrainDir(Path()).draft_vocab.name
 
 
 def _vocab_counts(job: TrainJob, opener, ctx: DistContext, vocab_size: int) -> torch.Tensor:
@@ -88,7 +95,7 @@ def _save_vocab(trainer: FamilyTrainer, out: Path, source: str) -> None:
     ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     c = draft.config
     body = {"vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size, "source": source}
-    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({**body, "target_ids": ids.cpu().tolist()}))
+    write_json_atomic(TrainDir(out).draft_vocab, {**body, "target_ids": ids.cpu().tolist()})
 
 
 def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
@@ -155,8 +162,8 @@ class _Run:
         return self.job.training
 
     @property
-    def out(self) -> Path:
-        return Path(self.job.out_dir)
+    def files(self) -> TrainDir:
+        return self.job.files
 
     def save(self) -> None:
         self.ckpt.save(
@@ -186,13 +193,12 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
             counts = _vocab_counts(job, opener, ctx, draft_cfg.vocab_size)
     trainer = build_trainer(draft_cfg, job.target_dir, cfg, vocab_counts=counts)
     if counts is not None and ctx.is_main:
-        Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         how = job.draft_vocab or f"supervised tokens of the first {VOCAB_SCAN_SAMPLES} samples per rank"
-        _save_vocab(trainer, Path(job.out_dir), how)
+        _save_vocab(trainer, job.files.root, how)
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
     optimizer, scheduler = build_optimizer(trainer, cfg)
-    ckpt = Checkpointer(Path(job.out_dir) / "checkpoints", cfg.keep_checkpoints, ctx)
+    ckpt = Checkpointer(job.files.checkpoints, cfg.keep_checkpoints, ctx)
 
     start_step, position, prompts = 0, {"epoch": 0, "offset": 0}, []
     latest = ckpt.latest() if job.resume else None
@@ -263,16 +269,15 @@ def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[s
 def _train_steps(run: _Run) -> None:
     """Steps until `training.steps`, `stop_after`, or the samples run out (`run.stop_reason`)."""
     cfg, ctx, job = run.cfg, run.ctx, run.job
-    tb = TensorBoardLog(run.out / "tensorboard", enabled=ctx.is_main)
+    tb = TensorBoardLog(run.files.tensorboard, enabled=ctx.is_main)
     bar = None
     if ctx.is_main and job.show_progress:
         from tqdm import tqdm
 
         desc = f"train {run.trainer.family}"
         bar = tqdm(total=cfg.steps, initial=run.start_step, desc=desc, dynamic_ncols=True)
-    order_dir = run.out / "data_order"
-    order_dir.mkdir(parents=True, exist_ok=True)
-    order_path = order_dir / f"rank{ctx.rank}.jsonl"
+    order_path = run.files.order_log(ctx.rank)
+    order_path.parent.mkdir(parents=True, exist_ok=True)
     _truncate_order(order_path, run.start_step)
     # Which samples each step read, per rank: what resume is checked against.
     with order_path.open("a") as order_log:
@@ -339,14 +344,15 @@ def _next_samples(run: _Run) -> tuple[list[Any] | None, bool]:
 
 
 def _truncate_order(path: Path, start_step: int) -> None:
-    """Keep only the steps up to the checkpoint a run resumed from (a crash may have logged more)."""
+    """Keep only the steps up to the checkpoint a run resumed from (a crash may have logged more).
+    Rewritten atomically: a crash here must not lose the steps the checkpoint trained on."""
     if not start_step:
-        path.write_text("")
+        write_text_atomic(path, "")
         return
     if not path.exists():
         return
     kept = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= start_step]
-    path.write_text("".join(x + "\n" for x in kept))
+    write_text_atomic(path, "".join(x + "\n" for x in kept))
 
 
 def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
@@ -375,13 +381,13 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     if cfg.export and run.stop_reason != "stop_after" and not run.preempted:
         state = _full_draft_state(run.trainer)
         if ctx.is_main:
-            cpu_draft = _save_training_format(run.trainer, state, run.out)
+            cpu_draft = _save_training_format(run.trainer, state, run.files)
             try:
-                export_dir = _export(cpu_draft, run.out)
+                export_dir = _export(cpu_draft, run.files)
             except ConfigError as err:
                 # The trained draft is kept (out/draft, checkpoints); only vLLM cannot serve it.
                 export_error = str(err)
-                log.error("export to %s refused: %s", run.out / "export", err)
+                log.error("export to %s refused: %s", run.files.export, err)
     ctx.barrier()
     if not ctx.is_main:
         return None
@@ -390,12 +396,12 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         summary["export_dir"] = str(export_dir)
     if export_error is not None:
         summary["export_error"] = export_error
-    (run.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(run.files.summary, summary, indent=2)
     return summary
 
 
 def _summary(run: _Run, wall: float) -> dict[str, Any]:
-    ctx, out, trainer = run.ctx, run.out, run.trainer
+    ctx, files, trainer = run.ctx, run.files, run.trainer
     total = run.window.total()
     summary: dict[str, Any] = {
         "family": trainer.family,
@@ -414,8 +420,8 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
         "preempted": run.preempted,
         "samples_position": run.stream.position,
         "checkpoint_dir": str(run.ckpt.latest()) if run.ckpt.latest() else None,
-        "draft_dir": str(out / "draft") if (out / "draft").is_dir() else None,
-        "tensorboard_dir": str(out / "tensorboard"),
+        "draft_dir": str(files.draft) if files.draft.is_dir() else None,
+        "tensorboard_dir": str(files.tensorboard),
     }
     if total is not None:
         summary["train_window_steps"] = total.steps
@@ -424,7 +430,7 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
 
         summary["acceptance_plot"] = str(
             plot_acceptance(
-                out / "acceptance_per_position.png",
+                files.acceptance_plot,
                 acceptance_rate_per_pos=total.acceptance_rate_per_pos(),
                 accuracy_per_pos=total.pos_accuracy(),
                 title=(
@@ -436,7 +442,9 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
     return summary
 
 
-def _save_training_format(trainer: FamilyTrainer, state: dict[str, torch.Tensor], out: Path) -> DraftModel:
+def _save_training_format(
+    trainer: FamilyTrainer, state: dict[str, torch.Tensor], files: TrainDir
+) -> DraftModel:
     """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
     from hpctoolkit.models.checkpoint import save_draft
     from hpctoolkit.models.registry import build_draft_model
@@ -447,12 +455,12 @@ def _save_training_format(trainer: FamilyTrainer, state: dict[str, torch.Tensor]
         raise ConfigError(
             f"gathered draft state does not match the model: missing {missing}, unexpected {unexpected}"
         )
-    save_draft(cpu_model, out / "draft")
+    save_draft(cpu_model, files.draft)
     return cpu_model
 
 
-def _export(cpu_draft: DraftModel, out: Path) -> Path:
+def _export(cpu_draft: DraftModel, files: TrainDir) -> Path:
     """`out/export`: the vLLM serving checkpoint, through the models' `export_draft`."""
     from hpctoolkit.models.export import export_draft
 
-    return export_draft(cpu_draft, cpu_draft.config, out / "export")
+    return export_draft(cpu_draft, cpu_draft.config, files.export)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.rundir.layout import SpoolDir
 
 SampleFactory = Callable[[int, int, int, int], Iterable[Any]]
 SamplesSource = str | os.PathLike | SampleFactory
@@ -164,10 +165,11 @@ class LiveSource:
 
     `follow`, when set, replaces following `manifests_path`: a picklable callable returning the
     manifests in one order every rank agrees on (a Slurm run passes `ManifestQueues`, all engines'
-    queues). `spool_dir`, when set, holds `read-rank<r>.json`, this rank's read record of the
-    first pass: `{"samples", "bytes", "complete"}`, plus, with `engine_prefixes` (engine i's sample
-    key prefix at i), `"engines": [{"samples", "stage_bytes": [per PP stage]}, ...]`, which an
-    engine leader's backpressure reads (`read_stage_bytes`). It is rewritten after every sample.
+    queues). `spool_dir` (its layout: `rundir.layout.SpoolDir`), when set, holds `read-rank<r>.json`,
+    this rank's read record of the first pass: `{"samples", "bytes", "complete"}`, plus, with
+    `engine_prefixes` (engine i's sample key prefix at i), `"engines": [{"samples", "stage_bytes":
+    [per PP stage]}, ...]`, which an engine leader's backpressure reads (`read_stage_bytes`). It is
+    rewritten after every sample.
 
     `epochs` (`training.epochs`): 1 reads the store once and spools nothing, so training ends
     when the first pass does; E > 1 also keeps this rank's samples as offline shards under
@@ -198,7 +200,7 @@ class LiveSource:
     def __call__(self, rank: int, world_size: int, epoch: int, skip: int) -> Iterator[Any]:
         if epoch > 0:
             if self.spools and (self.epochs == 0 or epoch < self.epochs):
-                yield from self._replay(Path(str(self.spool_dir)), rank, skip)
+                yield from self._replay(rank, skip)
             return
         from hpctoolkit.data.dataset import HiddenStateDataset
 
@@ -232,16 +234,20 @@ class LiveSource:
             if self.spool_dir is None:
                 yield from samples
             else:
-                yield from self._read(Path(self.spool_dir), samples, rank, world_size)
+                yield from self._read(samples, rank, world_size)
         finally:
             close = getattr(store, "close", None)
             if close is not None:
                 close()
 
-    def read_record(self, rank: int) -> Path:
-        return Path(self.spool_dir or ".") / f"read-rank{rank}.json"
+    @property
+    def spool(self) -> SpoolDir:
+        return SpoolDir(Path(self.spool_dir or "."))
 
-    def _read(self, spool_dir: Path, samples: Iterable[Any], rank: int, world_size: int) -> Iterator[Any]:
+    def read_record(self, rank: int) -> Path:
+        return self.spool.read_record(rank)
+
+    def _read(self, samples: Iterable[Any], rank: int, world_size: int) -> Iterator[Any]:
         import contextlib
         import shutil
 
@@ -249,9 +255,9 @@ class LiveSource:
         from hpctoolkit.errors import DataIntegrityError
         from hpctoolkit.rundir.atomic import write_json_atomic
 
-        shard_dir = spool_dir / f"rank{rank}"
+        shard_dir = self.spool.shards(rank)
         shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
-        spool_dir.mkdir(parents=True, exist_ok=True)
+        self.spool.root.mkdir(parents=True, exist_ok=True)
         record = self.read_record(rank)
         bound = None if self.spool_max_bytes is None else self.spool_max_bytes // world_size
         n = nbytes = 0
@@ -285,7 +291,7 @@ class LiveSource:
                 yield sample
         note(True)
 
-    def _replay(self, spool_dir: Path, rank: int, skip: int) -> Iterator[Any]:
+    def _replay(self, rank: int, skip: int) -> Iterator[Any]:
         import json
 
         from hpctoolkit.data.offline import ShardReader
@@ -293,7 +299,7 @@ class LiveSource:
         record = self.read_record(rank)
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
-        reader = ShardReader(spool_dir / f"rank{rank}")
+        reader = ShardReader(self.spool.shards(rank))
         for i in range(skip, len(reader)):
             yield reader[i]
 
@@ -321,7 +327,7 @@ def read_stage_bytes(
     total = [0] * pp_size
     for r in range(world_size):
         try:
-            rec = json.loads((Path(spool_dir) / f"read-rank{r}.json").read_text())
+            rec = json.loads(SpoolDir(Path(spool_dir)).read_record(r).read_text())
         except (OSError, ValueError):
             continue
         prefixes = rec.get("prefixes")
