@@ -1,8 +1,13 @@
-"""The one place where argv is read and a `ConfigError` becomes exit code 2.
+"""The one place where argv is read and a failure becomes one line and an exit code.
 
 Every `python -m hpctoolkit.X` entry point is `run_cli(main)`, where `main(argv) -> int` raises
-`ConfigError` for user mistakes (exit 2) and `StoreError` / `DataIntegrityError` for data-path
-faults (exit 1). The user sees one line naming the key, address or sample, never a traceback.
+`ConfigError` for user mistakes (exit 2) and `StoreError` / `DataIntegrityError` /
+`RoleFailedError` for data-path faults and failed roles (exit 1). The user sees one line naming the
+key, address or sample, never a traceback. Anything else (an `OSError`, a bug) is also one line,
+`error: <Type>: <message> (traceback in <file>)`, exit 1: its traceback goes to a file under
+`<cache>/errors/` (`HPCTOOLKIT_CACHE`, else ~/.cache/hpctoolkit), and also to stderr with
+`HPCTOOLKIT_DEBUG=1`. Ctrl-C is `interrupted`, exit 130. `report` is the same line for the one
+entry that bypasses `run_cli` (submitit's task, `roles.dispatch.run_task`).
 
 Every entry point builds its arguments with `parser(...)` and reads them with `parse(...)`:
 flags and positionals (`section.key=value` overrides included) may come in any order, and argparse
@@ -12,14 +17,22 @@ never exits on its own: a usage mistake is a `ConfigError`, `--help` is `HelpReq
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
+from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError, DataIntegrityError, RoleFailedError, StoreError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+# Faults whose message names what failed: their traceback would tell the user nothing more.
+KNOWN_FAULTS = (StoreError, DataIntegrityError, RoleFailedError)
 
 
 class HelpRequested(Exception):  # noqa: N818 -- not an error: `--help` was asked for
@@ -55,6 +68,44 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespac
         raise ConfigError(f"{ap.prog}: {err}") from None
 
 
+def one_line(text: object) -> str:
+    """`text` on one line (a message with newlines would break "one line per failure")."""
+    return " ".join(str(text).split())
+
+
+def error_log_dir() -> Path:
+    """Where an unexpected failure's traceback is written: `<cache>/errors/`."""
+    cache = envs.get(envs.HPCTOOLKIT_CACHE.name) or Path.home() / ".cache" / "hpctoolkit"
+    return Path(cache) / "errors"
+
+
+def _keep_traceback(err: BaseException) -> str:
+    """Write `err`'s traceback to its own file; returns where (or how to see it)."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    if envs.get(envs.HPCTOOLKIT_DEBUG.name) == "1":
+        print(text, end="", file=sys.stderr)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = error_log_dir() / f"{stamp}-{os.getpid()}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{' '.join(sys.argv)}\n{text}")
+    except OSError:
+        return f"{envs.HPCTOOLKIT_DEBUG.name}=1 prints the traceback"
+    return f"traceback in {path}"
+
+
+def report(err: Exception) -> int:
+    """Print the one line `err` reaches the user as (stderr); return its exit code."""
+    if isinstance(err, ConfigError):
+        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    line = f"error: {type(err).__name__}: {one_line(err)}"
+    if not isinstance(err, KNOWN_FAULTS):
+        line += f" ({_keep_traceback(err)})"
+    print(line, file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -62,15 +113,9 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
     except HelpRequested as shown:
         print(str(shown), end="")
         sys.exit(0)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    except (StoreError, DataIntegrityError, RoleFailedError) as err:
-        # A data-path fault: the run stopped rather than train on partial data. The message
-        # names the store address or the sample key at fault.
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        sys.exit(EXIT_FAILED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as err:  # noqa: BLE001 -- every failure reaches the user as one line
+        sys.exit(report(err))
     sys.exit(code)

@@ -50,7 +50,16 @@ def _register(name: str, default: str | None, doc: str) -> EnvVar:
 
 
 HPCTOOLKIT_CACHE = _register(
-    "HPCTOOLKIT_CACHE", None, "Cache folder for built tiny targets; default ~/.cache/hpctoolkit."
+    "HPCTOOLKIT_CACHE",
+    None,
+    "Cache folder for built tiny targets and the tracebacks of unexpected failures (errors/); "
+    "default ~/.cache/hpctoolkit.",
+)
+HPCTOOLKIT_DEBUG = _register(
+    "HPCTOOLKIT_DEBUG",
+    "0",
+    "1: a failure that is not a known fault also prints its traceback on stderr before its one "
+    "line (`hpctoolkit.cli.report`; the traceback is written under <cache>/errors/ either way).",
 )
 HPCTOOLKIT_ENGINE_BACKEND = _register(
     "HPCTOOLKIT_ENGINE_BACKEND",

@@ -3,7 +3,9 @@
 vLLM does not release its workers (or its torch.distributed group) within a process, and the
 trainer sets up its own process group, so capture, training and evaluation each get a process.
 The child's result travels back as JSON in a file; an exception comes back with its type name and
-message, and is re-raised in the parent as the same error class when it is one of ours.
+message, and is re-raised in the parent as the same error class when it is one of ours. Any other
+exception becomes a one-line `ChildFailedError`; the child's traceback goes to the parent's stderr
+(the role's log), not into the message.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import errors
+from hpctoolkit.cli import one_line
 from hpctoolkit.rundir.atomic import write_json_atomic
 
 
@@ -36,8 +40,9 @@ def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
     write_json_atomic(result_path, payload)
 
 
-class ChildFailedError(RuntimeError):
-    pass
+class ChildFailedError(errors.RoleFailedError):
+    """A phase's process failed. The message is one line naming the phase and its error; the
+    child's traceback was printed to this process's stderr (the role's log)."""
 
 
 class Child:
@@ -84,8 +89,15 @@ class Child:
         cls = getattr(errors, payload["type"], None)
         if isinstance(cls, type) and issubclass(cls, Exception):
             raise cls(payload["message"])
+        print(
+            f"traceback of the {self.name} phase (process {self.proc.pid}):\n{payload['traceback']}",
+            end="" if payload["traceback"].endswith("\n") else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
         raise ChildFailedError(
-            f"{self.name} phase failed: {payload['type']}: {payload['message']}\n{payload['traceback']}"
+            f"{self.name} phase failed: {payload['type']}: {one_line(payload['message'])} "
+            "(its traceback is in this role's log)"
         )
 
     def kill(self) -> None:
