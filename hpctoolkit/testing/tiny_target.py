@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.rundir.atomic import write_text_atomic
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 6
@@ -121,7 +122,7 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
             if p.dim() == 2:
                 p.normal_(0.0, 0.3 if "embed" in n else 0.08)
     model.to(torch.bfloat16).save_pretrained(out)
-    stamp.write_text(digest)
+    write_text_atomic(stamp, digest)
     return out
 
 

@@ -57,8 +57,7 @@ def launch(job: TrainJob, world_size: int) -> dict[str, Any] | None:
         mp.start_processes(
             _spawn_entry, args=(world_size, job), nprocs=world_size, join=True, start_method="spawn"
         )
-        summary_path = Path(job.out_dir) / "train_summary.json"
-        return json.loads(summary_path.read_text())
+        return json.loads(job.files.summary.read_text())
     finally:
         rendezvous.unlink(missing_ok=True)
 
