@@ -52,11 +52,11 @@ def _uv() -> str:
     return found
 
 
-def _python312() -> str:
+def _python312() -> str | None:
     for cand in PY312:
         if cand and subprocess.run([str(cand), "-V"], capture_output=True, check=False).returncode == 0:
             return str(cand)
-    return sys.executable  # 3.11: the package supports both
+    return None
 
 
 def _files_section() -> list[tuple[str, str]]:
@@ -97,7 +97,13 @@ def rehearsal(tmp_path_factory):
     env = {**os.environ, "UV_CACHE_DIR": str(CACHE / "uv"), "PIP_CACHE_DIR": str(CACHE / "pip")}
     env.pop("VIRTUAL_ENV", None)
     uv = _uv()
-    _run([uv, "venv", "-q", "--seed", "-p", _python312(), str(venv)], env, work / "venv.log", 300)
+    # The image's interpreter where this machine has one; else this one (the package supports both).
+    _run(
+        [uv, "venv", "-q", "--seed", "-p", _python312() or sys.executable, str(venv)],
+        env,
+        work / "venv.log",
+        300,
+    )
     py = str(venv / "bin" / "python")
     # uv hard-links from its cache; patch replaces a file rather than writing through the link.
     _run([uv, "pip", "install", "-q", "-p", py, VLLM], env, work / "vllm.log", 1200)
@@ -137,6 +143,9 @@ def test_post_patches_installs_and_records(rehearsal):
     ]
     assert [p["name"] for p in info["patches"]] == names
     assert info["vllm_version"] == "0.32.0" and info["hpctoolkit_version"] == "0.1.0"
+    # The rehearsal ran on the image's Python wherever this machine has a 3.12.
+    print(f"\n[measure] rehearsal on Python {info['python']}")
+    assert info["python"].startswith("3.12.") or _python312() is None, info["python"]
     assert info["mooncake"] == f"mooncake-transfer-engine-cuda{info['cuda'].split('.')[0]}==0.3.13.post1" or (
         info["cuda"].startswith("12.") and info["mooncake"] == "mooncake-transfer-engine==0.3.13.post1"
     )
