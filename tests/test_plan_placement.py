@@ -13,17 +13,15 @@ from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.plan.placement import (
-    ENGINE_PORT_BASE,
     LOCALHOST,
     ROLE_ENGINE_FOLLOWER,
     ROLE_ENGINE_LEADER,
     ROLE_MASTER,
     ROLE_TRAINER,
-    STORE_DEFAULT_PORT,
-    TRAINER_PORT,
     Plan,
     make_plan,
 )
+from hpctoolkit.plan.ports import ENGINE_PORT_BASE, STORE_DEFAULT_PORT, TRAINER_PORT
 from hpctoolkit.slurm.render import load_for_render
 
 

@@ -18,6 +18,9 @@ owns `engine.gpus_per_node` GPUs from index 0. vLLM numbers ranks TP-innermost
 (rank = pp_rank * tp + tp_rank, node_rank k holding ranks k*g .. k*g+g-1), which fixes the stage of
 each GPU.
 
+The ports every listener uses, the master's bind address and the rule that no two listeners
+share a port live in `plan.ports`.
+
 The plan is a control-plane record: metadata only, frozen, and `to_dict()` is JSON-ready. Its
 `digest()` is baked into rendered batch scripts so a node refuses to run a stale script.
 """
@@ -30,6 +33,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan.ports import (
+    ENGINE_PORT_BASE,
+    REGENERATE_PORT_OFFSET,
+    TRAINER_PORT,
+    MasterPlacement,
+    check_ports,
+    place_master,
+)
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
@@ -41,28 +52,6 @@ ROLE_TRAINER = "trainer"
 ROLES = (ROLE_MASTER, ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER, ROLE_TRAINER)
 
 LOCALHOST = "localhost"
-# Ports are fixed rules rather than picked at start: processes on other nodes must know them
-# before the process that listens on them is up.
-STORE_DEFAULT_PORT = 50051  # mooncake_master's own default
-ENGINE_PORT_BASE = 29600  # engine e's vLLM rendezvous: ENGINE_PORT_BASE + e (unique on one host)
-# A multi-node engine that regenerates first runs a generating engine over the same nodes, with a
-# rendezvous of its own: its followers tell that it left by its port closing, so it must not be
-# the capture engine's, which opens right after.
-REGENERATE_PORT_OFFSET = 100
-TRAINER_PORT = 29500  # torch.distributed rendezvous of the FSDP ranks
-
-
-@dataclass(frozen=True)
-class MasterPlacement:
-    """The Mooncake master this run launches (None in `Plan.master` when it connects to one)."""
-
-    node: int
-    # Interface the master binds: a fixed address, or None for "the host name of its node" (Slurm:
-    # a loopback default would be unreachable from the other nodes).
-    bind_host: str | None
-    # 0 only on the local backend: a free port is picked at start.
-    port: int
-    rule: str
 
 
 @dataclass(frozen=True)
@@ -318,21 +307,6 @@ def _check_degrees(cfg: RecipeConfig) -> None:
         )
 
 
-def _master(cfg: RecipeConfig, node: int, local: bool) -> tuple[MasterPlacement | None, str | None]:
-    s = cfg.store
-    if s.master_address:
-        return None, s.master_address
-    loopback = s.bind_host in ("127.0.0.1", "localhost", "::1")
-    if local:
-        port = s.master_port
-        rule = f"bind {s.bind_host}, port " + (str(port) if port else "picked free at start")
-        return MasterPlacement(node, s.bind_host, port, rule), None
-    port = s.master_port or STORE_DEFAULT_PORT
-    bind = None if loopback else s.bind_host
-    rule = f"bind {bind or 'host of its node'}:{port}"
-    return MasterPlacement(node, bind, port, rule), None
-
-
 def make_plan(cfg: RecipeConfig) -> Plan:
     """Place the master, the engines and the trainers; raise `ConfigError` naming the key when the
     cluster cannot hold the job."""
@@ -340,8 +314,6 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     c, e, t = cfg.cluster, cfg.engine, cfg.training
     if c.backend == "local":
         return _local_plan(cfg)
-    if c.backend != "slurm":
-        raise ConfigError(f"cluster.backend must be 'local' or 'slurm', got {c.backend!r}")
 
     gpn = c.gpus_per_node
     if e.gpus_per_node > gpn:
@@ -382,19 +354,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             f"x {e.nnodes} node(s) = {needed}; set cluster.nodes={needed}"
         )
 
-    trainer_nodes = tuple(range(c.trainer_nodes))
-    ranks = tuple(
-        TrainerRank(
-            rank=r,
-            node=r // per_node,
-            local_rank=r % per_node,
-            gpu=(gpn - free) + r % per_node if on_gpu else None,
-        )
-        for r in range(t.world_size)
-    )
-    trainer = TrainerPlacement(
-        trainer_nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks, TRAINER_PORT
-    )
+    trainer = _slurm_trainer(cfg, per_node, first_gpu=gpn - free)
     engines = tuple(
         EnginePlacement(
             index=i,
@@ -406,11 +366,29 @@ def make_plan(cfg: RecipeConfig) -> Plan:
         )
         for i in range(e.num_engines)
     )
-    master, external = _master(cfg, 0, local=False)
+    master, external = place_master(cfg.store, 0, local=False)
     plan = Plan("slurm", needed, gpn, (None,) * needed, master, external, engines, trainer)
     _check_ports(plan, cfg)
     _assert_consistent(plan)
     return plan
+
+
+def _slurm_trainer(cfg: RecipeConfig, per_node: int, first_gpu: int) -> TrainerPlacement:
+    """`per_node` ranks on each of the first `cluster.trainer_nodes` nodes, on the GPUs from
+    `first_gpu` (none with training.device=cpu)."""
+    t = cfg.training
+    on_gpu = t.device == "cuda"
+    ranks = tuple(
+        TrainerRank(
+            rank=r,
+            node=r // per_node,
+            local_rank=r % per_node,
+            gpu=first_gpu + r % per_node if on_gpu else None,
+        )
+        for r in range(t.world_size)
+    )
+    nodes = tuple(range(cfg.cluster.trainer_nodes))
+    return TrainerPlacement(nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks, TRAINER_PORT)
 
 
 def _local_plan(cfg: RecipeConfig) -> Plan:
@@ -442,7 +420,7 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
     trainer = TrainerPlacement(
         (0,), t.world_size, t.world_size, t.fsdp_mode, t.device, tuple(ranks), TRAINER_PORT
     )
-    master, external = _master(cfg, 0, local=True)
+    master, external = place_master(cfg.store, 0, local=True)
     plan = Plan("local", 1, pool, (LOCALHOST,), master, external, tuple(engines), trainer)
     _check_ports(plan, cfg)
     _assert_consistent(plan)
@@ -450,40 +428,23 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
 
 
 def _check_ports(plan: Plan, cfg: RecipeConfig) -> None:
-    """No two listeners of the plan share a port on one node (fixed ports only: 0 is picked at start)."""
-    taken: dict[tuple[int, int], str] = {}
-
-    def claim(node: int, port: int, what: str) -> None:
-        if port == 0:
-            return
-        other = taken.setdefault((node, port), what)
-        if other != what:
-            raise ConfigError(
-                f"{what} and {other} both listen on port {port} of node n{node}; give one another port"
-            )
-
+    """No two listeners of the plan share a port on one node (`ports.check_ports`)."""
+    listeners = []
     if plan.master is not None:
-        claim(
-            plan.master.node, plan.master.port, f"the Mooncake master (store.master_port={plan.master.port})"
-        )
-        claim(
-            plan.master.node,
-            cfg.store.metrics_port,
-            f"its metrics (store.metrics_port={cfg.store.metrics_port})",
-        )
-    claim(
-        plan.trainer.nodes[0],
-        plan.trainer.master_port,
-        f"the trainers' rendezvous (port {plan.trainer.master_port})",
-    )
+        m = plan.master
+        listeners.append((m.node, m.port, f"the Mooncake master (store.master_port={m.port})"))
+        metrics = cfg.store.metrics_port
+        listeners.append((m.node, metrics, f"its metrics (store.metrics_port={metrics})"))
+    t = plan.trainer
+    listeners.append((t.nodes[0], t.master_port, f"the trainers' rendezvous (port {t.master_port})"))
     for e in plan.engines:
-        claim(e.leader.node, e.master_port, f"engine {e.index}'s vLLM rendezvous (port {e.master_port})")
+        listeners.append(
+            (e.leader.node, e.master_port, f"engine {e.index}'s vLLM rendezvous (port {e.master_port})")
+        )
         if e.nnodes > 1 and cfg.data.regenerate_tokens:
-            claim(
-                e.leader.node,
-                e.regenerate_port,
-                f"engine {e.index}'s generating rendezvous (port {e.regenerate_port})",
-            )
+            what = f"engine {e.index}'s generating rendezvous (port {e.regenerate_port})"
+            listeners.append((e.leader.node, e.regenerate_port, what))
+    check_ports(listeners)
 
 
 def _assert_consistent(plan: Plan) -> None:

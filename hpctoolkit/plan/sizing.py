@@ -282,52 +282,18 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
     capture = capture_ids_for(e.target_layer_ids, num_layers)
     tokens = longest_sample_tokens(cfg)
     per_token = stage_bytes_per_token(capture, num_layers, e.pp_size, hidden, e.dtype)
-    parts = pp_partition(num_layers, e.pp_size)
     seg = s.segment_bytes
     if seg < MIN_SEGMENT_BYTES:
         raise ConfigError(
             f"store.global_segment_size={s.global_segment_size} is below Mooncake's smallest segment "
             f"({fmt_bytes(MIN_SEGMENT_BYTES)}): the writer's client setup would fail"
         )
-    stages = tuple(
-        StageSizing(
-            st,
-            tuple(owned_layers(capture, num_layers, st, e.pp_size, parts)),
-            b,
-            b * tokens,
-            seg // (b * tokens),
-        )
-        for st, b in enumerate(per_token)
-    )
-    worst = max(stages, key=lambda x: x.longest_sample_bytes)
-    room = seg - s.backpressure_high * seg
-    batch_bytes = e.capture_batch * worst.longest_sample_bytes
-    if batch_bytes > room:
-        fit_batch = int(room // worst.longest_sample_bytes)
-        need_seg = math.ceil(batch_bytes / (1 - s.backpressure_high))
-        raise ConfigError(
-            f"store.global_segment_size={s.global_segment_size} cannot hold the samples in flight: stage "
-            f"{worst.stage}'s writer pauses at store.backpressure_high={s.backpressure_high:g} "
-            f"({fmt_bytes(s.backpressure_high * seg)}), and one more engine.capture_batch={e.capture_batch} "
-            f"of its longest sample ({fmt_bytes(worst.longest_sample_bytes)} at {tokens} tokens) is {fmt_bytes(batch_bytes)} > the {fmt_bytes(room)} left; raise "
-            f"store.global_segment_size to {fmt_bytes(need_seg)} or lower engine.capture_batch to "
-            f"{max(fit_batch, 0)}"
-        )
-    in_flight = int(s.backpressure_high * seg // worst.longest_sample_bytes) + e.capture_batch
+    stages = _stage_sizes(capture, num_layers, e.pp_size, per_token, tokens, seg)
+    in_flight = _samples_in_flight(cfg, max(stages, key=lambda x: x.longest_sample_bytes), tokens)
     counts = check_counts(cfg)
     sample_bytes = (sum(per_token) + LOSS_MASK_BYTES) * tokens
-    spool_bytes = 0
-    if counts.spooled:
-        # Every rank reads its whole share in the first pass, and keeps it.
-        spool_bytes = cfg.data.num_samples * sample_bytes
     spool_max = parse_size(t.spool_max_size, "training.spool_max_size")
-    if spool_bytes > spool_max:
-        raise ConfigError(
-            f"training.epochs={counts.epochs} replays each rank's first pass from the spool: up to "
-            f"{fmt_bytes(spool_bytes)} ({cfg.data.num_samples} samples of at most {fmt_bytes(sample_bytes)}) > "
-            f"training.spool_max_size={t.spool_max_size}; raise it, or lower training.steps to one pass "
-            f"({counts.samples_per_rank_per_pass // t.batch_size})"
-        )
+    spool_bytes = _spool_bytes(cfg, counts, sample_bytes, spool_max)
     nodes = node_memory(cfg, plan) if plan is not None and plan.backend == "slurm" else ()
     return StoreSizing(
         hidden_size=hidden,
@@ -350,6 +316,60 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
         spool_max_bytes=spool_max,
         nodes=nodes,
     )
+
+
+def _stage_sizes(
+    capture: list[int], num_layers: int, pp_size: int, per_token: list[int], tokens: int, seg: int
+) -> tuple[StageSizing, ...]:
+    parts = pp_partition(num_layers, pp_size)
+    return tuple(
+        StageSizing(
+            st,
+            tuple(owned_layers(capture, num_layers, st, pp_size, parts)),
+            b,
+            b * tokens,
+            seg // (b * tokens),
+        )
+        for st, b in enumerate(per_token)
+    )
+
+
+def _samples_in_flight(cfg: RecipeConfig, worst: StageSizing, tokens: int) -> int:
+    """Longest samples unread in the fullest segment at worst: the pause point plus one capture
+    batch, which must fit the room above the high watermark (`ConfigError` otherwise)."""
+    e, s = cfg.engine, cfg.store
+    seg = s.segment_bytes
+    room = seg - s.backpressure_high * seg
+    batch_bytes = e.capture_batch * worst.longest_sample_bytes
+    if batch_bytes > room:
+        fit_batch = int(room // worst.longest_sample_bytes)
+        need_seg = math.ceil(batch_bytes / (1 - s.backpressure_high))
+        raise ConfigError(
+            f"store.global_segment_size={s.global_segment_size} cannot hold the samples in flight: stage "
+            f"{worst.stage}'s writer pauses at store.backpressure_high={s.backpressure_high:g} "
+            f"({fmt_bytes(s.backpressure_high * seg)}), and one more engine.capture_batch={e.capture_batch} "
+            f"of its longest sample ({fmt_bytes(worst.longest_sample_bytes)} at {tokens} tokens) is {fmt_bytes(batch_bytes)} > the {fmt_bytes(room)} left; raise "
+            f"store.global_segment_size to {fmt_bytes(need_seg)} or lower engine.capture_batch to "
+            f"{max(fit_batch, 0)}"
+        )
+    return int(s.backpressure_high * seg // worst.longest_sample_bytes) + e.capture_batch
+
+
+def _spool_bytes(cfg: RecipeConfig, counts: Counts, sample_bytes: int, spool_max: int) -> int:
+    """The spool's worst case (0 when it is off); `ConfigError` past `spool_max`."""
+    t = cfg.training
+    spool_bytes = 0
+    if counts.spooled:
+        # Every rank reads its whole share in the first pass, and keeps it.
+        spool_bytes = cfg.data.num_samples * sample_bytes
+    if spool_bytes > spool_max:
+        raise ConfigError(
+            f"training.epochs={counts.epochs} replays each rank's first pass from the spool: up to "
+            f"{fmt_bytes(spool_bytes)} ({cfg.data.num_samples} samples of at most {fmt_bytes(sample_bytes)}) > "
+            f"training.spool_max_size={t.spool_max_size}; raise it, or lower training.steps to one pass "
+            f"({counts.samples_per_rank_per_pass // t.batch_size})"
+        )
+    return spool_bytes
 
 
 def check_node_memory(nodes: tuple[NodeMemory, ...], node_memory_bytes: int, partition: str | None) -> None:
