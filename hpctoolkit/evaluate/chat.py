@@ -101,19 +101,7 @@ def serve_two_turn(
         )
     target_dir = Path(target_dir)
     k = num_speculative_tokens
-    # Room for the longest turn-2 prompt: its template with an empty answer, plus the answer
-    # re-tokenized (twice max_tokens: decoding and encoding again need not give the same count).
-    longest = max(len(render(tokenizer, second_turn(q, ""))) for q in questions) + 2 * max_tokens
-    max_len = model_len(longest, max_tokens, k)
-    limit = _context_limit(target_dir)
-    if limit is not None and max_len > limit:
-        if longest + max_tokens + k > limit:
-            raise ConfigError(
-                f"evaluate.max_tokens={max_tokens}: two MT-Bench turns may need {longest + max_tokens + k} "
-                f"tokens, more than the target's {limit}; lower evaluate.max_tokens"
-            )
-        max_len = limit
-    categories = list(dict.fromkeys(q.category for q in questions))
+    max_len = _two_turn_model_len(questions, tokenizer, target_dir, max_tokens, k)
     per_turn: dict[int, dict[str, Any]] = {}
     answers = [""] * len(questions)
     with ServingSession(
@@ -134,8 +122,42 @@ def serve_two_turn(
             answers = [tokenizer.decode(out, skip_special_tokens=True) for out in got["outputs"]]
             per_turn[turn] = got | {"prompts": prompts, "answers": answers}
         totals = counter_delta(session.counters(), session.start_counters)
+    return {
+        "method": session.method,
+        "engine_start_s": session.engine_start_s,
+        "max_model_len": max_len,
+        "calls": _calls_by_group(questions, per_turn),
+        "counters": totals,
+    }
+
+
+def _two_turn_model_len(
+    questions: Sequence[Question], tokenizer: Any, target_dir: Path, max_tokens: int, k: int
+) -> int:
+    """The engine's `max_model_len`: room for the longest turn-2 prompt and its answer, within the
+    target's context; raises `ConfigError` when two turns cannot fit it."""
+    # Room for the longest turn-2 prompt: its template with an empty answer, plus the answer
+    # re-tokenized (twice max_tokens: decoding and encoding again need not give the same count).
+    longest = max(len(render(tokenizer, second_turn(q, ""))) for q in questions) + 2 * max_tokens
+    max_len = model_len(longest, max_tokens, k)
+    limit = _context_limit(target_dir)
+    if limit is not None and max_len > limit:
+        if longest + max_tokens + k > limit:
+            raise ConfigError(
+                f"evaluate.max_tokens={max_tokens}: two MT-Bench turns may need {longest + max_tokens + k} "
+                f"tokens, more than the target's {limit}; lower evaluate.max_tokens"
+            )
+        max_len = limit
+    return max_len
+
+
+def _calls_by_group(
+    questions: Sequence[Question], per_turn: Mapping[int, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """One call per (category, turn), in the questions' category order: its questions' share of
+    that turn's batch (prompts, outputs, answers, summed counters, share of the batch's time)."""
     calls: list[dict[str, Any]] = []
-    for category in categories:
+    for category in dict.fromkeys(q.category for q in questions):
         rows = [i for i, q in enumerate(questions) if q.category == category]
         for turn in (1, 2):
             got = per_turn[turn]
@@ -152,10 +174,4 @@ def serve_two_turn(
                     "generate_s": got["generate_s"] * share,
                 }
             )
-    return {
-        "method": session.method,
-        "engine_start_s": session.engine_start_s,
-        "max_model_len": max_len,
-        "calls": calls,
-        "counters": totals,
-    }
+    return calls

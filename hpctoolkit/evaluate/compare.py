@@ -114,43 +114,14 @@ def evaluate_mt_bench(
     )
     calls = run["calls"]
     groups = acceptance_by_group(calls)
-    served = {
-        "method": run["method"],
-        "engine_start_s": run["engine_start_s"],
-        "generate_s": sum(c["generate_s"] for c in calls),
-        "max_model_len": run["max_model_len"],
-        "counters": groups["counters"],
-        "engine_counters": run["counters"],
-        "unloaded_parameters": [],
-        **acceptance_from_counters(groups["counters"], k),
-    }
-    if groups["counters"] != run["counters"]:
-        raise DataIntegrityError(
-            f"vLLM's spec-decode counters over the session ({run['counters']}) are not the sum of its "
-            f"calls' ({groups['counters']}); a call's counters were read before they were complete"
-        )
+    served = _served_mt_bench(run, groups, k)
     # The replay: every call's first `simulate_per_category` questions (all by default).
     n = simulate_per_category
     prompts = [p for c in calls for p in c["prompts"][:n]]
     outputs = [o for c in calls for o in c["outputs"][:n]]
     simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k)
     simulated["num_sequences"] = len(prompts)
-    eos = tokenizer.eos_token_id
-    served["calls"] = [
-        {
-            "category": c["category"],
-            "turn": c["turn"],
-            "question_ids": c["question_ids"],
-            "acceptance_length_incl_bonus": acceptance_by_group([c])["overall"],
-            "counters": c["counters"],
-            "generate_s": c["generate_s"],
-            "prompt_tokens": [len(p) for p in c["prompts"]],
-            "output_tokens": [len(o) for o in c["outputs"]],
-            "stopped_at_eos": sum(bool(o) and o[-1] == eos for o in c["outputs"]),
-            "answers": c["answers"],
-        }
-        for c in calls
-    ]
+    served["calls"] = [_call_summary(c, tokenizer.eos_token_id) for c in calls]
     result = {
         "eval_set": "mt_bench",
         "num_questions": len(questions),
@@ -171,6 +142,43 @@ def evaluate_mt_bench(
     if plot_path is not None:
         result["plot"] = _plot(result, served, simulated, plot_path, k)
     return result
+
+
+def _served_mt_bench(run: dict[str, Any], groups: dict[str, Any], k: int) -> dict[str, Any]:
+    """The served block of an MT-Bench evaluation; its calls' counters must add up to the engine's."""
+    calls = run["calls"]
+    served = {
+        "method": run["method"],
+        "engine_start_s": run["engine_start_s"],
+        "generate_s": sum(c["generate_s"] for c in calls),
+        "max_model_len": run["max_model_len"],
+        "counters": groups["counters"],
+        "engine_counters": run["counters"],
+        "unloaded_parameters": [],
+        **acceptance_from_counters(groups["counters"], k),
+    }
+    if groups["counters"] != run["counters"]:
+        raise DataIntegrityError(
+            f"vLLM's spec-decode counters over the session ({run['counters']}) are not the sum of its "
+            f"calls' ({groups['counters']}); a call's counters were read before they were complete"
+        )
+    return served
+
+
+def _call_summary(c: dict[str, Any], eos: int | None) -> dict[str, Any]:
+    """One (category, turn) call as the result reports it: its acceptance, counters and lengths."""
+    return {
+        "category": c["category"],
+        "turn": c["turn"],
+        "question_ids": c["question_ids"],
+        "acceptance_length_incl_bonus": acceptance_by_group([c])["overall"],
+        "counters": c["counters"],
+        "generate_s": c["generate_s"],
+        "prompt_tokens": [len(p) for p in c["prompts"]],
+        "output_tokens": [len(o) for o in c["outputs"]],
+        "stopped_at_eos": sum(bool(o) and o[-1] == eos for o in c["outputs"]),
+        "answers": c["answers"],
+    }
 
 
 def _plot(
