@@ -1,14 +1,17 @@
 """Every failure reaches the user as one line: `run_cli`'s fallback for unexpected errors (traceback
-to a file, or stderr with HPCTOOLKIT_DEBUG=1), Ctrl-C and a phase child's failure."""
+to a file, or stderr with HPCTOOLKIT_DEBUG=1), Ctrl-C, a phase child's failure, and submitit's task
+entry, which bypasses `run_cli`."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from hpctoolkit.cli import run_cli
 from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.roles import dispatch
 from hpctoolkit.roles.child import Child, ChildFailedError
 
 
@@ -90,3 +93,20 @@ def test_a_failed_phase_is_one_line_and_its_traceback_goes_to_the_log(tmp_path, 
     # run_cli reports it as a failed role: its one line, no second traceback file.
     code, lines = exits(raising(raised.value), capsys)
     assert (code, lines) == (1, [f"error: ChildFailedError: {message}"])
+
+
+def test_a_failing_submitit_task_prints_the_line_and_still_fails(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+
+    def boom(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(dispatch, "_run_task", boom)
+    with pytest.raises(OSError, match="No space left") as raised:
+        dispatch.run_task(None, "recipe.yaml", [], False)  # type: ignore[arg-type]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: OSError: No space left on device (traceback in ")
+    # submitit re-raises it out of the task's interpreter: the last-resort hook adds nothing.
+    sys.excepthook(OSError, raised.value, raised.value.__traceback__)
+    assert capsys.readouterr().err == ""

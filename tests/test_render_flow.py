@@ -1,7 +1,8 @@
 """The rendered batch script's control flow, run by bash with fake `srun`/`scontrol` and a fake
 interpreter (no Slurm): every role starts once, SIGUSR2 on the batch shell reaches the trainers, the
 script exits with the trainers' status and ends the services (after a clean run the engines leave
-by themselves and the master is ended last), and a failed check starts nothing."""
+by themselves and the master is ended last), evaluate runs last and only after a clean run, and a
+failed check starts nothing."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ FAKE_PYTHON = """#!/bin/bash
 role=$3
 case $role in
   check) [[ ${FLOW_CHECK_FAILS:-0} == 1 ]] && { echo "error: re-render" >&2; exit 2; }; exit 0 ;;
+  evaluate)
+    # Every other step has ended by now.
+    [[ -e $FLOW_DIR/left || ! -e $FLOW_DIR/drained ]] || exit 97
+    [[ $(wc -l < "$FLOW_DIR/terminated") == 1 ]] || exit 96
+    echo evaluate >> "$FLOW_DIR/evaluated"
+    exit "${FLOW_EVALUATE_RC:-0}" ;;
   trainer)
     trap 'echo usr2 >> "$FLOW_DIR/trainer-usr2"; exit "${FLOW_TRAINER_RC:-0}"' USR2
     touch "$FLOW_DIR/trainer-up"
@@ -119,17 +126,36 @@ def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc):
     ]
     assert all(f" {RECIPE} paths.output_dir={tmp}" in line for line in steps)
     assert sorted((tmp / "terminated").read_text().split()) == ["engine-follower", "engine-leader", "master"]
+    # The time limit is near (or the trainers failed): no evaluate step.
+    assert not (tmp / "evaluated").exists()
+    if trainer_rc == 0:
+        assert "evaluate skipped: the time limit is near" in out
 
 
-def test_after_a_clean_run_engines_leave_by_themselves_and_the_master_goes_last(flow):
+@pytest.mark.parametrize("evaluate_rc", [0, 4])
+def test_after_a_clean_run_engines_leave_by_themselves_the_master_goes_last_then_evaluate(flow, evaluate_rc):
     tmp, script, env = flow
     env["FLOW_TRAINER_FINISHES"] = "1"
+    env["FLOW_EVALUATE_RC"] = str(evaluate_rc)
     out = subprocess.run(
         ["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == evaluate_rc, out.stdout + out.stderr
     assert sorted((tmp / "left").read_text().split()) == ["engine-follower", "engine-leader"]
     assert (tmp / "terminated").read_text().split() == ["master"]
+    assert (tmp / "evaluated").read_text().split() == ["evaluate"]
+    last = (tmp / "steps").read_text().splitlines()[-1].split()
+    assert (last[0], last[4]) == ("node1", "evaluate")  # trainer rank 0's node
+    assert f"evaluate exited with status {evaluate_rc}" in out.stdout
+
+
+def test_no_evaluate_step_when_disabled(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    ov = [f"paths.output_dir={tmp_path}", "evaluate.enabled=false"]
+    cfg = load_recipe(RECIPE, ov)
+    text = render_sbatch(cfg, make_plan(cfg), recipe_path=RECIPE, overrides=ov)
+    assert "--job-name=evaluate" not in text and "roles evaluate" not in text
+    assert text.endswith('exit "$rc"\n')
 
 
 def test_failed_check_starts_no_step(flow):

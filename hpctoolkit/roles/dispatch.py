@@ -6,27 +6,34 @@ and exit 0: the real-Slurm tests use it to prove placement on machines without G
 
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
 on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
-(`slurm.tasks.task_process`), and spare tasks return at once.
+(`slurm.tasks.task_process`), and spare tasks return at once. With `evaluate.enabled`, the task of
+trainer rank 0 runs the evaluate role in a fresh process once its trainer returned 0 (the batch
+script's last step does the same). A failing task prints `run_cli`'s one line and still fails.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 
 from hpctoolkit import envs
-from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.cli import report
+from hpctoolkit.errors import StoreError
 from hpctoolkit.plan.placement import (
     ROLE_ENGINE_FOLLOWER,
     ROLE_ENGINE_LEADER,
     ROLE_MASTER,
     ROLE_TRAINER,
-    ROLES,
     Plan,
     Process,
 )
+from hpctoolkit.roles.child import Child
 from hpctoolkit.roles.context import NodeContext, load_context, note_host, store_address
+from hpctoolkit.roles.dry import dry_roles
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
+from hpctoolkit.roles.evaluate import evaluate_in_fresh_process
 from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
@@ -40,20 +47,6 @@ ROLE_FUNCS: dict[str, Callable[[NodeContext, Process], int]] = {
     ROLE_ENGINE_FOLLOWER: run_engine_follower,
     ROLE_TRAINER: run_trainer,
 }
-
-
-def dry_roles(value: str | None) -> frozenset[str]:
-    """Roles `HPCTOOLKIT_NODE_DRY` makes dry: "1" all, "0"/unset none, else a comma list."""
-    value = (value or "0").strip()
-    if value == "1":
-        return frozenset(ROLES)
-    if value in ("", "0"):
-        return frozenset()
-    roles = frozenset(r.strip() for r in value.split(",") if r.strip())
-    unknown = sorted(roles - set(ROLES))
-    if unknown:
-        raise ConfigError(f"HPCTOOLKIT_NODE_DRY names unknown roles {unknown}; valid: {list(ROLES)}")
-    return roles
 
 
 def dry_line(ctx: NodeContext, proc: Process, environ: Mapping[str, str] | None = None) -> str:
@@ -137,7 +130,32 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
     `plan` is the one computed at submission. Spare tasks (submitit gives every node the same task
     count) and dry runs decide from it alone, without loading the recipe; a real role loads the
     recipe and refuses to start if its plan differs.
+
+    A failure prints the one line `run_cli` would (`cli.report`) and is raised on, so the task
+    fails and submitit keeps its traceback in the job's result (`job.result()` shows it); the
+    task's log gets the line only.
     """
+    try:
+        return _run_task(plan, recipe, overrides, dry)
+    except Exception as err:
+        report(err)
+        _no_traceback_for(err)
+        raise
+
+
+def _no_traceback_for(err: BaseException) -> None:
+    """submitit re-raises `err` out of the task's interpreter; its last-resort hook then stays
+    silent for that one error (its line is printed already)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if value is not err:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> str | int | None:
     senv = SlurmEnvironment.from_env()
     proc = task_process(plan, senv.node_index, senv.local_id)
     if proc is None or (dry and proc == WATCHER):
@@ -153,7 +171,13 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
     if proc == WATCHER:
         return run_watcher(ctx)
     assert isinstance(proc, Process)
-    return run_process(ctx, proc, dry=False)
+    environ = dict(os.environ)  # before the role adds its own (torch.distributed's, the interfaces)
+    code = run_process(ctx, proc, dry=False)
+    if code == 0 and proc.role == ROLE_TRAINER and proc.node_rank == 0 and ctx.cfg.evaluate.enabled:
+        # The batch script's evaluate step, here: vLLM gets a process of its own (`roles.child`).
+        child = Child("evaluate", evaluate_in_fresh_process, (recipe, list(overrides), environ), ctx.run.logs)
+        return int(child.result())
+    return code
 
 
 def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:

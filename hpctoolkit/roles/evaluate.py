@@ -1,15 +1,26 @@
 """The `evaluate` role: serve the exported draft with the target in vLLM and measure acceptance on
 `evaluate.prompts`: `held_out` (the data.prompts rows after the run's `data.num_samples`) or
-`mt_bench` (MT-Bench's two-turn questions, per category and turn). The local launcher runs it after
-the trainers; it writes `evaluate.json` in the run directory, which the launcher merges into
-summary.json."""
+`mt_bench` (MT-Bench's two-turn questions, per category and turn).
+
+It runs once the trainers ended cleanly, on every backend: the local launcher starts it, a batch
+script runs it as its last step on trainer rank 0's node (one GPU), and under submitit the task of
+trainer rank 0 runs it in a fresh process (`evaluate_in_fresh_process`). It writes `evaluate.json`,
+merges the same figures into `summary.json` and, as the run's last role, points `latest` at the run
+(`roles.results`). Dry (`HPCTOOLKIT_NODE_DRY`) whenever the trainers are: there is no export.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.roles.context import NodeContext
+from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.plan.placement import ROLE_TRAINER
+from hpctoolkit.roles.context import NodeContext, load_context
+from hpctoolkit.roles.dry import dry_now
+from hpctoolkit.roles.results import finished, merge_summary
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 
 # What summary.json carries of an MT-Bench result (the rest stays under "evaluate").
@@ -92,12 +103,20 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
 
 
 def run_evaluate(ctx: NodeContext) -> int:
+    if ROLE_TRAINER in dry_now():
+        say(f"dry: the trainers are dry, so there is no export to serve (on {ctx.nodename})")
+        return 0
     from transformers import AutoTokenizer
 
     from hpctoolkit.targets.resolve import display_name, resolve_target
 
     cfg = ctx.cfg
-    summary = read_json(ctx.run.summary) or {}
+    summary = read_json(ctx.run.summary)
+    if not isinstance(summary, dict):
+        raise RoleFailedError(
+            f"evaluate: {ctx.run.summary} is missing, so the trainers of run {ctx.run_id} did not finish; "
+            "there is no export to serve"
+        )
     export_dir = summary.get("export_dir") or str(ctx.run.export)
     reason = not_served_reason(cfg.draft.config)
     result: dict[str, Any] = {
@@ -115,4 +134,14 @@ def run_evaluate(ctx: NodeContext) -> int:
         ev = result["evaluate"]
         say(f"served acceptance length {ev.get('served_acceptance_length')} ({ev.get('convention', '')})")
     write_json_atomic(ctx.run.evaluate, result, indent=2)
+    merge_summary(ctx.run, result)
+    finished(ctx.run)
     return 0
+
+
+def evaluate_in_fresh_process(recipe: str, overrides: Sequence[str], environ: Mapping[str, str]) -> int:
+    """The evaluate role in a process `roles.child` spawned from submitit's task of trainer rank 0,
+    with the task's environment from before its trainer set torch.distributed's variables."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return run_evaluate(load_context(recipe, list(overrides)))

@@ -27,7 +27,8 @@ from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
-from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
+from hpctoolkit.roles.results import merge_summary
+from hpctoolkit.rundir.atomic import read_json, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir, local_run_id
 
 # Bounds of the launcher's own waits (the roles bound theirs).
@@ -216,11 +217,9 @@ def _start_roles(cfg: RecipeConfig, plan: Plan, group: RoleGroup) -> None:
 
 
 def _summarize(run: RunDir, t0: float) -> dict[str, Any]:
-    summary = read_json(run.summary) or {}
-    summary.update(read_json(run.evaluate) or {})
-    summary["wall_seconds"] = round(time.monotonic() - t0, 1)
-    write_json_atomic(run.summary, summary, indent=2)
-    run.link_latest()
+    # The roles wrote the summary (evaluate merged its figures in) and set `latest`
+    # (`roles.results`); the launcher adds only its own figure, the whole run's wall time.
+    summary = merge_summary(run, {"wall_seconds": round(time.monotonic() - t0, 1)})
     say(
         f"done in {summary['wall_seconds']}s: {summary.get('samples_read')} samples, "
         f"{summary.get('keys_left_in_store')} keys left in the store, served acceptance length "

@@ -3,7 +3,8 @@
 Ranks read every engine's queue through `LiveSource` (each rank fetches its share from the store
 and spools it for later epochs), train, checkpoint and export. Rank 0 writes `drained` once every
 rank read its whole share (the engines then release their segments, while training goes on), and
-at the end `summary.json` and `ended.json` (the services' cue to stop).
+at the end `summary.json` and `ended.json` (the services' cue to stop), and points `latest` at the
+run when it is the run's last role (`roles.results`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hpctoolkit.roles.context import (
     store_address,
     trainer_env,
 )
+from hpctoolkit.roles.results import finished, trainers_are_last
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
@@ -334,11 +336,12 @@ def _live_summary(
 
 
 def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
-    """Rank 0's last word: the summary, then the services' cue to stop."""
+    """Rank 0's last word: the summary, then the services' cue to stop; `latest` too when no
+    evaluate role follows (`roles.results`)."""
     write_json_atomic(ctx.run.summary, summary, indent=2)
     write_json_atomic(ctx.run.ended, {"ok": True})
-    if ctx.slurm is not None:
-        ctx.run.link_latest()
+    if trainers_are_last(ctx.cfg):
+        finished(ctx.run)
     say(
         f"trained {summary.get('steps_trained')} steps on {summary.get('samples_read')} samples; "
         f"final loss {summary.get('final_loss')}; keys left in store {summary.get('keys_left_in_store')}"

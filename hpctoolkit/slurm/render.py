@@ -1,7 +1,8 @@
 """Render the Slurm batch script of a run. Pure: text in, text out, tested against golden files.
 
 Everything in the script derives from the `Plan`: `#SBATCH --nodes` is the plan's node count, and
-every role is one `srun` step pinned to its node(s) with `--nodelist`, the hosts taken from
+every role is one `srun` step pinned to its node(s) with `--nodelist` (with `evaluate.enabled`, the
+evaluate role is one more step after the others, on trainer rank 0's node), the hosts taken from
 `scontrol show hostnames` at run time (node index i = i-th host). Each step runs
 `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
 `cluster.container` is set, with the paths the recipe names bound where they lie outside the
@@ -36,6 +37,8 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
+# The role a batch script runs last with `evaluate.enabled` (not placed by the plan).
+ROLE_EVALUATE = "evaluate"
 # After the trainers exit 0, how long the batch shell waits for the engine steps to end by
 # themselves (a headless follower notices its leader left within seconds, then stops its workers).
 ENGINE_EXIT_GRACE_S = 120
@@ -120,17 +123,9 @@ def _sbatch_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
-def _step(
-    *,
-    comment: str,
-    nodes: Sequence[int],
-    ntasks: int,
-    gpus_per_node: int,
-    role: str,
-    name: str,
-    var: str,
-    extra: Sequence[str] = (),
-) -> list[str]:
+def _srun(
+    *, nodes: Sequence[int], ntasks: int, gpus_per_node: int, name: str, extra: Sequence[str] = ()
+) -> str:
     hosts = " ".join(str(i) for i in nodes)
     opts = [
         f"--job-name={name}",
@@ -142,10 +137,28 @@ def _step(
         f"--gres=gpu:{gpus_per_node}",
         *extra,
     ]
+    return "srun " + " ".join(opts)
+
+
+def _role_command(role: str) -> str:
+    return f'"${{RUN[@]}}" -m {ROLES_MODULE} {role} "$RECIPE" "${{OVERRIDES[@]}}"'
+
+
+def _step(
+    *,
+    comment: str,
+    nodes: Sequence[int],
+    ntasks: int,
+    gpus_per_node: int,
+    role: str,
+    name: str,
+    var: str,
+    extra: Sequence[str] = (),
+) -> list[str]:
     return [
         f"# {comment}",
-        "srun " + " ".join(opts) + " \\",
-        f'  "${{RUN[@]}}" -m {ROLES_MODULE} {role} "$RECIPE" "${{OVERRIDES[@]}}" &',
+        _srun(nodes=nodes, ntasks=ntasks, gpus_per_node=gpus_per_node, name=name, extra=extra) + " \\",
+        f"  {_role_command(role)} &",
         f"{var}=$!",
     ]
 
@@ -174,6 +187,8 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
     steps, engine_vars = _step_lines(plan)
     body += steps
     body += _wait_lines(plan, engine_vars)
+    body += _evaluate_lines(cfg, plan)
+    body.append('exit "$rc"')
     return "\n".join(body) + "\n"
 
 
@@ -355,7 +370,29 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
-        'exit "$rc"',
+    ]
+
+
+def _evaluate_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
+    """`evaluate.enabled`: the evaluate role as the last step, after a clean run, on trainer rank
+    0's node (its GPUs are free then); it merges its figures into summary.json and sets `latest`."""
+    if not cfg.evaluate.enabled:
+        return []
+    t = plan.trainer
+    node = t.nodes[0]
+    gpus = 1 if t.device == "cuda" else 0
+    return [
+        "",
+        f"# evaluate.enabled: serve the exported draft with the target in vLLM on n{node} ({gpus} GPU) and",
+        "# merge served vs simulated acceptance into summary.json; skipped when the time limit is near.",
+        "if ((rc == 0 && late)); then",
+        '  echo "evaluate skipped: the time limit is near; serve the export by hand:'
+        ' python -m hpctoolkit.evaluate EXPORT_DIR --target TARGET" >&2',
+        "elif ((rc == 0)); then",
+        "  " + _srun(nodes=[node], ntasks=1, gpus_per_node=gpus, name="evaluate") + " \\",
+        f"    {_role_command(ROLE_EVALUATE)} || rc=$?",
+        '  echo "evaluate exited with status $rc"',
+        "fi",
     ]
 
 

@@ -13,7 +13,9 @@ limit (or `scancel --signal=USR2`) to every task; the trainers checkpoint (`trai
 engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's handler) waits for
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
 the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
-`ended.json`, the engines leave once drained, the master once every engine closed.
+`ended.json`, the engines leave once drained, the master once every engine closed; with
+`evaluate.enabled`, trainer rank 0's task then runs the evaluate role (`roles.dispatch.run_task`), as
+the batch script's last step does.
 
 Which process task 0 runs so that submitit's requeue handler survives is `slurm.tasks`'s rule (the
 master, or a watcher in its slot). That keeps every role free to own its signal handling; chaining
@@ -107,8 +109,9 @@ def describe_submission(cfg: Any, job_id: str, out: Path, environ: Mapping[str, 
             f"submitit records:  {out / 'submitit' / job_id}",
             f"follow:            tail -F {log}    (state: squeue -j {job_id}; sacct -j {job_id})",
             f"cancel:            scancel {job_id}    (checkpoint and requeue: scancel --signal=USR2 {job_id})",
-            f"the job releases its nodes within {RELEASE_BOUND_S} s of the trainers' end "
-            f"(time limit {cfg.cluster.time}; SIGUSR2 {cfg.cluster.signal_before_s} s before it)",
+            f"the job releases its nodes within {RELEASE_BOUND_S} s of the trainers' end"
+            + (" and trainer rank 0's evaluation" if cfg.evaluate.enabled else "")
+            + f" (time limit {cfg.cluster.time}; SIGUSR2 {cfg.cluster.signal_before_s} s before it)",
         ]
     )
 
