@@ -5,7 +5,7 @@
     PYTHONPATH=. python benchmarks/draft_step.py --tiny     # CPU smoke run, tiny shapes
 
 Variants, all timed in the same process on the same inputs and weights:
-  ours-<backend>[-compiled]  `dspark_loss`: CE fused with `lm_head` + markov, no `[T, V]` logits;
+  ours-<backend>[-compiled]  `dspark_ce_loss`: CE fused with `lm_head` + markov, no `[T, V]` logits;
                              `-compiled` adds `compile_layers()` and compiled CE elementwise work;
   naive-<backend>            eager layers, `return_logits=True`: full-vocabulary logits
                              materialised, fp32 CE on them.
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from hpctoolkit.models.common.attention import flex_kernel_options
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
-from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.dspark.loss import dspark_ce_loss
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 H200_BF16_PEAK_FLOPS = 790e12
@@ -107,7 +107,7 @@ def run_ours(model, ctx, ids, layout, labels, chunk: int, events: list | None = 
     out = model(ctx, ids, layout)
     if events:
         events[1].record()
-    loss = dspark_loss(model, out, labels, chunk_size=chunk, compile_elementwise=compiled).total
+    loss = dspark_ce_loss(model, out, labels, chunk_size=chunk, compile_elementwise=compiled).total
     if events:
         events[2].record()
     loss.backward()

@@ -513,7 +513,7 @@ def main() -> int:
     from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
     from hpctoolkit.train.synthetic import SyntheticSamples
     from hpctoolkit.train.target_head import TargetHead
-    from hpctoolkit.train.trainers import build_trainer
+    from hpctoolkit.train.trainers.build import build_trainer
 
     recipe = "tiny_k3_dspark_mla.json" if args.tiny else "kimi_k3_dspark_mla.json"
     config = load_draft_config(ROOT / "recipes" / "draft_models" / recipe)

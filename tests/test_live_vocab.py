@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpctoolkit.rundir.layout import RunDir
-from hpctoolkit.train.trainers.eagle3 import draft_vocab_from_counts
+from hpctoolkit.train.trainers.vocab import draft_vocab_from_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 

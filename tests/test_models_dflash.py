@@ -158,7 +158,7 @@ def test_eagle3_forward_and_vocab_maps():
 
 def _ttt_unroll(model, hidden0, ids, steps, cache_cls):
     """The Eagle3 trainer's unroll (production `shift_left`), returning each step's prenorm."""
-    from hpctoolkit.train.trainers.eagle3 import shift_left
+    from hpctoolkit.models.eagle3.trainer import shift_left
 
     B, S = ids.shape
     pos = torch.arange(S).expand(B, S)

@@ -14,7 +14,7 @@ import torch
 
 from hpctoolkit.models.common.attention import attend, flex_kernel_options
 from hpctoolkit.models.dflash.layout import make_block_layout, sample_anchors
-from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.dspark.loss import dspark_ce_loss
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
@@ -78,7 +78,7 @@ def test_k3_draft_step_flex_compiled_matches_sdpa_eager():
         if variant == "flex":
             model.compile_layers()
         out = model(ctx, ids, layout)
-        loss = dspark_loss(model, out, labels, chunk_size=64, compile_elementwise=variant == "flex").total
+        loss = dspark_ce_loss(model, out, labels, chunk_size=64, compile_elementwise=variant == "flex").total
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[variant] = (loss.detach(), grads)

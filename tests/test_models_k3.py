@@ -9,7 +9,7 @@ import torch
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.dflash.layout import make_block_layout
 from hpctoolkit.models.dspark.config import DSparkConfig
-from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.dspark.loss import dspark_ce_loss
 from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
 from hpctoolkit.models.k3_dspark.model import K3DSparkModel
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
@@ -140,7 +140,7 @@ def test_forward_backward_reaches_mla_markov_and_confidence_while_embedding_stay
     out = model(context, ids, layout)
     assert out.hidden_BTH.shape == (B, 3 * config.block_size, config.hidden_size)
     assert out.confidence_BT.shape == (B, 3 * config.block_size)
-    dspark_loss(model, out, layout.labels(ids)).total.backward()
+    dspark_ce_loss(model, out, layout.labels(ids)).total.backward()
     for name in (
         "layers.0.self_attn.q_a_proj.weight",
         "layers.1.self_attn.kv_b_proj.weight",

@@ -26,9 +26,11 @@ from hpctoolkit.models.registry import (
     build_draft_model,
     config_class_for,
     family_of,
+    family_parts,
     load_draft_config,
     model_class_for,
     register_draft,
+    trainer_class_for,
 )
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
@@ -104,9 +106,9 @@ def test_duplicates_are_rejected():
     with pytest.raises(ConfigError, match="family 'dflash' is already registered"):
         register_serving(replace(again, family="dflash", architectures=("New",)))
     with pytest.raises(ConfigError, match=r"no draft registered for Again \(model_type='again_draft'\)"):
-        register_draft(Again, DFlashDraftModel)
+        register_draft(Again, DFlashDraftModel, trainer_class_for("dflash"))
     with pytest.raises(ConfigError, match="K3DSparkConfig is already registered to 'k3_dspark'"):
-        register_draft(K3DSparkConfig, K3DSparkModel)
+        register_draft(K3DSparkConfig, K3DSparkModel, trainer_class_for("k3_dspark"))
     with pytest.raises(ConfigError, match="no draft registered"):
         config_class_for({"architectures": ["SomethingNew"]})
     assert "again" not in families()
@@ -236,21 +238,50 @@ def test_inspect_prints_classes_rotary_and_shapes(capsys):
     assert report["state_dict"]["embed_tokens.weight"] == [163840, 7168]
 
 
-def test_every_family_has_a_trainer_and_the_trainer_registry_is_strict():
-    from hpctoolkit.train.trainers import DFlashTrainer, DSparkTrainer, Eagle3Trainer
-    from hpctoolkit.train.trainers.registry import register_trainer, trainer_class_for, trainer_families
+def test_every_family_has_a_trainer_and_a_miss_lists_the_families():
+    from hpctoolkit.models.dflash.trainer import DFlashTrainer
+    from hpctoolkit.models.dspark.trainer import DSparkTrainer
+    from hpctoolkit.models.eagle3.trainer import Eagle3Trainer
 
-    assert trainer_families() == families()
     for name, (config_cls, _) in EXPECTED.items():
         config = load_draft_config(RECIPES / name)
         want = {Eagle3Config: Eagle3Trainer, DFlashConfig: DFlashTrainer}.get(config_cls, DSparkTrainer)
         assert trainer_class_for(config) is want is trainer_class_for(family_of(config))
-    with pytest.raises(ConfigError, match="'dspark' is already registered"):
-        register_trainer("dspark", DFlashTrainer)
     with pytest.raises(
-        ConfigError, match=r"no trainer for draft family 'nope'; known: dflash, dspark, eagle3"
+        ConfigError, match=r"no draft family 'nope'; known: dflash, dspark, eagle3, k3_dspark"
     ):
         trainer_class_for("nope")
+
+
+def test_a_familys_parts_all_come_from_its_own_folder():
+    """Config, model, serving record, trainer and the trainer's loss of each family live in
+    `models/<family>/`; a family without a trainer of its own (K3 DSpark) trains with that of the
+    family its config extends. `train/` holds no family's code."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for family in families():
+        parts = family_parts(family)
+        own = f"hpctoolkit.models.{family}"
+        assert parts.config_cls.__module__ == f"{own}.config"
+        assert parts.model_cls.__module__ == f"{own}.model"
+        assert parts.serving is importlib.import_module(f"{own}.serving").SERVING
+        if importlib.util.find_spec(f"{own}.trainer") is not None:
+            home = own
+        else:
+            bases = [
+                f
+                for f in families()
+                if f != family and issubclass(parts.config_cls, family_parts(f).config_cls)
+            ]
+            home = f"hpctoolkit.models.{max(bases, key=lambda f: len(family_parts(f).config_cls.__mro__))}"
+        assert parts.trainer_cls.__module__ == f"{home}.trainer", family
+        trainer_module = vars(sys.modules[parts.trainer_cls.__module__])
+        losses = {v.__module__ for k, v in trainer_module.items() if k.endswith("_loss") and callable(v)}
+        assert losses == {f"{home}.loss"}, (family, losses)
+    train = Path(__file__).resolve().parents[1] / "hpctoolkit" / "train"
+    assert not [p for f in families() for p in train.rglob(f"{f}.py")]
 
 
 def test_export_takes_flags_in_any_order(tmp_path):

@@ -23,7 +23,7 @@ from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.synthetic import SyntheticSamples
-from hpctoolkit.train.trainers import build_trainer
+from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,7 +18,7 @@ from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.loop import forward_backward
 from hpctoolkit.train.synthetic import SyntheticSamples
 from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers import build_trainer
+from hpctoolkit.train.trainers.build import build_trainer
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "draft_models"
 

@@ -1,21 +1,24 @@
 """Loss math, normalisation, masking and the target head, on tiny CPU tensors (no processes)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
+from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss, slot_weights
+from hpctoolkit.models.dspark.loss import dspark_loss
+from hpctoolkit.models.eagle3.loss import eagle3_step_loss
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import acceptance_from_matches, dflash_loss, dspark_loss, eagle3_step_loss
-from hpctoolkit.train.losses.dflash import dflash_decay_gamma, slot_weights
+from hpctoolkit.train.losses import acceptance_from_matches
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.synthetic import SyntheticSample, SyntheticSamples
 from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers import build_trainer
+from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(120)
 RECIPES = "recipes/draft_models"
@@ -183,6 +186,29 @@ def test_short_sample_is_zero_weighted_not_dropped():
     without = tr.run(collate([samples[i] for i in (0, 2, 3)], max_seq_len=64, min_loss_tokens=14), step=0)
     assert float(with_short.numerator) == pytest.approx(float(without.numerator), rel=1e-5)
     assert float(with_short.denominator) == pytest.approx(float(without.denominator), rel=1e-6)
+
+
+@pytest.mark.parametrize(("name", "default"), [("tiny_dflash.json", 2.0), ("tiny_dspark.json", 4.0)])
+def test_the_slot_decay_is_the_draft_configs_decay_gamma(name, default):
+    """`decay_gamma` is the family's own config key (0: the family's default); a negative is refused."""
+    import json
+
+    from hpctoolkit.errors import ConfigError
+    from hpctoolkit.models.registry import config_from_dict
+
+    src = SyntheticSamples(2, 512, 128, 3, lengths=[40, 33], seed=3)
+    batch = collate([src.sample(i) for i in range(2)], max_seq_len=64, min_loss_tokens=14)
+    target = resolve_target("builtin:tiny-qwen3")
+    data = json.loads(Path(RECIPES, name).read_text())
+    denominators = []
+    for gamma in (0.0, default, 1.5):
+        tr = build_trainer(
+            config_from_dict({**data, "decay_gamma": gamma}), target, TrainingConfig(num_anchors=4)
+        )
+        denominators.append(float(tr.run(batch, step=0).denominator))
+    assert denominators[0] == denominators[1] != denominators[2]
+    with pytest.raises(ConfigError, match=r"decay_gamma=-1.0 must be >= 0"):
+        config_from_dict({**data, "decay_gamma": -1.0})
 
 
 def test_global_normalisation_is_split_invariant_in_process():

@@ -14,7 +14,7 @@ from hpctoolkit.train.fsdp import LocalMixedPrecision, build_mesh, init_distribu
 from hpctoolkit.train.loop import forward_backward
 from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
 from hpctoolkit.train.synthetic import SyntheticSamples
-from hpctoolkit.train.trainers import build_trainer
+from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(240)
 DRAFT = "recipes/draft_models/tiny_k3_dspark_mla.json"
@@ -159,7 +159,7 @@ def test_dspark_labels_from_the_loss_target_logits_match_precomputed_labels(batc
     tr.zero_grad(set_to_none=True)
 
     # The reference: labels from a separate target-head pass, as before.
-    from hpctoolkit.train.losses import dspark_loss
+    from hpctoolkit.models.dspark.loss import dspark_loss
 
     layout, rows_BTH, tgt_BT, labels_BT = tr.block_targets(
         *args, step["anchors_BN"], step["anchor_ok_BN"], batch.last_prenorm

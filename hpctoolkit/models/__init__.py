@@ -1,6 +1,6 @@
 """Draft models: shared layers in `common`, one package per algorithm (`config`, `model`, `loss`,
-`serving`), the family table (`families`), the registry (`registry`), checkpoints (`checkpoint`)
-and export (`export`).
+`trainer`, `serving`), the family table (`families`), the registry of each family's parts
+(`registry`), checkpoints (`checkpoint`) and export (`export`).
 
 Import the names from their modules; this package init and the family package inits import
 nothing, so loading a recipe (which asks `families` about the draft) never pays for torch. The

@@ -1,4 +1,6 @@
-"""The draft registry: family -> config class and model class (its `Serving` record is in `families`).
+"""The draft registry: each family's parts, by family name: config class, model class, trainer
+class (all from `models/<family>/`, or from the family it extends: K3 DSpark trains as DSpark), and
+its `Serving` record (the pure half, in `families`).
 
 A config dict is matched by its first architecture, then by `model_type`, against every name a
 family's record lists (`Serving.names`), so both our checkpoints and the served `config.json`
@@ -6,6 +8,10 @@ export writes resolve back to the class that produced them. A model is found by 
 exact type, so `K3DSparkConfig` builds `K3DSparkModel` even though it is also a `DSparkConfig`.
 Registration rejects a config class already registered, a family already taken, and a config
 class whose `model_type` has no record in `models.families`; a miss lists the valid names.
+
+The trainers import the shared training machinery (`train.trainers.base`, `train.losses`,
+`train.batch`, ...), never this module: `train.trainers.build` and the loop reach the families
+through here, so the dependency runs one way.
 """
 
 import os
@@ -20,20 +26,27 @@ from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.dflash.config import DFlashConfig
 from hpctoolkit.models.dflash.model import DFlashDraftModel
+from hpctoolkit.models.dflash.trainer import DFlashTrainer
 from hpctoolkit.models.dspark.config import DSparkConfig
 from hpctoolkit.models.dspark.model import DSparkDraftModel
+from hpctoolkit.models.dspark.trainer import DSparkTrainer
 from hpctoolkit.models.eagle3.config import Eagle3Config
 from hpctoolkit.models.eagle3.model import Eagle3DraftModel
+from hpctoolkit.models.eagle3.trainer import Eagle3Trainer
 from hpctoolkit.models.families import families, read_config_json, serving_for
 from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
 from hpctoolkit.models.k3_dspark.model import K3DSparkModel
 from hpctoolkit.models.serving import Serving
+from hpctoolkit.train.trainers.base import FamilyTrainer
 
 
 @dataclass(frozen=True)
 class Family:
+    """One draft family's parts."""
+
     config_cls: type[DraftConfig]
     model_cls: type[DraftModel]
+    trainer_cls: type[FamilyTrainer]
     serving: Serving
 
 
@@ -41,8 +54,11 @@ _FAMILIES: dict[str, Family] = {}
 _FAMILY_BY_CONFIG: dict[type[DraftConfig], str] = {}
 
 
-def register_draft(config_cls: type[DraftConfig], model_cls: type[DraftModel]) -> None:
-    """Tie a config class and its model class to the family record of the config's `model_type`."""
+def register_draft(
+    config_cls: type[DraftConfig], model_cls: type[DraftModel], trainer_cls: type[FamilyTrainer]
+) -> None:
+    """Tie a config class, its model class and its trainer class to the family record of the
+    config's `model_type`."""
     serving = serving_for(config_cls)
     if config_cls in _FAMILY_BY_CONFIG:
         raise ConfigError(f"{config_cls.__name__} is already registered to {_FAMILY_BY_CONFIG[config_cls]!r}")
@@ -50,7 +66,7 @@ def register_draft(config_cls: type[DraftConfig], model_cls: type[DraftModel]) -
         raise ConfigError(
             f"draft family {serving.family!r} is already registered to {_FAMILIES[serving.family].config_cls.__name__}"
         )
-    _FAMILIES[serving.family] = Family(config_cls, model_cls, serving)
+    _FAMILIES[serving.family] = Family(config_cls, model_cls, trainer_cls, serving)
     _FAMILY_BY_CONFIG[config_cls] = serving.family
 
 
@@ -72,6 +88,14 @@ def architecture_for(config: DraftConfig) -> str:
     return _family_of_config(config).serving.architectures[0]
 
 
+def family_parts(family: str) -> Family:
+    """A family's parts by its name; a miss lists the registered families."""
+    try:
+        return _FAMILIES[family]
+    except KeyError:
+        raise ConfigError(f"no draft family {family!r}; known: {', '.join(sorted(_FAMILIES))}") from None
+
+
 def config_class_for(config_dict: Mapping[str, Any]) -> type[DraftConfig]:
     family = serving_for(config_dict).family
     if family not in _FAMILIES:
@@ -83,6 +107,13 @@ def config_class_for(config_dict: Mapping[str, Any]) -> type[DraftConfig]:
 
 def model_class_for(config: DraftConfig) -> type[DraftModel]:
     return _family_of_config(config).model_cls
+
+
+def trainer_class_for(config: DraftConfig | str) -> type[FamilyTrainer]:
+    """The trainer of a draft config (by its exact type's family) or of a family name."""
+    return (
+        family_parts(config).trainer_cls if isinstance(config, str) else _family_of_config(config).trainer_cls
+    )
 
 
 def config_from_dict(config_dict: Mapping[str, Any]) -> DraftConfig:
@@ -106,7 +137,8 @@ def build_draft_model(config: DraftConfig, *, device: str | torch.device | None 
         return cls(config)
 
 
-register_draft(Eagle3Config, Eagle3DraftModel)
-register_draft(DFlashConfig, DFlashDraftModel)
-register_draft(DSparkConfig, DSparkDraftModel)
-register_draft(K3DSparkConfig, K3DSparkModel)
+register_draft(Eagle3Config, Eagle3DraftModel, Eagle3Trainer)
+register_draft(DFlashConfig, DFlashDraftModel, DFlashTrainer)
+register_draft(DSparkConfig, DSparkDraftModel, DSparkTrainer)
+# K3 DSpark is DSpark with MLA attention: the DSpark trainer and loss serve it unchanged.
+register_draft(K3DSparkConfig, K3DSparkModel, DSparkTrainer)

@@ -49,9 +49,6 @@ class TrainingConfig:
     # to the data when the data was generated greedily by the target). "data": the captured
     # input_ids, as the DFlash paper trains on target-generated responses.
     label_source: str = "target"
-    # DFlash per-slot decay exp(-(k-1)/gamma); 0 picks the DFlash paper's gamma for the block
-    # size (7 for 16, 5 for 10, 4 for 8, else block_size/2).
-    dflash_decay_gamma: float = 0.0
     # Export the final draft to <out_dir>/export when training ends.
     export: bool = True
     # Decoder layers (the first N) whose activations are recomputed in backward instead of kept:
@@ -88,7 +85,7 @@ class TrainingConfig:
         one_of(self, "mixed_precision", ("bf16", "fp32"))
         one_of(self, "data_source", ("live", "offline"))
         one_of(self, "label_source", ("target", "data"))
-        non_negative(self, "dflash_decay_gamma", "activation_checkpoint_layers")
+        non_negative(self, "activation_checkpoint_layers")
         one_of(self, "compile", ("auto", "on", "off"))
         bad = [i for i in self.init_layers_from_target if not isinstance(i, int) or i < 0]
         require(not bad, "init_layers_from_target", "must list target layer indices (ints >= 0)", bad)

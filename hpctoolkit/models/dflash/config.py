@@ -14,6 +14,10 @@ class DFlashConfig(DraftConfig):
     the rest `mask_token_id`. `fc_norm` adds one RMSNorm per captured layer ahead of the context
     projection; it defaults off so existing checkpoints keep their module names and numerics.
     `dflash_config` (vLLM's nesting of `mask_token_id` / `target_layer_ids`) is accepted as input.
+
+    `decay_gamma` is a training setting: the loss weights slot `k` of a block `exp(-(k-1)/gamma)`;
+    0 picks the family's default (DFlash: the paper's gamma for the block size, 7 for 16, 5 for
+    10, 4 for 8, else block_size/2; DSpark: 4). Serving never reads it.
     """
 
     model_type = "dflash_draft"
@@ -27,6 +31,7 @@ class DFlashConfig(DraftConfig):
         mask_token_id: int | None = None,
         fc_norm: bool = False,
         freeze_lm_head: bool = True,
+        decay_gamma: float = 0.0,
         **kwargs: Any,
     ) -> None:
         nested = kwargs.pop("dflash_config", None) or {}
@@ -42,6 +47,7 @@ class DFlashConfig(DraftConfig):
         self.mask_token_id = mask_token_id
         self.fc_norm = fc_norm
         self.freeze_lm_head = freeze_lm_head
+        self.decay_gamma = decay_gamma
         super().__init__(**kwargs)
 
     def validate(self) -> None:
@@ -57,5 +63,7 @@ class DFlashConfig(DraftConfig):
             raise ConfigError(f"target_layer_ids={self.target_layer_ids} must be strictly ascending")
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}: a block needs an anchor and one masked slot")
+        if not self.decay_gamma >= 0:
+            raise ConfigError(f"decay_gamma={self.decay_gamma} must be >= 0 (0: the family's default)")
         if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id={self.mask_token_id} must be a token id below vocab_size")

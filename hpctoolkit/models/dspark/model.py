@@ -29,7 +29,7 @@ class DSparkDraftModel(DFlashDraftModel):
     forward(context_BSC, input_ids_BS, layout, *, return_logits=False) -> DSparkOutput
       inputs as `DFlashDraftModel.forward`; the markov head reads `input_ids[a + k - 1]`
       (teacher forcing), so no extra input is needed. The full logits are
-      `lm_head(hidden) + markov_w2(markov)`; `dspark.loss.dspark_loss` computes them chunk by
+      `lm_head(hidden) + markov_w2(markov)`; the losses in `dspark.loss` compute them chunk by
       chunk, fused with the cross-entropy, instead of materialising `[B, T, V]`.
     """
 

@@ -57,8 +57,8 @@ class FamilyTrainer(nn.Module):
     Class attributes a family sets: `family` (its name in logs and checkpoint metadata),
     `unused_options` (training options that have no effect on it, warned about), and
     `prunes_vocab` (whether its draft may have `draft_vocab_size < vocab_size`). A family's
-    trainer narrows `draft` to its model class: the registries build both from one config, by
-    family.
+    trainer (`models/<family>/trainer.py`) narrows `draft` to its model class: `models.registry`
+    names both for one config, by family. This module never imports the registry.
 
     Each family defines `forward(input_ids_BS, context_BSC, last_BSH, loss_mask_BS, lengths_B, *,
     last_prenorm, **step) -> LossParts`, where `step` is exactly what its `step_inputs` returns

@@ -1,5 +1,15 @@
 # ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
-"""What every loss returns, chunked row-wise logits, and simulated acceptance from matches."""
+"""The loss pieces every family shares: what a loss returns (`LossParts`), chunked row-wise
+logits, per-position sums, and simulated acceptance from matches. Each family's loss is in its
+folder (`models/<family>/loss.py`).
+
+Normalisation contract (all families): a loss returns a weighted *sum* over its supervised
+positions (`numerator`, carries the graph) and the sum of those weights (`denominator`). The
+training loop all-reduces only the denominator and backpropagates
+`numerator / global_denominator * world_size`; FSDP then averages gradients over ranks, so the
+effective gradient is that of `sum_ranks(numerator) / sum_ranks(denominator)`, independent of how
+the global batch is split over ranks.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +28,7 @@ LOGIT_CHUNK_ROWS = 2048
 class LossParts:
     """One rank's contribution to a step.
 
-    `numerator` (graph) and `denominator` (no graph) follow the contract in `losses/__init__.py`.
+    `numerator` (graph) and `denominator` (no graph) follow the contract above.
     Per-position statistics are sums over this rank, shape `[P]` with `P` draft positions (DFlash
     slots 1..K-1, Eagle3 test-time steps); the loop all-reduces and divides them:
 

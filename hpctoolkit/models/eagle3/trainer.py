@@ -14,20 +14,19 @@ serving-order forward).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.eagle3.loss import EAGLE3_STEP_DECAY, eagle3_step_loss
 from hpctoolkit.models.eagle3.model import Eagle3DraftModel, KVCache
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import EAGLE3_STEP_DECAY, LossParts, acceptance_from_matches, eagle3_step_loss
-from hpctoolkit.train.losses.common import per_position
+from hpctoolkit.train.losses import LossParts, acceptance_from_matches, per_position
 from hpctoolkit.train.target_head import TargetHead
 from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows
+from hpctoolkit.train.trainers.vocab import supervised_token_counts
 
 
 def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
@@ -38,35 +37,9 @@ def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-class _TokenSample(Protocol):
-    """A `data.sample.Sample` or a `SyntheticSample` (which has no `loss_mask`)."""
-
-    @property
-    def input_ids(self) -> torch.Tensor: ...
-
-
-def supervised_token_counts(sample: _TokenSample, vocab_size: int) -> torch.Tensor:
-    """`[V]` float64 counts of a sample's supervised tokens (all of them without a loss mask)."""
-    ids = sample.input_ids.long()
-    mask = getattr(sample, "loss_mask", None)
-    if mask is not None:
-        ids = ids[mask.bool()]
-    return torch.bincount(ids, minlength=vocab_size)[:vocab_size].to(torch.float64)
-
-
-def draft_vocab_from_counts(counts_V: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """The `draft_vocab_size` most frequent target ids, ascending (ties: lower id first)."""
-    if draft_vocab_size > counts_V.numel():
-        raise ConfigError(f"draft_vocab_size={draft_vocab_size} exceeds the vocabulary {counts_V.numel()}")
-    order = torch.argsort(
-        -counts_V.to(torch.float64) * (counts_V.numel() + 1) + torch.arange(counts_V.numel())
-    )
-    return order[:draft_vocab_size].sort().values
-
-
 class Eagle3Trainer(FamilyTrainer):
     family = "eagle3"
-    unused_options = ("num_anchors", "dflash_decay_gamma", "label_source")
+    unused_options = ("num_anchors", "label_source")
     prunes_vocab = True
     draft: Eagle3DraftModel
 

@@ -7,11 +7,11 @@ import torch
 
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss
 from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import LossParts, dflash_decay_gamma, dflash_loss
-from hpctoolkit.train.losses.common import LOGIT_CHUNK_ROWS
+from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts
 from hpctoolkit.train.target_head import TargetHead
 from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows, sample_generator
 
@@ -143,5 +143,5 @@ class DFlashTrainer(FamilyTrainer):
             target_ids_BT,
             anchor_ok_BN,
             block_size=self.block_size,
-            gamma=dflash_decay_gamma(self.block_size, self.cfg.dflash_decay_gamma),
+            gamma=dflash_decay_gamma(self.block_size, self.draft.config.decay_gamma),
         )

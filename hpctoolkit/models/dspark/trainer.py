@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from hpctoolkit.models.dflash.trainer import DFlashTrainer
+from hpctoolkit.models.dspark.loss import dspark_decay_gamma, dspark_loss
 from hpctoolkit.models.dspark.model import DSparkDraftModel
-from hpctoolkit.train.losses import LossParts, dspark_loss
-from hpctoolkit.train.trainers.dflash import DFlashTrainer
+from hpctoolkit.train.losses import LossParts
 
 
 class DSparkTrainer(DFlashTrainer):
     family = "dspark"
-    unused_options = ("ttt_length", "dflash_decay_gamma")
+    unused_options = ("ttt_length",)
     draft: DSparkDraftModel
 
     def forward(
@@ -44,5 +45,6 @@ class DSparkTrainer(DFlashTrainer):
             labels_BT,
             anchor_ok_BN,
             block_size=self.block_size,
+            gamma=dspark_decay_gamma(self.draft.config.decay_gamma),
             labels_from_target=self.cfg.label_source == "target",
         )
