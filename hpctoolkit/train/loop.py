@@ -26,7 +26,8 @@ from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, sha
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window
 from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
-from hpctoolkit.train.trainers import FamilyTrainer, build_trainer
+from hpctoolkit.train.trainers.base import FamilyTrainer
+from hpctoolkit.train.trainers.build import build_trainer
 
 log = logging.getLogger(__name__)
 # Samples read to choose a pruned Eagle3 vocabulary (per rank; counts are summed over ranks).
@@ -62,7 +63,7 @@ DRAFT_VOCAB_FILE = TrainDir(Path()).draft_vocab.name
 
 def _vocab_counts(job: TrainJob, opener, ctx: DistContext, vocab_size: int) -> torch.Tensor:
     """Counts of the supervised tokens (loss mask 1) of each rank's first samples, summed."""
-    from hpctoolkit.train.trainers.eagle3 import supervised_token_counts
+    from hpctoolkit.train.trainers.vocab import supervised_token_counts
 
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for i, s in enumerate(opener(ctx.rank, ctx.world_size, 0, 0)):
@@ -182,7 +183,7 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     cfg = job.training
     opener = make_opener(job.samples_source, cfg.seed)
     from hpctoolkit.models.registry import load_draft_config
-    from hpctoolkit.train.trainers import needs_vocab_counts
+    from hpctoolkit.train.trainers.build import needs_vocab_counts
 
     draft_cfg = load_draft_config(job.draft_config)
     counts = None
