@@ -27,11 +27,12 @@ from safetensors.torch import load_file
 from hpctoolkit.config.couplings import draft_target_layer_ids
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.models.registry import build_draft_model, load_draft_config
+from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
-from hpctoolkit.train.trainers import FamilyTrainer, init_from_target, trainer_class_for
+from hpctoolkit.train.trainers.base import FamilyTrainer
+from hpctoolkit.train.trainers.build import init_from_target
 
 
 def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.PathLike):
