@@ -152,7 +152,7 @@ def engine_config(pp: int, chunk: int, max_len: int):
 
 
 def run_arm(a: dict[str, Any]) -> None:
-    from hpctoolkit.engine.engine import build_llm_kwargs
+    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
     from hpctoolkit.store.config import StoreConfig
 
     pp, mode = int(a["pp"]), a["mode"]
@@ -182,7 +182,8 @@ def run_arm(a: dict[str, Any]) -> None:
 
         close = eng.shutdown
     else:
-        kwargs, env = build_llm_kwargs(cfg, a["model_dir"], [1, 3, 5, 6], None, StoreConfig(), "plain")
+        sink = CaptureSink(None, StoreConfig(), "plain")
+        kwargs, env = build_llm_kwargs(cfg, a["model_dir"], [1, 3, 5, 6], sink)
         for key in ("speculative_config", "kv_transfer_config", "worker_extension_cls"):
             kwargs.pop(key, None)
         os.environ.update(env)

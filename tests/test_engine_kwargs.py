@@ -15,6 +15,8 @@ from hpctoolkit.engine.engine import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     EXTRA_CONFIG_KEY,
+    CaptureSink,
+    NodeArgs,
     build_llm_kwargs,
     run_prefix,
     target_num_layers,
@@ -27,11 +29,16 @@ pytestmark = pytest.mark.timeout(60)
 IDS = [1, 3, 5, 6]
 
 
-def _build(cfg: EngineConfig | None = None, **kw):
+def _build(cfg: EngineConfig | None = None, backend: str = "cpu", **kw):
+    """`build_llm_kwargs` with `kw` split into the sink's fields and the node's."""
     cfg = cfg or EngineConfig(target_layer_ids=[0, 2, 4])
-    args = {"store_address": "127.0.0.1:50051", "store_cfg": {"connect_timeout_s": 7.0}, "run_id": "run1"}
-    args.update(kw)
-    return build_llm_kwargs(cfg, "/models/t", IDS, **args)
+    sink = {"store_address": "127.0.0.1:50051", "store_cfg": {"connect_timeout_s": 7.0}, "run_id": "run1"}
+    sink.update({k: v for k, v in kw.items() if k in CaptureSink.__dataclass_fields__})
+    node = {k: v for k, v in kw.items() if k in NodeArgs.__dataclass_fields__}
+    assert not set(kw) - set(CaptureSink.__dataclass_fields__) - set(node), kw
+    if "cores" in node:
+        node["cores"] = tuple(node["cores"])
+    return build_llm_kwargs(cfg, "/models/t", IDS, CaptureSink(**sink), NodeArgs(**node), backend=backend)
 
 
 def test_capture_engine_core_arguments():
@@ -129,7 +136,7 @@ def test_capture_engines_pin_the_v1_runner_and_serving_engines_may_not(pp):
 
 def test_cpu_pp_binds_cores_per_rank():
     cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
-    _, env = _build(cfg, num_cores=2)
+    _, env = _build(cfg, cores=[0, 1])
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert engine_env_mod.cpu_bind_spec(2, 4) == "0-1|2-3"
     with pytest.raises(ValueError, match="cores"):
@@ -200,10 +207,12 @@ def test_host_ip_is_the_nodes_address():
     assert "GLOO_SOCKET_IFNAME" not in env  # lo only for a loopback address
 
 
-def test_fault_dir_is_on_the_output_directory():
-    from hpctoolkit.engine.engine import fault_dir_for
-
-    assert fault_dir_for("/scratch/run", 3) == "/scratch/run/faults/engine3"
+def test_sink_names_the_fault_directory_and_the_test_hooks():
+    kwargs, _ = _build(fault_dir="/scratch/run/faults/engine3", engine_index=3, store_factory="m:f")
+    extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"][EXTRA_CONFIG_KEY]
+    assert extra["fault_dir"] == "/scratch/run/faults/engine3"
+    assert extra["run_prefix"] == "run1-e3" and extra["store_factory"] == "m:f"
+    assert "reachability_check" not in extra  # the connector's default
 
 
 def test_run_prefix_is_store_safe_and_engine_unique():
@@ -285,9 +294,13 @@ def test_generating_engine_nodes_differ_only_in_node_keys(tmp_path):
 
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
     cfg = EngineConfig(target_layer_ids=[0], nnodes=2, gpus_per_node=1, pp_size=2)
-    node = {"master_addr": "198.18.0.13", "master_port": 29700, "backend": "cpu"}
     built = [
-        generation_kwargs(cfg, tmp_path, node_rank=r, host_ip=f"198.18.0.1{3 + r}", cores=[r], **node)
+        generation_kwargs(
+            cfg,
+            tmp_path,
+            NodeArgs(r, "198.18.0.13", 29700, host_ip=f"198.18.0.1{3 + r}", cores=(r,)),
+            backend="cpu",
+        )
         for r in (0, 1)
     ]
     (lead, lenv), (follow, fenv) = built

@@ -101,18 +101,10 @@ def tiny_target(tmp_path_factory):
 
 
 def _production_kwargs(model_dir: str, **extra: Any) -> dict[str, Any]:
-    from hpctoolkit.engine.engine import build_llm_kwargs
+    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
 
-    kwargs, _ = build_llm_kwargs(
-        _engine_cfg(2),
-        model_dir,
-        [1, 3, 5, 6],
-        None,
-        None,
-        "follower-test",
-        backend="cpu",
-        fault_dir="/nonexistent",
-    )
+    sink = CaptureSink(None, None, "follower-test", fault_dir="/nonexistent")
+    kwargs, _ = build_llm_kwargs(_engine_cfg(2), model_dir, [1, 3, 5, 6], sink, backend="cpu")
     kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
     return {**kwargs, **extra}
 
@@ -171,13 +163,14 @@ def test_usage_context_is_llms(tiny_target, monkeypatch):
 def test_follower_runs_the_gates_before_spawning_workers(tiny_target):
     import psutil
 
-    from hpctoolkit.engine.engine import build_llm_kwargs
+    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
     from hpctoolkit.engine.follower import HeadlessFollower
     from hpctoolkit.errors import ConfigError
 
     # Capture ids that stop short of the target's 6 layers: the leader's preflight would refuse
     # them, and so must the follower, before it starts a worker.
-    kwargs, _ = build_llm_kwargs(_engine_cfg(2), tiny_target, [1, 3, 5], None, None, "t", backend="cpu")
+    sink = CaptureSink(None, None, "t")
+    kwargs, _ = build_llm_kwargs(_engine_cfg(2), tiny_target, [1, 3, 5], sink, backend="cpu")
     kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     f = HeadlessFollower(kwargs, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
@@ -302,15 +295,12 @@ def node_single(args: dict[str, Any]) -> dict[str, Any]:
     return {"engine_start_s": started, "total_s": time.monotonic() - t0}
 
 
-def _node_kwargs(args: dict[str, Any], node_rank: int) -> dict[str, Any]:
-    """This node's keywords for `engine_llm_kwargs` / `CaptureEngine`, as the engine roles pass them:
-    its rank, the rendezvous, and its one core (each node gets a core of its own)."""
-    return {
-        "node_rank": node_rank,
-        "master_addr": "127.0.0.1",
-        "master_port": args["port"],
-        "cores": [node_rank % (os.cpu_count() or 1)],
-    }
+def _node_args(args: dict[str, Any], node_rank: int) -> Any:
+    """This node's `NodeArgs` for `engine_llm_kwargs` / `CaptureEngine`, as the engine roles pass
+    them: its rank, the rendezvous, and its one core (each node gets a core of its own)."""
+    from hpctoolkit.engine.kwargs import NodeArgs
+
+    return NodeArgs(node_rank, "127.0.0.1", args["port"], cores=(node_rank % (os.cpu_count() or 1),))
 
 
 def node_leader(args: dict[str, Any]) -> dict[str, Any]:
@@ -328,8 +318,8 @@ def node_leader(args: dict[str, Any]) -> dict[str, Any]:
         args["address"],
         StoreConfig(),
         "nodes",
-        output_dir=work,
-        **_node_kwargs(args, 0),
+        fault_dir=work / "faults",
+        node=_node_args(args, 0),
     ) as eng:
         started = time.monotonic() - t0
         _step(f"engine up in {started:.1f} s")
@@ -362,22 +352,16 @@ def _worker_children() -> list[str]:
 
 def node_follower(args: dict[str, Any]) -> dict[str, Any]:
     """node_rank 1: the headless follower, with the kwargs and environment the leader used."""
-    from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
+    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.env import detect_backend
     from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
     from hpctoolkit.store.config import StoreConfig
 
     work = Path(args["work"])
     # What `engine-follower` does: the leader's own `engine_llm_kwargs` call, this node's keys.
+    sink = CaptureSink(args["address"], StoreConfig(), "nodes", fault_dir=str(work / "faults"))
     _, kwargs, env = engine_llm_kwargs(
-        _engine_cfg(2, nnodes=2),
-        args["model_dir"],
-        args["address"],
-        StoreConfig(),
-        "nodes",
-        backend=detect_backend(),
-        fault_dir=fault_dir_for(work, 0),
-        **_node_kwargs(args, 1),
+        _engine_cfg(2, nnodes=2), args["model_dir"], sink, _node_args(args, 1), backend=detect_backend()
     )
     os.environ.update(env)
     t0 = time.monotonic()

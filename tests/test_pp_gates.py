@@ -409,11 +409,11 @@ def test_capture_engine_refuses_an_incapable_target_before_building_vllm(
     for name in engine_env_mod.ENGINE_ENV_KEYS:
         # CaptureEngine sets them in os.environ; setenv records the old value (or its absence).
         monkeypatch.setenv(name, os.environ.get(name, ""))
-    # A fault record an earlier run left in the shared output directory is cleared, the folder kept.
-    out = tmp_path / "out"
-    (out / "faults" / "engine1").mkdir(parents=True)
-    (out / "faults" / "engine1" / "fault-1-1.json").write_text("{}")
+    # A fault record an earlier run left in the shared fault directory is cleared, the folder kept.
+    faults = tmp_path / "out" / "faults" / "engine1"
+    faults.mkdir(parents=True)
+    (faults / "fault-1-1.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .* builds decoder\(s\) \['Qwen3MoeModel'\]"):
-        CaptureEngine(_pp2(), tmp_path, None, None, "gate-test", engine_index=1, output_dir=out)
+        CaptureEngine(_pp2(), tmp_path, None, None, "gate-test", engine_index=1, fault_dir=faults)
     assert built == []
-    assert (out / "faults" / "engine1").is_dir() and not list((out / "faults" / "engine1").iterdir())
+    assert faults.is_dir() and not list(faults.iterdir())

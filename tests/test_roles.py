@@ -173,7 +173,7 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     """Both engine roles call `engine_llm_kwargs` with `engine_node_args`: only the node keys differ."""
     import json
 
-    from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
+    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.follower import NODE_KEYS, check_node_invariant
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
@@ -186,21 +186,13 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
         context.note_host(ctx)  # what every role does first: the follower learns the leader's address
         master_up(ctx)
         args = context.engine_node_args(ctx, context.select_process(ctx, role), cores=[2, 3])
-        _, kwargs, env = engine_llm_kwargs(
-            ctx.cfg.engine,
-            tmp_path,
-            context.store_address(ctx),
-            ctx.cfg.store,
-            ctx.run_id,
-            backend="cpu",
-            fault_dir=fault_dir_for(ctx.run.root, 0),
-            **args,
-        )
+        sink = CaptureSink(context.store_address(ctx), ctx.cfg.store, ctx.run_id, 0, str(ctx.run.faults(0)))
+        _, kwargs, env = engine_llm_kwargs(ctx.cfg.engine, tmp_path, sink, args, backend="cpu")
         built[role] = (args, kwargs, env)
     (la, lk, le), (fa, fk, fe) = built["engine-leader"], built["engine-follower"]
-    assert (la["node_rank"], fa["node_rank"]) == (0, 1)
-    assert la["master_addr"] == fa["master_addr"] == "10.0.0.5"  # the leader's node
-    assert la["master_port"] == fa["master_port"] == 29600
+    assert (la.node_rank, fa.node_rank) == (0, 1)
+    assert la.master_addr == fa.master_addr == "10.0.0.5"  # the leader's node
+    assert la.master_port == fa.master_port == 29600
     assert (le["VLLM_HOST_IP"], fe["VLLM_HOST_IP"]) == ("10.0.0.5", "10.0.0.6")
     assert le["VLLM_CPU_OMP_THREADS_BIND"] == fe["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"  # 2 workers a node
 

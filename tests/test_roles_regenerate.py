@@ -68,8 +68,8 @@ def fakes(monkeypatch):
 
     FakeChild.instances.clear()
     monkeypatch.setattr(engines, "Child", FakeChild)
-    monkeypatch.setattr(engines, "generation_node_args", lambda ctx, proc: {})
-    monkeypatch.setattr(regen, "generation_kwargs", lambda cfg, target, **node: ({}, {}))
+    monkeypatch.setattr(engines, "generation_node_args", lambda ctx, proc: None)
+    monkeypatch.setattr(regen, "generation_kwargs", lambda cfg, target, node: ({}, {}))
 
 
 def _prefix(c) -> str:

@@ -71,15 +71,13 @@ Fail-closed rules:
 * Rows are copied out of the cache before the blocks are released; the layer's head count must
   match the manifest (`rows.head_index_of`), the dtype must match, or `DataIntegrityError`.
 
-Settings arrive through `kv_connector_extra_config` (JSON-able; see `ExtraConfig`).
+Settings arrive through `kv_connector_extra_config` (JSON-able; see `connector_api.ExtraConfig`,
+which also holds the manifest's key and the fault records, importable without vLLM).
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -98,6 +96,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
+from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the connector's public names
+    EXTRA_CONFIG_KEY,
+    MANIFEST_PARAM,
+    ExtraConfig,
+    load_spec,
+    read_faults,
+    write_fault,
+)
 from hpctoolkit.engine.publish import Publisher, StageRows
 from hpctoolkit.engine.rows import head_index_of, sample_key_for, stage_heads
 from hpctoolkit.engine.tracker import PendingSample, SampleTracker
@@ -113,94 +119,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Key of the manifest in a request's `kv_transfer_params`.
-MANIFEST_PARAM = "hpctoolkit_manifest"
-# Key of our settings inside `kv_connector_extra_config`.
-EXTRA_CONFIG_KEY = "hpctoolkit"
 # vLLM captures the final id (L) before the target's final norm (measured against HF).
 LAST_HIDDEN_STATES_PRENORM = True
-DEFAULT_STORE_FACTORY = "hpctoolkit.store.mooncake:MooncakeStore"
-DEFAULT_REACHABILITY_CHECK = "hpctoolkit.store.mooncake:check_reachable"
 # How long a worker's shutdown waits for the publishes still queued on its publisher thread.
 PUBLISHER_CLOSE_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class ExtraConfig:
-    """Our part of `kv_connector_extra_config` (under key `EXTRA_CONFIG_KEY`).
-
-    `run_prefix` is unique per engine (run id + engine index), so sample keys never collide across
-    runs or engines sharing a store. `store_address` None means the factory needs no master (unit
-    tests with an in-process fake); then no reachability check runs.
-    """
-
-    run_prefix: str
-    store_address: str | None
-    store_config: dict[str, Any] = field(default_factory=dict)
-    store_factory: str = DEFAULT_STORE_FACTORY
-    reachability_check: str = DEFAULT_REACHABILITY_CHECK
-    connect_timeout_s: float = 10.0
-    fault_dir: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_prefix": self.run_prefix,
-            "store_address": self.store_address,
-            "store_config": dict(self.store_config),
-            "store_factory": self.store_factory,
-            "reachability_check": self.reachability_check,
-            "connect_timeout_s": self.connect_timeout_s,
-            "fault_dir": self.fault_dir,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> ExtraConfig:
-        if not isinstance(d, dict) or "run_prefix" not in d:
-            raise ConfigError(
-                f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] must be a mapping with run_prefix, got {d!r}"
-            )
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config[{EXTRA_CONFIG_KEY!r}] has unknown keys {sorted(unknown)}"
-            )
-        return cls(**d)
-
-
-def _load(spec: str) -> Any:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ConfigError(f"{spec!r} must be 'module:attribute'")
-    return getattr(importlib.import_module(module), attr)
-
-
-def write_fault(fault_dir: str | None, where: str, err: BaseException) -> None:
-    """Record a fatal data-path error where the engine's caller can find it (best effort)."""
-    if not fault_dir:
-        return
-    try:
-        from hpctoolkit.rundir.atomic import write_json_atomic
-
-        record = {"where": where, "type": type(err).__name__, "message": str(err), "time": time.time()}
-        write_json_atomic(os.path.join(fault_dir, f"fault-{os.getpid()}-{time.monotonic_ns()}.json"), record)
-    except OSError:
-        # The original error is raised right after; a failed side-channel write must not mask it.
-        logger.exception("hpctoolkit: could not write the fault record into %s", fault_dir)
-
-
-def read_faults(fault_dir: str | None) -> list[dict[str, Any]]:
-    """Fault records written by `write_fault`, oldest first."""
-    if not fault_dir or not os.path.isdir(fault_dir):
-        return []
-    out = []
-    for name in sorted(os.listdir(fault_dir)):
-        if name.startswith("fault-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(fault_dir, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    return sorted(out, key=lambda r: r.get("time", 0))
 
 
 @dataclass
@@ -260,7 +182,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished_seen: set[str] = set()
         self.num_published = 0
         if role == KVConnectorRole.WORKER and self._extra.store_address is not None:
-            check = _load(self._extra.reachability_check)
+            check = load_spec(self._extra.reachability_check)
             try:
                 # Raises StoreError naming the address; engine start fails with it.
                 check(self._extra.store_address, self._extra.connect_timeout_s)
@@ -333,7 +255,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _get_store(self) -> Any:
         if self._store is None:
-            factory = _load(self._extra.store_factory)
+            factory = load_spec(self._extra.store_factory)
             try:
                 from hpctoolkit.store.config import StoreConfig
 

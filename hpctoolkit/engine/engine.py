@@ -22,17 +22,24 @@ from typing import Any
 
 from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout
 from hpctoolkit.engine.config import EngineConfig
+from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the engine's public names live here too
+    DEFAULT_REACHABILITY_CHECK,
+    EXTRA_CONFIG_KEY,
+    MANIFEST_PARAM,
+    load_spec,
+    read_faults,
+)
 from hpctoolkit.engine.env import detect_backend
 from hpctoolkit.engine.kwargs import (  # noqa: F401 -- the engine's public names live here too
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
-    EXTRA_CONFIG_KEY,
-    MANIFEST_PARAM,
+    ONE_NODE,
     PUBLISH_WAIT_S,
     WORKER_EXTENSION,
+    CaptureSink,
+    NodeArgs,
     build_llm_kwargs,
     engine_llm_kwargs,
-    fault_dir_for,
     run_prefix,
     store_cfg_dict,
     target_num_layers,
@@ -44,19 +51,17 @@ class CaptureEngine:
     """One vLLM engine capturing hidden states into the store. Use as a context manager.
 
     `cfg.target_layer_ids` are the draft's 0-based layers; the target's layer count is read from
-    `model_dir/config.json`. `store_address` is the master's `host:port` (None only with a
-    `store_factory` that needs no master, as in unit tests); `store_cfg` a `StoreConfig` or its
-    dict. `run_id` + `engine_index` prefix every sample key, so they must be unique per engine
-    sharing a store. `capture` returns each sample's manifest (the sample metadata the trainer
-    reads by). A store failure surfaces from `capture` as `StoreError` carrying the writer's
-    message; after any failure the engine refuses further captures.
+    `model_dir/config.json`. `store_address`, `store_cfg`, `run_id`, `engine_index`,
+    `store_factory` and `reachability_check` are where the workers write (`CaptureSink`).
+    `capture` returns each sample's manifest (the sample metadata the trainer reads by). A store
+    failure surfaces from `capture` as `StoreError` carrying the writer's message; after any
+    failure the engine refuses further captures.
 
-    `node` holds the multi-node keywords of `build_llm_kwargs` (`node_rank`, `master_addr`,
-    `master_port`, `host_ip`, `cores`); a follower node builds its kwargs through the same
-    `build_llm_kwargs` call (`engine_llm_kwargs`). Workers record a store error in the fault
-    directory: with `output_dir` (the run's, shared by every node) `fault_dir_for(output_dir,
-    engine_index)`, emptied at start and kept afterwards, so a follower's error reaches the leader;
-    without, a private tempdir removed at shutdown.
+    `node` is this node's place in a multi-node engine (`NodeArgs`); a follower node builds its
+    kwargs through the same `build_llm_kwargs` call (`engine_llm_kwargs`). Workers record a store
+    error in the fault directory: `fault_dir` when given (the run's `RunDir.faults(engine_index)`,
+    shared by every node), emptied at start and kept afterwards, so a follower's error reaches the
+    leader; without, a private tempdir removed at shutdown.
     """
 
     def __init__(
@@ -70,11 +75,11 @@ class CaptureEngine:
         engine_index: int = 0,
         store_factory: str | None = None,
         reachability_check: str | None = None,
-        output_dir: str | os.PathLike | None = None,
-        **node: Any,
+        fault_dir: str | os.PathLike | None = None,
+        node: NodeArgs = ONE_NODE,
     ):
         self._llm: Any = None
-        self._own_fault_dir = output_dir is None
+        self._own_fault_dir = fault_dir is None
         self._fault_dir: str | None = None
         self._broken: BaseException | None = None
         # Command lines of processes vLLM's shutdown left and `shutdown` had to end itself.
@@ -86,44 +91,27 @@ class CaptureEngine:
         self.capture_ids = capture_ids_for(cfg.target_layer_ids, self.num_layers)
         check_layer_layout(self.capture_ids, self.num_layers)
         store_d = store_cfg_dict(store_cfg)
-        timeout = float(store_d.get("connect_timeout_s", 10.0))
         if store_address is not None:
             # Fail fast, before vLLM spends its start-up time; the worker checks again.
-            check = reachability_check or "hpctoolkit.store.mooncake:check_reachable"
-            module, _, attr = check.partition(":")
-            import importlib
-
-            # `connect_timeout_s` bounds the whole failure, so leave a little for our own overhead.
-            getattr(importlib.import_module(module), attr)(store_address, max(0.5, timeout - 0.25))
+            _check_reachable(store_address, store_d, reachability_check)
         import psutil
 
         self._baseline_children = {p.pid for p in psutil.Process().children(recursive=True)}
         # Every process the engine started, noted while they are still our descendants: a worker
         # whose EngineCore died is re-parented to init and no longer shows among our children.
         self._engine_procs: dict[int, Any] = {}
-        if output_dir is None:
-            self._fault_dir = tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
-        else:
-            # A record left by an earlier run in the same output directory is not this run's.
-            self._fault_dir = fault_dir_for(output_dir, engine_index)
-            shutil.rmtree(self._fault_dir, ignore_errors=True)
-            Path(self._fault_dir).mkdir(parents=True)
+        self._fault_dir = _fresh_fault_dir(fault_dir)
         self.backend = detect_backend()
-        _, kwargs, env = engine_llm_kwargs(
-            cfg,
-            model_dir,
-            store_address,
-            store_d,
-            run_id,
-            engine_index=engine_index,
-            backend=self.backend,
-            fault_dir=self._fault_dir,
-            store_factory=store_factory,
-            reachability_check=reachability_check,
-            **node,
+        sink = CaptureSink(
+            store_address, store_d, run_id, engine_index, self._fault_dir, store_factory, reachability_check
         )
+        _, kwargs, env = engine_llm_kwargs(cfg, model_dir, sink, node, backend=self.backend)
         self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.pp_size = cfg.pp_size
+        self._start(model_dir, kwargs, env)
+
+    def _start(self, model_dir: str | os.PathLike, kwargs: dict[str, Any], env: dict[str, str]) -> None:
+        """Apply the engine's environment, run the preflight gates and build the `LLM`."""
         import logging
 
         logging.getLogger(__name__).info(
@@ -138,7 +126,7 @@ class CaptureEngine:
             # VLLM_PP_LAYER_PARTITION) and inside `try`, so a refusal still runs `shutdown()`.
             from hpctoolkit.engine.pp_gates import preflight
 
-            preflight(cfg, model_dir, self.capture_ids)
+            preflight(self.cfg, model_dir, self.capture_ids)
             with self._translate_faults():
                 from vllm import LLM
 
@@ -162,8 +150,6 @@ class CaptureEngine:
         except (StoreError, DataIntegrityError):
             raise
         except Exception as err:
-            from hpctoolkit.engine.connector import read_faults
-
             faults = read_faults(self._fault_dir)
             if faults:
                 last = faults[-1]
@@ -217,8 +203,6 @@ class CaptureEngine:
         runs on a helper thread while this one watches the writers' fault records and the
         client's engine-dead flag.
         """
-        from hpctoolkit.engine.connector import read_faults
-
         llm = self._llm
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -379,3 +363,19 @@ class CaptureEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_reachable(address: str, store_d: dict[str, Any], check: str | None) -> None:
+    """Raise `StoreError` naming `address` when the store master does not answer in time."""
+    timeout = float(store_d.get("connect_timeout_s", 10.0))
+    # `connect_timeout_s` bounds the whole failure, so leave a little for our own overhead.
+    load_spec(check or DEFAULT_REACHABILITY_CHECK)(address, max(0.5, timeout - 0.25))
+
+
+def _fresh_fault_dir(fault_dir: str | os.PathLike | None) -> str:
+    """`fault_dir`, emptied (a record an earlier run left there is not this run's), or a new tempdir."""
+    if fault_dir is None:
+        return tempfile.mkdtemp(prefix="hpctoolkit-engine-faults-")
+    shutil.rmtree(fault_dir, ignore_errors=True)
+    Path(fault_dir).mkdir(parents=True)
+    return str(fault_dir)

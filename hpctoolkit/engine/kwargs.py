@@ -1,6 +1,10 @@
 """Every argument of a capture engine, decided without vLLM: `build_llm_kwargs` (pure) gives the
 `vllm.LLM` keyword arguments and the environment to set before vLLM is imported; the leader's
 `CaptureEngine` and a headless follower build theirs through the same `engine_llm_kwargs`.
+
+Beside the engine section (`EngineConfig`) and the target, they take two small records: where the
+engine's workers write (`CaptureSink`: the store, the run's key prefix, the fault records) and
+what one node of a multi-node engine adds (`NodeArgs`, from `roles.context.engine_node_args`).
 """
 
 from __future__ import annotations
@@ -9,20 +13,19 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpctoolkit.capture import capture_ids_for, check_layer_layout, sanitize_key
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
+from hpctoolkit.engine.connector_api import EXTRA_CONFIG_KEY
 from hpctoolkit.engine.env import engine_env
 from hpctoolkit.errors import ConfigError
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"
 CONNECTOR_MODULE = "hpctoolkit.engine.connector"
 WORKER_EXTENSION = "hpctoolkit.engine.worker_ext.CaptureWorkerExtension"
-# Mirrors connector.MANIFEST_PARAM / EXTRA_CONFIG_KEY without importing vLLM here.
-MANIFEST_PARAM = "hpctoolkit_manifest"
-EXTRA_CONFIG_KEY = "hpctoolkit"
 # How long `capture` waits for the connector to publish a finished request.
 PUBLISH_WAIT_S = 120.0
 
@@ -58,13 +61,64 @@ def store_cfg_dict(store_cfg: Any) -> dict[str, Any]:
     raise ConfigError(f"store config must be a StoreConfig or a mapping, got {type(store_cfg).__name__}")
 
 
-def _checked(
-    cfg: EngineConfig,
-    capture_ids: Sequence[int],
-    node_rank: int,
-    master_addr: str | None,
-    master_port: int | None,
-) -> list[int]:
+@dataclass(frozen=True)
+class CaptureSink:
+    """Where a capture engine's workers write: the connector's settings (`connector_api.ExtraConfig`).
+
+    `run_id` + `engine_index` prefix every sample key (`run_prefix`), so they must be unique per
+    engine sharing a store. `store_address` is the master's `host:port` (None only with a
+    `store_factory` that needs no master, as in unit tests); `store_cfg` a `StoreConfig` or its
+    dict. Workers record a store error in `fault_dir` (one the caller reads; on a shared filesystem
+    for a multi-node engine). `store_factory` and `reachability_check` (`module:attribute`)
+    replace the Mooncake ones in tests.
+    """
+
+    store_address: str | None
+    store_cfg: Any
+    run_id: str
+    engine_index: int = 0
+    fault_dir: str | None = None
+    store_factory: str | None = None
+    reachability_check: str | None = None
+
+    def extra_config(self) -> dict[str, Any]:
+        """The connector's part of `kv_connector_extra_config` (JSON-able)."""
+        store_d = store_cfg_dict(self.store_cfg)
+        extra: dict[str, Any] = {
+            "run_prefix": run_prefix(self.run_id, self.engine_index),
+            "store_address": self.store_address,
+            "store_config": store_d,
+            "connect_timeout_s": float(store_d.get("connect_timeout_s", 10.0)),
+            "fault_dir": self.fault_dir,
+        }
+        if self.store_factory is not None:
+            extra["store_factory"] = self.store_factory
+        if self.reachability_check is not None:
+            extra["reachability_check"] = self.reachability_check
+        return extra
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """What one node of an engine adds to the engine's arguments; the default is a one-node engine.
+
+    A multi-node engine (`engine.nnodes > 1`) needs this node's `node_rank` and the engine's vLLM
+    rendezvous (`master_addr`: the leader's host, `master_port`). `host_ip` is this node's address
+    (vLLM and gloo bind it); `cores` the cores this node's workers split (default: the process's
+    affinity for worker processes).
+    """
+
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    host_ip: str = "127.0.0.1"
+    cores: tuple[int, ...] | None = None
+
+
+ONE_NODE = NodeArgs()
+
+
+def _checked(cfg: EngineConfig, capture_ids: Sequence[int], node: NodeArgs) -> list[int]:
     """The capture ids as ints, once the engine section and this node's place in it are valid."""
     cfg.validate()
     ids = [int(i) for i in capture_ids]
@@ -74,15 +128,16 @@ def _checked(
     if clash:
         raise ConfigError(f"engine.extra_args may not set {clash}: hpctoolkit derives them")
     if cfg.nnodes > 1:
-        if not master_addr or not master_port:
+        if not node.master_addr or not node.master_port:
             raise ConfigError(
                 f"engine.nnodes={cfg.nnodes}: a multi-node engine needs the leader's rendezvous "
-                f"(master_addr={master_addr!r}, master_port={master_port!r}; the plan's engine rendezvous)"
+                f"(master_addr={node.master_addr!r}, master_port={node.master_port!r}; the plan's "
+                "engine rendezvous)"
             )
-        if not 0 <= node_rank < cfg.nnodes:
-            raise ConfigError(f"node_rank={node_rank} is not a node of a {cfg.nnodes}-node engine")
-    elif node_rank != 0:
-        raise ConfigError(f"node_rank={node_rank} given for a one-node engine (engine.nnodes=1)")
+        if not 0 <= node.node_rank < cfg.nnodes:
+            raise ConfigError(f"node_rank={node.node_rank} is not a node of a {cfg.nnodes}-node engine")
+    elif node.node_rank != 0:
+        raise ConfigError(f"node_rank={node.node_rank} given for a one-node engine (engine.nnodes=1)")
     return ids
 
 
@@ -127,90 +182,59 @@ def build_llm_kwargs(
     cfg: EngineConfig,
     model_dir: str | os.PathLike,
     capture_ids: Sequence[int],
-    store_address: str | None,
-    store_cfg: Any,
-    run_id: str,
+    sink: CaptureSink,
+    node: NodeArgs = ONE_NODE,
     *,
-    engine_index: int = 0,
     backend: str = "cpu",
-    fault_dir: str | None = None,
-    store_factory: str | None = None,
-    reachability_check: str | None = None,
-    num_cores: int | None = None,
-    node_rank: int = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    host_ip: str = "127.0.0.1",
-    cores: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Keyword arguments for `vllm.LLM` and the environment to set before importing vLLM.
 
     Pure. `capture_ids` are capture ids (already shifted, final layer appended). Protected keys
     (`PROTECTED_ENGINE_KEYS`) are derived here and may not come from `cfg.extra_args`.
 
-    A multi-node engine (`cfg.nnodes > 1`) needs this node's `node_rank` and the engine's
-    rendezvous (`master_addr`: the leader's host, `master_port`); the kwargs then carry vLLM's
-    per-node keys (`follower.NODE_KEYS`), and everything else is identical on every node, so a
-    follower strips those keys and hands the rest to `HeadlessFollower`. `host_ip` is this node's
-    address (vLLM and gloo bind it); `cores` the cores this node's workers split (default: the
-    process's affinity for worker processes).
+    On a multi-node engine the kwargs carry vLLM's per-node keys (`follower.NODE_KEYS`, from
+    `node`), and everything else is identical on every node, so a follower strips those keys and
+    hands the rest to `HeadlessFollower`.
     """
-    ids = _checked(cfg, capture_ids, node_rank, master_addr, master_port)
+    ids = _checked(cfg, capture_ids, node)
     world = cfg.world_size
-    pp = cfg.pp_size
-    in_process = cfg.in_process and world == 1
-    store_d = store_cfg_dict(store_cfg)
-    extra: dict[str, Any] = {
-        "run_prefix": run_prefix(run_id, engine_index),
-        "store_address": store_address,
-        "store_config": store_d,
-        "connect_timeout_s": float(store_d.get("connect_timeout_s", 10.0)),
-        "fault_dir": fault_dir,
-    }
-    if store_factory is not None:
-        extra["store_factory"] = store_factory
-    if reachability_check is not None:
-        extra["reachability_check"] = reachability_check
     # Unset: eager for one CPU worker; CPU PP needs the compile warm-up, which is what allocates
     # the intermediate-tensor buffers.
-    eager = cfg.enforce_eager if cfg.enforce_eager is not None else (backend == "cpu" and pp == 1)
-    kwargs = _llm_args(cfg, model_dir, ids, extra, eager=eager)
+    eager = cfg.enforce_eager if cfg.enforce_eager is not None else (backend == "cpu" and cfg.pp_size == 1)
+    kwargs = _llm_args(cfg, model_dir, ids, sink.extra_config(), eager=eager)
     kwargs.update(cfg.extra_args)
     if cfg.nnodes > 1:
         kwargs.update(
-            nnodes=cfg.nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+            nnodes=cfg.nnodes,
+            node_rank=node.node_rank,
+            master_addr=node.master_addr,
+            master_port=node.master_port,
         )
     env = engine_env(
         backend,
-        in_process=in_process,
+        in_process=cfg.in_process and world == 1,
         world_size=world,
         cpu_kvcache_space_gb=cfg.cpu_kvcache_space_gb,
-        host_ip=host_ip,
-        num_cores=num_cores,
+        host_ip=node.host_ip,
         local_world_size=cfg.gpus_per_node,
-        cores=cores,
+        cores=node.cores,
         pin_v1_runner=True,  # a capture engine: see engine_env
     )
     return kwargs, env
 
 
-def fault_dir_for(output_dir: str | os.PathLike, engine_index: int) -> str:
-    """Engine `engine_index`'s fault directory on the run's shared output directory."""
-    return str(Path(output_dir) / "faults" / f"engine{engine_index}")
-
-
 def engine_llm_kwargs(
     cfg: EngineConfig,
     model_dir: str | os.PathLike,
-    store_address: str | None,
-    store_cfg: Any,
-    run_id: str,
-    **kw: Any,
+    sink: CaptureSink,
+    node: NodeArgs = ONE_NODE,
+    *,
+    backend: str,
 ) -> tuple[list[int], dict[str, Any], dict[str, str]]:
     """(capture ids, `LLM` kwargs, env) of one engine node: what `CaptureEngine` builds on the
-    leader and what a headless follower must start with (`kw` as for `build_llm_kwargs`)."""
+    leader and what a headless follower must start with (the arguments as for `build_llm_kwargs`)."""
     num_layers = target_num_layers(model_dir)
     capture_ids = capture_ids_for(cfg.target_layer_ids, num_layers)
     check_layer_layout(capture_ids, num_layers)
-    kwargs, env = build_llm_kwargs(cfg, model_dir, capture_ids, store_address, store_cfg, run_id, **kw)
+    kwargs, env = build_llm_kwargs(cfg, model_dir, capture_ids, sink, node, backend=backend)
     return capture_ids, kwargs, env

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.engine.kwargs import ONE_NODE, CaptureSink, NodeArgs, engine_llm_kwargs
 from hpctoolkit.errors import DataIntegrityError
 
 # (token ids, finish reason: "stop" | "length")
@@ -90,40 +91,18 @@ def regenerate_rows(
     max_model_len: int,
 ) -> tuple[list[dict[str, Any]], RegenReport]:
     """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts."""
-    from hpctoolkit.data.prompts import _clean
-    from hpctoolkit.data.template import apply_system_policy, eot_ids, prompt_ids
+    from hpctoolkit.data.template import eot_ids, prompt_ids
 
     eot = eot_ids(tok, spec.end_of_turn_tokens)
     report = RegenReport(samples=len(rows))
     bad: set[int] = set()
-    convs: dict[int, list[dict[str, Any]]] = {}
-    texts: dict[int, list[int]] = {}
-    for n, row in enumerate(rows):
-        if row["kind"] == "chat":
-            msgs = apply_system_policy(_clean(row["messages"]), spec)
-            if msgs[-1]["role"] != "assistant":
-                msgs.append({"role": "assistant", "content": ""})
-            convs[n] = msgs
-        elif row["kind"] == "text":
-            texts[n] = list(tok(row["text"], add_special_tokens=False).input_ids)[:max_prompt_tokens]
+    convs, texts = _split_rows(rows, tok, spec, max_prompt_tokens)
     text_out: dict[int, list[int]] = {}
     # The last regenerated turn of a chat: (its prompt, the target's exact tokens).
     last_turn: dict[int, tuple[list[int], list[int]]] = {}
 
     def run(jobs: list[tuple[int, int, list[int]]]) -> list[Generated | None]:
-        """(row, turn, prompt) -> generated, or None where the prompt does not fit."""
-        fits = [j for j in jobs if len(j[2]) <= max_prompt_tokens and len(j[2]) < max_model_len - 1]
-        outs = iter(
-            generate(
-                [p for _, _, p in fits],
-                [min(sampling.max_new_tokens, max_model_len - len(p)) for _, _, p in fits],
-                [sampling.seed + 1000 * n + t for n, t, _ in fits],
-            )
-            if fits
-            else []
-        )
-        fit_set = {id(j) for j in fits}
-        return [next(outs) if id(j) in fit_set else None for j in jobs]
+        return _generate_fitting(generate, sampling, jobs, max_prompt_tokens, max_model_len)
 
     def note(n: int, got: Generated | None, content: str) -> bool:
         report.turns += 1
@@ -162,6 +141,49 @@ def regenerate_rows(
     report.bad_samples = len(bad)
     out = _assemble(rows, tok, spec, texts, text_out, convs, last_turn, max_prompt_tokens)
     return out, report
+
+
+def _split_rows(
+    rows: Sequence[dict[str, Any]], tok: Any, spec: Any, max_prompt_tokens: int
+) -> tuple[dict[int, list[dict[str, Any]]], dict[int, list[int]]]:
+    """The rows to regenerate, by row index: each chat's messages (the system policy applied, an
+    empty assistant turn appended where it ends in a user turn) and each text's prompt ids."""
+    from hpctoolkit.data.prompts import _clean
+    from hpctoolkit.data.template import apply_system_policy
+
+    convs: dict[int, list[dict[str, Any]]] = {}
+    texts: dict[int, list[int]] = {}
+    for n, row in enumerate(rows):
+        if row["kind"] == "chat":
+            msgs = apply_system_policy(_clean(row["messages"]), spec)
+            if msgs[-1]["role"] != "assistant":
+                msgs.append({"role": "assistant", "content": ""})
+            convs[n] = msgs
+        elif row["kind"] == "text":
+            texts[n] = list(tok(row["text"], add_special_tokens=False).input_ids)[:max_prompt_tokens]
+    return convs, texts
+
+
+def _generate_fitting(
+    generate: Generate,
+    sampling: Sampling,
+    jobs: list[tuple[int, int, list[int]]],
+    max_prompt_tokens: int,
+    max_model_len: int,
+) -> list[Generated | None]:
+    """(row, turn, prompt) -> generated, in one `generate` call, or None where the prompt does not fit."""
+    fits = [j for j in jobs if len(j[2]) <= max_prompt_tokens and len(j[2]) < max_model_len - 1]
+    outs = iter(
+        generate(
+            [p for _, _, p in fits],
+            [min(sampling.max_new_tokens, max_model_len - len(p)) for _, _, p in fits],
+            [sampling.seed + 1000 * n + t for n, t, _ in fits],
+        )
+        if fits
+        else []
+    )
+    fit_set = {id(j) for j in fits}
+    return [next(outs) if id(j) in fit_set else None for j in jobs]
 
 
 def _assemble(
@@ -237,18 +259,20 @@ CAPTURE_ONLY_KEYS = ("speculative_config", "kv_transfer_config", "worker_extensi
 
 
 def generation_kwargs(
-    engine_cfg: Any, target_dir: str | os.PathLike, **node: Any
+    engine_cfg: Any, target_dir: str | os.PathLike, node: NodeArgs = ONE_NODE, *, backend: str | None = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM` kwargs and environment of the generating engine of one node, laid out as the capture
     engine is (its PP x TP over its nodes, dtype, lengths and batching, `engine.extra_args`),
     without the capture parts. `node` as for `engine_llm_kwargs` (`roles.context.engine_node_args`):
     a multi-node engine's leader and followers each pass their own, with the generating
-    rendezvous port (`EnginePlacement.regenerate_port`) as `master_port`."""
-    from hpctoolkit.engine.engine import engine_llm_kwargs
+    rendezvous port (`EnginePlacement.regenerate_port`) as `master_port`. `backend`: detected
+    when None."""
     from hpctoolkit.engine.env import detect_backend
 
-    node.setdefault("backend", detect_backend())
-    _, kwargs, env = engine_llm_kwargs(engine_cfg, target_dir, None, {}, "regenerate", **node)
+    sink = CaptureSink(None, {}, "regenerate")
+    _, kwargs, env = engine_llm_kwargs(
+        engine_cfg, target_dir, sink, node, backend=backend or detect_backend()
+    )
     return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS}, env
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from hpctoolkit import envs
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
 from hpctoolkit.roles.network import LOOPBACK, HostAddress, local_address
@@ -227,20 +228,23 @@ def trainer_env(ctx: NodeContext, proc: Process) -> dict[str, str]:
     }
 
 
-def engine_node_args(ctx: NodeContext, proc: Process, cores: Any = None) -> dict[str, Any]:
-    """This engine node's keywords for `engine_llm_kwargs` (and `CaptureEngine`) beyond the shared
-    ones: its address, its cores, and for a multi-node engine its node_rank and the rendezvous."""
-    if proc.engine is None:
+def engine_node_args(ctx: NodeContext, proc: Process, cores: Sequence[int] | None = None) -> NodeArgs:
+    """This engine node's part of `engine_llm_kwargs` (and `CaptureEngine`): its address and its
+    cores on Slurm, and for a multi-node engine its node_rank and the rendezvous."""
+    if proc.engine is None or proc.node_rank is None:
         raise AssertionError(f"{proc} is not an engine process")
     e = ctx.plan.engines[proc.engine]
-    args: dict[str, Any] = {"engine_index": e.index}
+    node = NodeArgs()
     if ctx.slurm is not None:
         # The node's own address and cores: vLLM and gloo bind the one, the workers split the other.
-        args.update(host_ip=ctx.host_address.address, cores=cores)
+        node = dataclasses.replace(
+            node, host_ip=ctx.host_address.address, cores=None if cores is None else tuple(cores)
+        )
     if e.nnodes > 1:
-        args.update(
+        node = dataclasses.replace(
+            node,
             node_rank=proc.node_rank,
             master_addr=address_of(ctx, e.leader.node),
             master_port=e.master_port,
         )
-    return args
+    return node

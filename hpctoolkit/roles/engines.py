@@ -37,6 +37,8 @@ from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_json_atomic
 
 if TYPE_CHECKING:
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.engine.kwargs import NodeArgs
     from hpctoolkit.store.fragments import LossMasks
 
 # Leaders: the trainers' `drained` record after the last capture.
@@ -66,13 +68,13 @@ def _regenerate(
     return regenerate(target_dir, rows, spec, sampling, max_prompt_tokens, max_model_len, llm_kwargs, env)
 
 
-def generation_node_args(ctx: NodeContext, proc: Process) -> dict[str, Any]:
-    """This node's keywords for the generating engine: the capture engine's (`engine_node_args`),
-    with the generating rendezvous port on a multi-node engine."""
-    args = engine_node_args(ctx, proc, cores=_cores())
-    if "master_port" in args:
-        args["master_port"] = ctx.plan.engines[proc.engine or 0].regenerate_port
-    return args
+def generation_node_args(ctx: NodeContext, proc: Process) -> NodeArgs:
+    """This node's part of the generating engine: the capture engine's (`engine_node_args`), with
+    the generating rendezvous port on a multi-node engine."""
+    node = engine_node_args(ctx, proc, cores=_cores())
+    if node.master_port is not None:
+        node = dataclasses.replace(node, master_port=ctx.plan.engines[proc.engine or 0].regenerate_port)
+    return node
 
 
 def regenerates(cfg: RecipeConfig, engine: int) -> bool:
@@ -115,7 +117,7 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     from hpctoolkit.engine.regenerate import generation_kwargs
 
     # The engine's own PP x TP layout over its nodes, without the capture parts.
-    llm_kwargs, env = generation_kwargs(cfg.engine, target_dir, **generation_node_args(ctx, proc))
+    llm_kwargs, env = generation_kwargs(cfg.engine, target_dir, generation_node_args(ctx, proc))
     args = (target_dir, rows, spec, sampling, d.max_prompt_tokens, cfg.engine.max_model_len, llm_kwargs, env)
     # vLLM does not release its workers within a process: the generation gets its own.
     # Its engine's exit-time shutdown may wait on the other nodes' workers: it is ended once done.
@@ -256,7 +258,6 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             write_json_atomic(ctx.run.regenerated(e.index), {"run_prefix": queue.run_prefix})
         masks = _loss_masks(ctx, samples)
         todo = _left_to_capture(ctx, e.index, [ids for ids, _ in samples])
-        mine = [ids for _, ids in todo]
         t0 = time.monotonic()
         with CaptureEngine(
             cfg.engine,
@@ -264,35 +265,17 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             store_address(ctx),
             cfg.store,
             attempt,
-            output_dir=ctx.run.root,
-            **engine_node_args(ctx, proc, cores=_cores()),
+            engine_index=e.index,
+            fault_dir=ctx.run.faults(e.index),
+            node=engine_node_args(ctx, proc, cores=_cores()),
         ) as eng:
             started = time.monotonic() - t0
             bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-") if eng.backend == "cpu" else "-"
             say(
                 f"engine {e.index} node_rank 0 up in {started:.1f}s on {ctx.nodename} (cpu bind {bind}); "
-                f"capturing {len(mine)} prompts"
+                f"capturing {len(todo)} prompts"
             )
-            batch = cfg.engine.capture_batch
-            # Between batches: wait while the trainers leave too much unread in a segment.
-            gate = backpressure.for_engine(ctx, e.index, say, prefix=queue.run_prefix)
-            for i in range(0, len(mine), batch):
-                if stop.is_set():
-                    raise DataIntegrityError(
-                        f"engine {e.index} stopped after {queue.published} of {len(mine)} samples"
-                    )
-                if preempted.is_set() or _trainers_preempted(ctx):
-                    preempted.set()
-                    break
-                gate.wait(stop)
-                # A batch's manifests come back once all of its fragments are published.
-                captured = eng.capture(mine[i : i + batch])
-                for raw, (index, _) in zip(captured, todo[i : i + batch], strict=True):
-                    m = dataclasses.replace(raw, extra={**raw.extra, ledger.PROMPT_KEY: index})
-                    m = masks.publish(m)
-                    queue.append(m.to_json())
-                    gate.published(m)
-                say(f"engine {e.index}: published {queue.published}/{len(mine)} samples")
+            _capture(ctx, e.index, eng, queue, masks, todo, stop, preempted)
             if preempted.is_set():
                 # The queue stays open: the next attempt captures again what was not trained on.
                 say(f"engine {e.index}: SIGUSR2 after {queue.published} samples; stopped capturing")
@@ -314,6 +297,42 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
     return 0
 
 
+def _capture(
+    ctx: NodeContext,
+    engine: int,
+    eng: CaptureEngine,
+    queue: QueueWriter,
+    masks: LossMasks,
+    todo: list[tuple[int, list[int]]],
+    stop: threading.Event,
+    preempted: threading.Event,
+) -> None:
+    """Capture `todo` in batches of `engine.capture_batch`: each manifest, tagged with its prompt
+    index, gets its loss mask and joins the queue. Stops early, without failing, on preemption
+    (`preempted` is then set); a stopped step fails it."""
+    mine = [ids for _, ids in todo]
+    batch = ctx.cfg.engine.capture_batch
+    # Between batches: wait while the trainers leave too much unread in a segment.
+    gate = backpressure.for_engine(ctx, engine, say, prefix=queue.run_prefix)
+    for i in range(0, len(mine), batch):
+        if stop.is_set():
+            raise DataIntegrityError(
+                f"engine {engine} stopped after {queue.published} of {len(mine)} samples"
+            )
+        if preempted.is_set() or _trainers_preempted(ctx):
+            preempted.set()
+            return
+        gate.wait(stop)
+        # A batch's manifests come back once all of its fragments are published.
+        captured = eng.capture(mine[i : i + batch])
+        for raw, (index, _) in zip(captured, todo[i : i + batch], strict=True):
+            m = dataclasses.replace(raw, extra={**raw.extra, ledger.PROMPT_KEY: index})
+            m = masks.publish(m)
+            queue.append(m.to_json())
+            gate.published(m)
+        say(f"engine {engine}: published {queue.published}/{len(mine)} samples")
+
+
 def _cores() -> list[int]:
     from hpctoolkit.engine.env import available_cores
 
@@ -321,7 +340,7 @@ def _cores() -> list[int]:
 
 
 def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
-    from hpctoolkit.engine.engine import engine_llm_kwargs, fault_dir_for
+    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.env import detect_backend
     from hpctoolkit.engine.follower import HeadlessFollower
     from hpctoolkit.targets.resolve import resolve_target
@@ -334,15 +353,9 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)  # its workers connect at start
     target_dir = resolve_target(cfg.paths.target_model)
     # The leader's CaptureEngine makes this same call; only the node keys differ.
+    sink = CaptureSink(store_address(ctx), cfg.store, attempt, e.index, str(ctx.run.faults(e.index)))
     _, kwargs, env = engine_llm_kwargs(
-        cfg.engine,
-        target_dir,
-        store_address(ctx),
-        cfg.store,
-        attempt,
-        backend=detect_backend(),
-        fault_dir=fault_dir_for(ctx.run.root, e.index),
-        **engine_node_args(ctx, proc, cores=_cores()),
+        cfg.engine, target_dir, sink, engine_node_args(ctx, proc, cores=_cores()), backend=detect_backend()
     )
     stop = term_event()
     if regenerates(cfg, e.index):
@@ -385,7 +398,7 @@ def _follow_generation(ctx: NodeContext, proc: Process, target_dir: str, stop: t
     cfg = ctx.cfg
     e = ctx.plan.engines[proc.engine or 0]
     prefix = run_prefix(ledger.attempt_run_id(ctx.run_id, ctx.slurm.job_id if ctx.slurm else None), e.index)
-    llm_kwargs, env = generation_kwargs(cfg.engine, target_dir, **generation_node_args(ctx, proc))
+    llm_kwargs, env = generation_kwargs(cfg.engine, target_dir, generation_node_args(ctx, proc))
     kwargs = generator_llm_kwargs(target_dir, cfg.data.regenerate_seed, cfg.engine.max_model_len, llm_kwargs)
     say(
         f"engine {e.index} node_rank {proc.node_rank}: joining the leader's generating engine on {ctx.nodename}"
