@@ -146,6 +146,13 @@ class _FusedDSparkRows(torch.autograd.Function):
         return (*out, None, None, None, None, None, None, None)
 
 
+def _confidence_bce(confidence_BT: torch.Tensor, l1_BT: torch.Tensor) -> torch.Tensor:
+    """Per-slot BCE of the confidence logit against the acceptance probability `1 - L1/2`."""
+    accept_p = (1.0 - 0.5 * l1_BT).clamp(0.0, 1.0)
+    conf_BT = confidence_BT.to(torch.promote_types(confidence_BT.dtype, torch.float32))
+    return F.binary_cross_entropy_with_logits(conf_BT, accept_p.to(conf_BT.dtype), reduction="none")
+
+
 def dspark_loss(
     hidden_BTH: torch.Tensor,
     markov_BTR: torch.Tensor,
@@ -210,9 +217,7 @@ def dspark_loss(
     bce_BT = torch.zeros_like(ce_BT)
     numerator = weighted
     if confidence_BT is not None:
-        accept_p = (1.0 - 0.5 * l1_BT).clamp(0.0, 1.0)
-        conf_BT = confidence_BT.to(torch.promote_types(confidence_BT.dtype, torch.float32))
-        bce_BT = F.binary_cross_entropy_with_logits(conf_BT, accept_p.to(conf_BT.dtype), reduction="none")
+        bce_BT = _confidence_bce(confidence_BT, l1_BT)
         numerator = numerator + DSPARK_BCE_W * (bce_BT * w_BT).sum()
         per_slot_BT = per_slot_BT + DSPARK_BCE_W * bce_BT.detach()
     denominator = w_BT.sum().detach()
@@ -224,11 +229,7 @@ def dspark_loss(
     correct, count = per_position(slots(match_BT), pos_mask)
     reach, chains = acceptance_from_matches(slots(match_BT), chain_ok)
     wd = w_BT.detach()
-    extras = {
-        "ce": (ce_BT * wd).sum(),
-        "l1": (l1_BT * wd).sum(),
-        "bce": (bce_BT.detach() * wd).sum(),
-    }
+    extras = {"ce": (ce_BT * wd).sum(), "l1": (l1_BT * wd).sum(), "bce": (bce_BT.detach() * wd).sum()}
     return LossParts(
         numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, extras, slots(match_BT)
     )
