@@ -50,6 +50,8 @@ ROLE_ENGINE_LEADER = "engine-leader"
 ROLE_ENGINE_FOLLOWER = "engine-follower"
 ROLE_TRAINER = "trainer"
 ROLES = (ROLE_MASTER, ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER, ROLE_TRAINER)
+# Not placed: with `evaluate.enabled` it runs once the trainers ended, on trainer rank 0's node.
+ROLE_EVALUATE = "evaluate"
 
 LOCALHOST = "localhost"
 

@@ -2,7 +2,7 @@
 
 `python -m hpctoolkit.roles ROLE RECIPE [section.key=value ...]` runs one role: `check`, `master`,
 `engine-leader`, `engine-follower`, `trainer` (placed by the plan) and `evaluate` (after the
-trainers; the local backend). A Slurm job's batch script starts one per step; the embedded run
+trainers, on trainer rank 0's node). A Slurm job's batch script starts one per step; the embedded run
 (`local.run_local`) starts the same processes on this machine. Both meet through the run directory
 (`hpctoolkit.rundir.layout`) and the Mooncake master, so `make run` runs the code a cluster runs.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.config.load import to_yaml
-from hpctoolkit.plan.placement import ROLES
+from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
 from hpctoolkit.roles.context import load_context, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
@@ -12,7 +12,6 @@ from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_text_atomic
 
 ROLE_CHECK = "check"
-ROLE_EVALUATE = "evaluate"
 ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE)
 
 

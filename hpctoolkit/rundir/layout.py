@@ -30,7 +30,7 @@ Inside a run directory (every node of a Slurm job shares it):
                                  `TrainDir`, also the layout of any `run.train` output directory
     train/checkpoints/step-N/ledger-rank<r>.json  the sample ledger: the prompts rank r trained
                                  on up to step N (`rundir.ledger`; complete with the checkpoint)
-    evaluate.json                served vs simulated acceptance (local backend)
+    evaluate.json                served vs simulated acceptance (the evaluate role)
     summary.json                 the run's summary (written last)
     ended.json                   {"ok": bool, ...}: the trainers are done; once every engine
                                  is closed too, the master stops

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.plan.placement import (
+    ROLE_EVALUATE,
     ROLE_MASTER,
     ROLE_TRAINER,
     Plan,
@@ -37,8 +38,6 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
-# The role a batch script runs last with `evaluate.enabled` (not placed by the plan).
-ROLE_EVALUATE = "evaluate"
 # After the trainers exit 0, how long the batch shell waits for the engine steps to end by
 # themselves (a headless follower notices its leader left within seconds, then stops its workers).
 ENGINE_EXIT_GRACE_S = 120
