@@ -140,6 +140,31 @@ class ShardWriter:
             self.close()
 
 
+def keep_first(out_dir: str | os.PathLike[str], n: int) -> tuple[int, int]:
+    """Cut a shard directory to its first `n` samples (whole shards: the later shards' files go,
+    then the index names only the rest); `(samples, bytes)` kept. A resumed replay spool keeps what
+    its checkpoint trained on. Raises when it holds fewer, or `n` falls inside a shard."""
+    out = Path(out_dir)
+    index = out / INDEX_NAME
+    shards = json.loads(index.read_text())["shards"] if index.exists() else []
+    kept: list[dict[str, Any]] = []
+    count = 0
+    for shard in shards:
+        if count >= n:
+            break
+        kept.append(shard)
+        count += len(shard["samples"])
+    if count != n:
+        raise DataIntegrityError(
+            f"{out} holds {count} samples in whole shards up to sample {n} "
+            f"({sum(len(s['samples']) for s in shards)} in all): it cannot be cut to the first {n}"
+        )
+    write_json_atomic(index, {"format": FORMAT, "shards": kept, "num_samples": count}, indent=1)
+    for shard in shards[len(kept) :]:
+        (out / shard["file"]).unlink(missing_ok=True)
+    return count, sum(int(s["nbytes"]) for s in kept)
+
+
 def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
     with open(path, "rb") as f:
         raw = f.read(8)

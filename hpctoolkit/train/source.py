@@ -204,14 +204,11 @@ class LiveSource:
             return
         from hpctoolkit.data.dataset import HiddenStateDataset
 
+        # A resumed first pass: the store holds only what the checkpoint did not train on (the
+        # engines capture those prompts again); the spool keeps the `skip` samples it did.
+        keep = 0
         if self.resumed:
-            if skip and self.spools:
-                raise ConfigError(
-                    f"a live run with training.epochs={self.epochs} cannot resume rank {rank} inside "
-                    "its first pass: the replay spool of the earlier attempt also holds samples that "
-                    "were never trained on; resume runs with training.epochs=1"
-                )
-            skip = 0
+            keep, skip = (skip if self.spools else 0), 0
         elif self.spool_dir is not None and skip:
             raise ConfigError(
                 f"a live source cannot resume rank {rank} after {skip} samples of its first pass: "
@@ -234,7 +231,7 @@ class LiveSource:
             if self.spool_dir is None:
                 yield from samples
             else:
-                yield from self._read(samples, rank, world_size)
+                yield from self._read(samples, rank, world_size, keep)
         finally:
             close = getattr(store, "close", None)
             if close is not None:
@@ -247,20 +244,26 @@ class LiveSource:
     def read_record(self, rank: int) -> Path:
         return self.spool.read_record(rank)
 
-    def _read(self, samples: Iterable[Any], rank: int, world_size: int) -> Iterator[Any]:
+    def _read(self, samples: Iterable[Any], rank: int, world_size: int, keep: int = 0) -> Iterator[Any]:
+        """Hand out `samples`, each first added to this rank's replay spool (when it spools) and
+        counted in its read record. `keep`: a resumed first pass continues the spool after the
+        earlier attempt's first `keep` samples (those its checkpoint trained on); else it starts anew."""
         import contextlib
         import shutil
 
-        from hpctoolkit.data.offline import ShardWriter
+        from hpctoolkit.data.offline import ShardWriter, keep_first
         from hpctoolkit.errors import DataIntegrityError
         from hpctoolkit.rundir.atomic import write_json_atomic
 
         shard_dir = self.spool.shards(rank)
-        shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
+        n = nbytes = 0
+        if keep and self.spools:
+            n, nbytes = keep_first(shard_dir, keep)
+        else:
+            shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
         self.spool.root.mkdir(parents=True, exist_ok=True)
         record = self.read_record(rank)
         bound = None if self.spool_max_bytes is None else self.spool_max_bytes // world_size
-        n = nbytes = 0
         engines: list[dict[str, Any]] = [{"samples": 0, "stage_bytes": []} for _ in self.engine_prefixes]
 
         def note(complete: bool) -> None:
