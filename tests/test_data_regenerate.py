@@ -141,3 +141,21 @@ def test_leader_masks_are_found_by_input_ids_and_refuse_a_stranger(tok):
 def test_prompt_ids_end_with_the_generation_prompt(tok):
     ids = prompt_ids(tok, [{"role": "user", "content": "hi"}], ChatSpec())
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_an_answer_is_asked_for_no_more_than_the_engine_can_capture(tok):
+    """A prompt near engine.max_model_len: the target may answer up to max_model_len - 1 tokens in
+    all, what `CaptureEngine.capture` accepts (the sample must stay under max_model_len)."""
+    gen = Fake(tok, ["the mat"])
+    text = "the cat sat on " * 4
+    prompt = tok(text, add_special_tokens=False).input_ids
+    regenerate_rows(
+        [{"kind": "text", "text": text, "origin": "x"}],
+        tok,
+        ChatSpec(),
+        gen,
+        Sampling(64),
+        max_prompt_tokens=64,
+        max_model_len=len(prompt) + 10,
+    )
+    assert gen.calls[0][1] == [9]

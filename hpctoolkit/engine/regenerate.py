@@ -139,7 +139,9 @@ def regenerate_rows(
                     assert got is not None
                     last_turn[n] = (prompt, list(got[0]))
     report.bad_samples = len(bad)
-    out = _assemble(rows, tok, spec, texts, text_out, convs, last_turn, max_prompt_tokens)
+    out = _assemble(
+        rows, tok, spec, texts, text_out, convs, last_turn, max_prompt_tokens, sampling.max_new_tokens
+    )
     return out, report
 
 
@@ -176,7 +178,8 @@ def _generate_fitting(
     outs = iter(
         generate(
             [p for _, _, p in fits],
-            [min(sampling.max_new_tokens, max_model_len - len(p)) for _, _, p in fits],
+            # A captured sample must stay under max_model_len (`CaptureEngine.capture`).
+            [min(sampling.max_new_tokens, max_model_len - 1 - len(p)) for _, _, p in fits],
             [sampling.seed + 1000 * n + t for n, t, _ in fits],
         )
         if fits
@@ -195,8 +198,12 @@ def _assemble(
     convs: dict[int, list[dict[str, Any]]],
     last_turn: dict[int, tuple[list[int], list[int]]],
     max_prompt_tokens: int,
+    max_new_tokens: int,
 ) -> list[dict[str, Any]]:
-    """Each row as `{"input_ids", "loss_mask", "origin"}` once its turns were regenerated."""
+    """Each row as `{"input_ids", "loss_mask", "origin"}` once its turns were regenerated. A chat
+    re-rendered whole (its last turn kept the dataset's response) is cut where a regenerated one
+    ends at most: `max_prompt_tokens + max_new_tokens`, the length the recipe was checked for."""
+    longest = max_prompt_tokens + max_new_tokens
     from hpctoolkit.data.prompts import encode_row
     from hpctoolkit.data.template import prompt_ids
 
@@ -220,10 +227,10 @@ def _assemble(
             if exact is not None:
                 out.append({"input_ids": exact[0], "loss_mask": exact[1], "origin": origin})
             elif any(m["role"] == "assistant" for m in msgs):
-                e = encode_row({**row, "messages": msgs}, tok, kept, 1 << 30)
+                e = encode_row({**row, "messages": msgs}, tok, kept, longest)
                 out.append({"input_ids": e.input_ids, "loss_mask": e.loss_mask, "origin": origin})
             else:  # a bad row with no response left: nothing to supervise (counted above)
-                ids = prompt_ids(tok, msgs, kept)
+                ids = prompt_ids(tok, msgs, kept)[:longest]
                 out.append({"input_ids": ids, "loss_mask": [0] * len(ids), "origin": origin})
             continue
         e = encode_row(row, tok, spec, max_prompt_tokens)
