@@ -9,11 +9,17 @@
 #   launch/local_slurm.sh stop            # stops only the daemons in our pid files
 #
 # Emulated hosts with their own addresses (HPCTOOLKIT_SLURM_HOSTS=1, or the `up` / `down` actions):
-# each node is a host in its own network namespace (hpct-n<i>, interface eth0, address
-# 198.18.0.<10+i>), on a bridge in a namespace of its own (hpct-sw); this host reaches them as
-# 198.18.0.1 (veth hpct-head), where slurmctld listens. The nodes are named host1..hostN and their
-# names are never put in /etc/hosts: nothing may find a node's address by its name. slurmd runs in
-# its node's namespace (NodeAddr = its address), so job steps on node K use node K's network.
+# each node is a host in its own network namespace (hpct-n<i>) with two interfaces, as a real
+# cluster node has a management network and a separate data plane:
+#   eth0  the management network, 198.18.0.<10+i>/24 (MGMT_NET): Slurm's. slurmctld listens on this
+#         host's 198.18.0.1 (veth hpct-head) and reaches each slurmd at its NodeAddr here.
+#   ib0   the data plane, 198.18.1.<10+i>/24 (DATA_NET): the job's own traffic (`cluster.network`
+#         in tests/recipes/multihost*.yaml). This host has no address on it, nor needs one.
+# Each network is a bridge (br0, br1) in a namespace of its own (hpct-sw), so a link fault on ib0
+# cuts a host off the data plane while Slurm still reaches its slurmd over eth0. The nodes are named
+# host1..hostN and their names are never put in /etc/hosts: nothing may find a node's address by
+# its name. slurmd runs in its node's namespace (NodeAddr = its eth0 address), so job steps on node
+# K use node K's network.
 #   launch/local_slurm.sh up [NODES]      # hosts + daemons; idempotent
 #   launch/local_slurm.sh down            # the daemons, then every namespace, veth and bridge it made
 #
@@ -41,9 +47,10 @@ DBD_PORT=6819
 NODE_PORT_BASE=17000
 HOSTS_MODE=${HPCTOOLKIT_SLURM_HOSTS:-0}
 # The project's own test hosts, and nothing else: 198.18.0.0/15 is reserved for network
-# benchmarking (RFC 2544); the hosts use 198.18.0.0/24 only, and nothing routes out of it.
-NET=198.18.0
-HEAD_IP=$NET.1
+# benchmarking (RFC 2544); the hosts use these two /24s only, and nothing routes out of them.
+MGMT_NET=198.18.0 # eth0: Slurm (slurmctld on this host at .1, each slurmd at .<10+i>)
+DATA_NET=198.18.1 # ib0: the data plane (cluster.network), hosts only
+HEAD_IP=$MGMT_NET.1
 NS=hpct
 ETC=$STATE/etc
 export SLURM_CONF=$ETC/slurm.conf
@@ -88,14 +95,29 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 munge_ok() { munge -n | unmunge; }
 ctld_up() { scontrol ping | grep -q UP; }
 
-node_ip() { echo "$NET.$((10 + $1))"; }
+node_ip() { echo "$MGMT_NET.$((10 + $1))"; }
+data_ip() { echo "$DATA_NET.$((10 + $1))"; }
 
-hosts_up() {  # hosts_up N: the namespaces, the bridge and a veth per host; idempotent
-  local i ns
+# host_link NS IFNAME PEER BRIDGE ADDRESS: a veth IFNAME in host namespace NS at ADDRESS/24, its
+# peer PEER on BRIDGE in hpct-sw; idempotent.
+host_link() {
+  local ns=$1 ifname=$2 peer=$3 bridge=$4 address=$5
+  if ! ip -n "$ns" link show "$ifname" >/dev/null 2>&1; then
+    ip -n "$ns" link add "$ifname" type veth peer name "$peer" netns "$NS-sw"
+    ip -n "$ns" addr add "$address/24" dev "$ifname"
+  fi
+  ip -n "$ns" link set "$ifname" up
+  ip -n "$NS-sw" link set "$peer" master "$bridge" up
+}
+
+hosts_up() {  # hosts_up N: the namespaces, a bridge per network and a veth per host on each; idempotent
+  local i ns br
   ip netns list | grep -qw "$NS-sw" || ip netns add "$NS-sw"
-  ip -n "$NS-sw" link show br0 >/dev/null 2>&1 || ip -n "$NS-sw" link add br0 type bridge
   ip -n "$NS-sw" link set lo up
-  ip -n "$NS-sw" link set br0 up
+  for br in br0 br1; do
+    ip -n "$NS-sw" link show "$br" >/dev/null 2>&1 || ip -n "$NS-sw" link add "$br" type bridge
+    ip -n "$NS-sw" link set "$br" up
+  done
   if ! ip link show "$NS-head" >/dev/null 2>&1; then
     ip link add "$NS-head" type veth peer name head netns "$NS-sw"
     ip addr add "$HEAD_IP/24" dev "$NS-head"
@@ -105,25 +127,27 @@ hosts_up() {  # hosts_up N: the namespaces, the bridge and a veth per host; idem
   for ((i = 1; i <= $1; i++)); do
     ns=$NS-n$i
     ip netns list | grep -qw "$ns" || ip netns add "$ns"
-    if ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
-      ip link add "$ns-v" type veth peer name "p$i" netns "$NS-sw"
-      ip link set "$ns-v" netns "$ns" name eth0
-      ip -n "$ns" addr add "$(node_ip "$i")/24" dev eth0
-    fi
     ip -n "$ns" link set lo up
-    ip -n "$ns" link set eth0 up
-    ip -n "$NS-sw" link set "p$i" master br0 up
+    host_link "$ns" eth0 "p$i" br0 "$(node_ip "$i")"
+    host_link "$ns" ib0 "d$i" br1 "$(data_ip "$i")"
   done
-  # Nothing leaves the namespaces: a host has routes into the test subnet only (no default route).
+  # Nothing leaves the namespaces: a host has routes into the two test subnets only (no default
+  # route), and the switch namespace none at all.
+  local ours="^(${MGMT_NET//./\\.}|${DATA_NET//./\\.})\.0/24 "
   for ((i = 1; i <= $1; i++)); do
-    if ip -n "$NS-n$i" route show | grep -v "^$NET\.0/24 " | grep -q .; then
-      die "host$i has a route outside $NET.0/24: $(ip -n "$NS-n$i" route show | tr '\n' ';')"
+    if ip -n "$NS-n$i" route show | grep -Ev "$ours" | grep -q .; then
+      die "host$i has a route outside $MGMT_NET.0/24 and $DATA_NET.0/24: $(ip -n "$NS-n$i" route show | tr '\n' ';')"
     fi
   done
-  say "hosts up: host1..host$1 at $(node_ip 1)..$(node_ip "$1"), controller at $HEAD_IP"
+  if ip -n "$NS-sw" route show | grep -q .; then
+    die "$NS-sw has a route: $(ip -n "$NS-sw" route show | tr '\n' ';')"
+  fi
+  say "hosts up: host1..host$1 at $(node_ip 1)..$(node_ip "$1") (eth0, Slurm; controller at $HEAD_IP)" \
+    "and $(data_ip 1)..$(data_ip "$1") (ib0, data plane)"
 }
 
-hosts_down() {  # every namespace and veth hosts_up made, and nothing else
+hosts_down() {  # every namespace, veth and bridge hosts_up made (the bridges and the hosts' veths
+  # go with their namespaces), and nothing else
   local ns
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^$NS-(n[0-9]+|sw)$" || true); do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
@@ -199,6 +223,13 @@ fi
 say "munged up"
 
 stop_daemons
+# Our daemons are down: a listener on their ports is another cluster's (another state folder's).
+# Refuse rather than send our jobs to its controller or wipe its accounting (one shared database).
+for port in "$CTLD_PORT" "$DBD_PORT"; do
+  if port_open "$port"; then
+    die "port $port is taken by a Slurm daemon not under $STATE: another emulated cluster runs here; stop it first (launch/local_slurm.sh stop with its HPCTOOLKIT_SLURM_STATE)"
+  fi
+done
 if [[ $RESET == 1 ]]; then rm -rf "$STATE/state" "$STATE/spool" "$STATE/jobcomp.log"; fi
 mkdir -p "$ETC" "$STATE"/{state,spool,log,run,fakegpu}
 

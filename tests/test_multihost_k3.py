@@ -1,7 +1,9 @@
 """The K3 deployment's shape on emulated hosts of their own (issue: many hosts for real): two
 engines of PP=2, each over a pair of hosts (a leader and a headless follower), the Mooncake master
 and two trainer ranks on two more hosts; six hosts, six addresses (tests/recipes/multihost_k3.yaml,
-the tiny target at K3's layout). Every sample comes from both stages of its engine, both engines
+the tiny target at K3's layout). Each host has Slurm's management interface `eth0`
+(198.18.0.0/24) and a data plane `ib0` (198.18.1.0/24), which `cluster.network` names: every role
+binds and advertises its ib0 address. Every sample comes from both stages of its engine, both engines
 publish, the fragments cross hosts, and the job ends with nothing left on any host.
 
 Slow (six hosts' roles, four engine processes on two cores) and asked for:
@@ -28,7 +30,8 @@ from hpctoolkit.slurm.submit import submit_sbatch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "tests/recipes/multihost_k3.yaml"
 NODES = 6
-ADDRESSES = {f"host{i}": f"198.18.0.{10 + i}" for i in range(1, NODES + 1)}
+# Each host's data-plane (ib0) address, on the recipe's cluster.network; Slurm uses eth0 (198.18.0.0/24).
+ADDRESSES = {f"host{i}": f"198.18.1.{10 + i}" for i in range(1, NODES + 1)}
 JOB_TIMEOUT_S = 600
 
 pytestmark = [
