@@ -223,8 +223,19 @@ call 1, killed at the call's limit) and 200 s (`timeout 200`, call 2) after "fir
 device at 7.3 s", where every other length's first step (compile) took 28-44 s with a warm cache
 and 102 s cold. The tiny draft at 8192 x 512 anchors runs on the CPU (`--tiny --seq 8192 --anchors
 512 --compile off`: 3.0 s steps), so this is GPU-side (compile or a kernel at those shapes, a
-FlexAttention key length of 8192 + 3584); not diagnosed: the next thing to run there, with
-`TORCH_LOGS=recompiles,graph_breaks` and `--compile off` as a control.
+FlexAttention key length of 8192 + 3584). Diagnosed in round 3 (2026-12-02, one H200, torch 2.11,
+after the family-folder refactor; the same call ran `python -m pytest -m gpu`: 6 passed, 5 skipped,
+87.6 s): `--seq 8192 --compile off` also made no step in 86 s (`timeout 90`), and so did the
+compiled run in 104 s with `TORCH_LOGS=recompiles,graph_breaks` (nothing logged), so neither the
+layers' compile nor a recompile storm is it. `faulthandler.dump_traceback_later(55)` on
+`--seq 8192 --compile off --steps 2` showed where the first step sits: inductor's compile
+(`_call_user_compiler`) under `models/common/attention.py: AttentionMask.block_mask`, i.e. the
+`torch.compile(create_block_mask)` that builds the FlexAttention `BlockMask` on CUDA whatever
+`training.compile` says. On this machine's CPU torch 2.13 the same compiled call at the K3 mask
+(`Q = 3584`, `K = 11776`) finishes in 23 s, so it is torch 2.11 on CUDA. Not fixed: the candidates
+are `create_block_mask(..., _compile=True)` (compiles the mask evaluation only) or building the
+block-level mask directly from the anchors (the mask is a block-diagonal-plus-prefix pattern);
+either needs a device run to verify, and this session's device time was spent.
 
 **The 64k goal is met**: 64k context on one H200 at 85.8 GiB peak allocated (100.5 reserved),
 under 130 GiB, at 46.6 % MFU, within 0.1 point of the 4k figure, without activation
