@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, random_prompts
 from engine_helpers import DRAINED, finish, spawn, tail
 
 pytestmark = pytest.mark.real
@@ -31,11 +32,6 @@ def tiny_qwen3() -> str:
     from hpctoolkit.targets.resolve import resolve_target
 
     return str(resolve_target("builtin:tiny-qwen3"))
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
 def _engine_args(model_dir: str, address: str | None, tmp: Path, **engine: object) -> dict:
@@ -57,12 +53,6 @@ def _engine_args(model_dir: str, address: str | None, tmp: Path, **engine: objec
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------- init
 
 
@@ -80,7 +70,7 @@ def test_master_down_at_init_fails_within_10s(tiny_qwen3, tmp_path, address):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
-        port = silent.getsockname()[1] if address == "silent" else _free_port()
+        port = silent.getsockname()[1] if address == "silent" else free_port()
         addr = f"127.0.0.1:{port}"
         t0 = time.monotonic()
         with pytest.raises(StoreError) as info:
@@ -145,7 +135,7 @@ def test_fidelity_against_hf_and_no_keys_left(tiny_qwen3, tmp_path, dtype):
     One request per generate(), three prompt lengths (the longest spans five 64-token prefill
     chunks). See `check_fidelity`.
     """
-    check_fidelity(tiny_qwen3, _prompts(), TARGET_LAYER_IDS, dtype, tmp_path)
+    check_fidelity(tiny_qwen3, random_prompts(PROMPT_LENGTHS, 1234), TARGET_LAYER_IDS, dtype, tmp_path)
 
 
 def check_fidelity(
@@ -154,7 +144,6 @@ def check_fidelity(
     target_layer_ids: list[int],
     dtype: str,
     tmp_path: Path,
-    bf16_floor: bool = False,
 ) -> None:
     """Capture `prompts` with a `dtype` engine of `model_dir`, read them back through the dataset
     and compare every captured layer with a transformers forward.
@@ -165,10 +154,13 @@ def check_fidelity(
     the reader drained the run, the master holds 0 keys, and the engine's shutdown left no child
     process behind.
 
-    `bf16_floor`: on a real model bfloat16 rounding alone takes the last state below COSINE_MIN
-    (SmolLM2's: transformers' own bfloat16 forward reaches 0.9993 there). A bfloat16 engine's bar
-    for each compared state is then also met at up to twice the error (1 - cosine, and the last
-    state's relative error) of transformers' own bfloat16 forward against the float32 one.
+    bfloat16 rounding alone can take a state below COSINE_MIN: on a real model (SmolLM2's last
+    state: transformers' own bfloat16 forward reaches 0.9993 there), and on CPUs whose bfloat16
+    kernels round differently (on an AVX-only AMD EPYC, without AVX2 or AVX-512, the tiny target's
+    last state at 60 tokens measured 0.9998962). A bfloat16 engine's bar for each compared state is
+    therefore also met at up to twice the error (1 - cosine, and the last state's relative error)
+    of transformers' own bfloat16 forward against the float32 one on the same machine; a layout
+    slip is orders of magnitude past either.
     """
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.store.config import StoreConfig
@@ -205,7 +197,7 @@ def check_fidelity(
                 # Same arithmetic as the reference in float32: any layout slip shows.
                 bar = dict.fromkeys(cos, 0.999999 if dtype == "float32" else COSINE_MIN)
                 bar_normed, bar_rel = COSINE_MIN, 0.05
-                if bf16_floor and dtype == "bfloat16":
+                if dtype == "bfloat16":
                     own, own_pre, _ = _hf_reference(model_dir, ids, torch.bfloat16)
                     own_got = {k: own[k] for k in ref} | {last: own_pre}
                     bar = {k: min(bar[k], 1 - 2 * (1 - _cos64(own_got[k], ref[k]))) for k in ref}
@@ -249,7 +241,7 @@ def test_master_killed_mid_run_raises_store_error_promptly(tiny_qwen3, tmp_path,
     leaves no process behind (it has an engine core and a worker to end).
     """
     args = _engine_args(tiny_qwen3, None, tmp_path, dtype="bfloat16", in_process=in_process)
-    args["prompts"] = _prompts()
+    args["prompts"] = random_prompts(PROMPT_LENGTHS, 1234)
     log = tmp_path / "engine.log"
     proc = spawn("master_killed", args, log)
     result = finish(proc, tmp_path / "result.json", log, timeout_s=280)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_port, random_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_LAYER_IDS = [0, 2, 4]  # capture ids 1, 3, 5 and the final 6: both stages own some at PP=2
@@ -173,7 +174,7 @@ def test_follower_runs_the_gates_before_spawning_workers(tiny_target):
     kwargs, _ = build_llm_kwargs(_engine_cfg(2), tiny_target, [1, 3, 5], sink, backend="cpu")
     kwargs["kv_transfer_config"]["engine_id"] = ENGINE_ID
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    f = HeadlessFollower(kwargs, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
+    f = HeadlessFollower(kwargs, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=free_port())
     with pytest.raises(ConfigError, match="final capture id 5 differs from the target's layer count 6"):
         f.start()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
@@ -231,13 +232,6 @@ def test_health_check_reads_workers_and_probes_the_leader():
 
 
 # ------------------------------------------------------------------ the node processes
-
-
-def _prompts() -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(20261130)
-    return [torch.randint(5, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
 def _wait_for(path: Path, timeout_s: float, peer_failed: Path | None = None) -> None:
@@ -418,12 +412,6 @@ ROLES = {"single": node_single, "leader": node_leader, "follower": node_follower
 # ------------------------------------------------------------------ parent side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(role: str, args: dict[str, Any], work: Path) -> tuple[subprocess.Popen, Path]:
     log = work / f"{role}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -459,14 +447,14 @@ def run_simulation(model_dir: str, work: Path) -> dict[str, Any]:
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
 
-    prompts = _prompts()
+    prompts = random_prompts(PROMPT_LENGTHS, 20261130)
     t0 = time.monotonic()
     with launch_master(StoreConfig(), work / "master-logs") as master:
         common = {"model_dir": model_dir, "address": master.address, "prompts": prompts, "work": str(work)}
         proc, log = _spawn("single", {**common, "out": str(work / "single.pt")}, work)
         single = _finish(proc, log, NODE_TIMEOUT_S)
         t1 = time.monotonic()
-        port = _free_port()
+        port = free_port()
         fproc, flog = _spawn("follower", {**common, "port": port}, work)
         lproc, llog = _spawn("leader", {**common, "port": port, "out": str(work / "leader.pt")}, work)
         try:
