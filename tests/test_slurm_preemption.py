@@ -273,10 +273,26 @@ def test_a_new_job_on_an_earlier_jobs_run_directory_resumes_it(tmp_path):
     assert first.endswith(f"its run directory is {tmp_path / slurm_run_id(cfg.name, '9')}")
 
 
-def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster, tmp_path):
+def _once_per_epoch(order: list[dict], num_samples: int) -> None:
+    """data_order: every prompt of the run trained exactly once in each epoch (batch 1: an epoch is
+    `num_samples` steps), none skipped."""
+    prompts = [p for r in order for p in r["prompts"]]
+    assert None not in prompts
+    for e in range(0, len(prompts), num_samples):
+        epoch = prompts[e : e + num_samples]
+        assert sorted(epoch) == list(range(num_samples)), (
+            f"epoch {e // num_samples}: a prompt skipped or twice"
+        )
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_cluster, tmp_path, epochs):
+    """Preempted inside the first pass; with two epochs the resumed attempt also continues the
+    replay spool after what the checkpoint trained on, and the second epoch replays it."""
     env = _env(slurm_cluster)
     t0 = time.monotonic()
-    cfg, out, job, run = _submit(env, tmp_path)
+    extra = [] if epochs == 1 else ["training.epochs=2", "training.steps=80"]
+    cfg, out, job, run = _submit(env, tmp_path, extra)
     _wait_steps(run, job, env, 5, JOB_TIMEOUT_S)
     t_signal = time.monotonic()
     shell.run(["scancel", "--signal=USR2", job], env=env)
@@ -310,12 +326,10 @@ def test_usr2_checkpoints_requeues_and_resumes_without_losing_a_sample(slurm_clu
     assert summary["stop_reason"] == "completed" and not summary["preempted"]
     assert json.loads(run.summary.read_text())["keys_left_in_store"] == 0
 
-    # data_order: steps 1..N once each, and every prompt of the run trained exactly once.
+    # data_order: steps 1..N once each, and every prompt of the run trained once per epoch.
     order = _order(run)
     assert [r["step"] for r in order] == list(range(1, cfg.training.steps + 1))
-    prompts = [p for r in order for p in r["prompts"]]
-    assert None not in prompts
-    assert sorted(prompts) == list(range(cfg.data.num_samples)), "a prompt was skipped or trained twice"
+    _once_per_epoch(order, cfg.data.num_samples)
     # The checkpoint's ledger holds exactly the prompts of the steps up to it.
     assert done.prompts == {p for r in order if r["step"] <= done.step for p in r["prompts"]}
 
@@ -361,6 +375,10 @@ def test_a_new_job_resumes_a_dead_jobs_run_by_hand(slurm_cluster, tmp_path):
 def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
     env = _env(slurm_cluster)
     _, out, job, run = _submit(env, tmp_path)
+    _scancel_leaves_nothing(env, job, run, out, "sbatch")
+
+
+def _scancel_leaves_nothing(env: dict[str, str], job: str, run: RunDir, out: Path, how: str) -> None:
     _wait_steps(run, job, env, 2, JOB_TIMEOUT_S)
     assert job_processes(job), "the job runs no process before scancel?"
     t0 = time.monotonic()
@@ -372,10 +390,17 @@ def test_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
         time.sleep(0.5)
         left = job_processes(job)
     print(
-        f"\n[measure] scancel: job {job} {state}; processes gone {time.monotonic() - t0:.1f}s after scancel"
+        f"\n[measure] scancel ({how}): job {job} {state}; processes gone {time.monotonic() - t0:.1f}s after scancel"
     )
     assert state == "CANCELLED", _log(out, job)[-4000:]
     assert not left, f"left {LEFTOVER_BOUND_S}s after scancel:\n" + "\n".join(left)
+
+
+def test_submitit_scancel_mid_run_leaves_no_process(slurm_cluster, tmp_path):
+    """The same through `python -m hpctoolkit.submit`: every task (master, engine, trainer) is a
+    submitit task of one step, and a plain scancel ends them all."""
+    job, out, run, _ = _submit_through_submitit(_env(slurm_cluster), tmp_path)
+    _scancel_leaves_nothing(_env(slurm_cluster), job, run, out, "submitit")
 
 
 def _submit_through_submitit(
