@@ -232,10 +232,13 @@ layers' compile nor a recompile storm is it. `faulthandler.dump_traceback_later(
 (`_call_user_compiler`) under `models/common/attention.py: AttentionMask.block_mask`, i.e. the
 `torch.compile(create_block_mask)` that builds the FlexAttention `BlockMask` on CUDA whatever
 `training.compile` says. On this machine's CPU torch 2.13 the same compiled call at the K3 mask
-(`Q = 3584`, `K = 11776`) finishes in 23 s, so it is torch 2.11 on CUDA. Not fixed: the candidates
-are `create_block_mask(..., _compile=True)` (compiles the mask evaluation only) or building the
-block-level mask directly from the anchors (the mask is a block-diagonal-plus-prefix pattern);
-either needs a device run to verify, and this session's device time was spent.
+(`Q = 3584`, `K = 11776`) finishes in 23 s, so it is torch 2.11 on CUDA. Changed after round 3
+(2026-12-03): the `BlockMask` is no longer built by `torch.compile(create_block_mask)` but by
+`models/common/block_mask.py`, plain tensor code over bands of query blocks reduced to partial and
+full kv blocks and handed to `BlockMask.from_kv_blocks` (the same blocks as `create_block_mask`,
+tested on the CPU at shapes that are not multiples of the block, `tests/test_models_layers.py`).
+**Not yet run on the H200**: that session had no device time left, so whether 8192 now trains, and
+its step time, are still to be measured (`--seq 8192 --steps 7 --warmup 2 --distinct 1`).
 
 **The 64k goal is met**: 64k context on one H200 at 85.8 GiB peak allocated (100.5 reserved),
 under 130 GiB, at 46.6 % MFU, within 0.1 point of the 4k figure, without activation

@@ -224,3 +224,32 @@ def test_fused_cross_entropy_never_computes_ignored_rows():
     (l0, gh0, gw0), (l1, gh1, gw1) = grads
     assert torch.isfinite(l1) and torch.equal(l0, l1) and torch.equal(gw0, gw1)
     assert torch.equal(gh0, gh1) and not gh1[[0, 7]].any()
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, [[3, 9, 15], [1, 4, 20]], 4, 24), (1, [[0, 130, 300]], 7, 333), (3, None, 0, 0)]
+)
+def test_the_block_mask_built_in_bands_is_create_block_masks(shape, monkeypatch):
+    """The BlockMask built a band of query blocks at a time (no torch.compile) has the same
+    partial and full blocks as `create_block_mask`, for the DSpark mask at shapes that are not
+    multiples of the block and for a causal mask, also with bands smaller than the mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hpctoolkit.models.common import block_mask as bm
+
+    batch, anchors, block, ctx_len = shape
+    if anchors is None:
+        mask = causal_mask(batch, 517, torch.device("cpu"))
+    else:
+        mask = block_attention_mask(torch.tensor(anchors), block, ctx_len)
+    ref = create_block_mask(mask.mask_mod, mask.batch, None, mask.q_len, mask.kv_len, device="cpu")
+    for band_pairs in (bm.BAND_PAIRS, 1):  # one band; one query block per band
+        monkeypatch.setattr(bm, "BAND_PAIRS", band_pairs)
+        got = bm.build_block_mask(mask.mask_mod, mask.batch, mask.q_len, mask.kv_len, torch.device("cpu"))
+        assert got.seq_lengths == ref.seq_lengths
+        for a, b in (
+            (got.kv_num_blocks, ref.kv_num_blocks),
+            (got.full_kv_num_blocks, ref.full_kv_num_blocks),
+        ):
+            assert torch.equal(a.expand_as(b), b)
+        torch.testing.assert_close(got.to_dense(), ref.to_dense(), rtol=0, atol=0)

@@ -343,11 +343,17 @@ def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypa
         }
 
     monkeypatch.setattr(compare, "evaluate_mt_bench", fake)
-    run = SimpleNamespace(
-        summary=tmp_path / "s.json", export=tmp_path / "export", evaluate=tmp_path / "e.json"
-    )
-    assert role.run_evaluate(SimpleNamespace(cfg=cfg, run=run)) == 0
+    from hpctoolkit.rundir.layout import RunDir
+
+    run = RunDir.of(tmp_path, "local-1")
+    run.root.mkdir()
+    run.summary.write_text(json.dumps({"export_dir": str(run.export), "steps": 3}))
+    ctx = SimpleNamespace(cfg=cfg, run=run, run_id=run.run_id, nodename="here")
+    assert role.run_evaluate(ctx) == 0
     out = json.loads(run.evaluate.read_text())
+    summary = json.loads(run.summary.read_text())
+    assert summary["steps"] == 3 and summary["served_acceptance_by_category"] == {"writing": 1.5}
+    assert (tmp_path / "latest").resolve() == run.root.resolve()
     assert out["target"] == "tiny-qwen3" and out["eval_set"] == "mt_bench"
     assert out["served_acceptance_by_category"] == {"writing": 1.5} and out["evaluate"]["detail"] == 1
     assert [q.category for q in got["questions"]] == list(CATEGORIES)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.common.block_mask import build_block_mask
 from hpctoolkit.models.common.norm import RMSNorm
 from hpctoolkit.models.common.rope import apply_rotary
 
@@ -55,26 +56,8 @@ class AttentionMask:
 
     def block_mask(self) -> object:
         if self._block is None:
-            build = _block_mask_fn(self.device)
-            self._block = build(
-                self.mask_mod, self.batch, None, self.q_len, self.kv_len, device=str(self.device)
-            )
+            self._block = build_block_mask(self.mask_mod, self.batch, self.q_len, self.kv_len, self.device)
         return self._block
-
-
-_compiled_block_mask: Callable | None = None
-
-
-def _block_mask_fn(device: torch.device) -> Callable:
-    """`create_block_mask`, compiled on GPU: eager, it evaluates `mask_mod` over every (q, kv) pair."""
-    global _compiled_block_mask
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if device.type != "cuda":
-        return create_block_mask
-    if _compiled_block_mask is None:
-        _compiled_block_mask = torch.compile(create_block_mask)
-    return _compiled_block_mask
 
 
 def causal_mask(batch: int, seq_len: int, device: torch.device) -> AttentionMask:
