@@ -254,3 +254,56 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, tmp_path, hos
     named = [x for x in log.splitlines() if x.startswith("error:") and (host in x or ADDRESSES[host] in x)]
     assert named, ours(log)[-4000:]
     assert all(len(x) < 400 for x in named)
+
+
+def test_preemption_across_hosts_resumes_without_losing_a_sample(hosts, tmp_path):
+    """USR2 to a job whose roles sit on four hosts (two gloo trainer ranks on two of them, the
+    engine's two PP stages on two more): one checkpoint of both ranks, the batch script's requeue,
+    and the next attempt resumes at that step on the same hosts, the engine capturing only the
+    prompts the ledger lacks; every prompt trained once."""
+    from test_slurm_preemption import _start_requeued_now, _stepds_gone, _wait_steps
+
+    from hpctoolkit.rundir import ledger
+    from hpctoolkit.slurm import shell
+
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    job, run = sbatch(
+        hosts,
+        out,
+        "data.num_samples=40",
+        "training.steps=20",
+        "training.checkpoint_every=1000",
+        "engine.capture_batch=1",
+    )
+    _wait_steps(run, job, hosts, 4, JOB_TIMEOUT_S)
+    t_signal = time.monotonic()
+    # As the scheduler's notice (`--signal=B:USR2@...`): the batch shell alone, which forwards it
+    # to the trainers' step (test_slurm_preemption sends it to every step instead).
+    shell.run(["scancel", "--batch", "--signal=USR2", job], env=hosts)
+    while (done := ledger.read_ledger(run.checkpoints)) is None:
+        assert time.monotonic() - t_signal < 30, "no complete checkpoint 30 s after SIGUSR2"
+        time.sleep(0.1)
+    checkpointed_after = time.monotonic() - t_signal
+    assert _start_requeued_now(job, hosts), f"job {job} was not requeued:\n{log_of(out, job)[-4000:]}"
+    state = wait_done(job, hosts, JOB_TIMEOUT_S, log=out / f"slurm-{job}.out")
+    _stepds_gone(job)
+    log = log_of(out, job)
+    print(
+        f"\n[measure] multi-host USR2: checkpoint of step {done.step} {checkpointed_after:.1f}s after the "
+        f"signal; job {job} {state} {time.monotonic() - t0:.1f}s after submission\n{ours(log)}"
+    )
+    assert state == "COMPLETED", log[-6000:]
+    assert f"resuming from step-{done.step:08d}" in log, log[-4000:]
+    summary = json.loads((run.train / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == done.step and summary["steps_trained"] == 20
+    assert json.loads(run.summary.read_text())["keys_left_in_store"] == 0
+    # Both ranks' data_order: steps 1..20 each, and every prompt of the run trained once.
+    prompts = []
+    for rank in range(2):
+        path = run.train / "data_order" / f"rank{rank}.jsonl"
+        order = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        assert [r["step"] for r in order] == list(range(1, 21))
+        prompts += [p for r in order for p in r["prompts"]]
+    assert sorted(prompts) == list(range(40)), "a prompt was skipped or trained twice"
+    assert not role_processes(job)

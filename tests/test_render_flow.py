@@ -33,6 +33,7 @@ echo "$nodelist $*" >> "$FLOW_DIR/steps"
 exec "$@"
 """
 FAKE_SCONTROL = """#!/bin/bash
+if [[ $1 == requeue ]]; then echo "$*" >> "$FLOW_DIR/requeued"; exit 0; fi
 printf 'node1\\nnode2\\nnode3\\n'
 """
 # Stands in for `python3 -m hpctoolkit.roles ROLE RECIPE ...`.
@@ -40,6 +41,7 @@ FAKE_PYTHON = """#!/bin/bash
 role=$3
 case $role in
   check) [[ ${FLOW_CHECK_FAILS:-0} == 1 ]] && { echo "error: re-render" >&2; exit 2; }; exit 0 ;;
+  preempted) echo preempted >> "$FLOW_DIR/asked"; exit "${FLOW_PREEMPTED_RC:-1}" ;;
   evaluate)
     # Every other step has ended by now.
     [[ -e $FLOW_DIR/left || ! -e $FLOW_DIR/drained ]] || exit 97
@@ -85,6 +87,7 @@ def flow(tmp_path, monkeypatch):
         "FLOW_DIR": str(tmp_path),
         "HPCTOOLKIT_PYTHON": str(bin_dir / "fakepython"),
         "SLURM_JOB_NODELIST": "node[1-3]",
+        "SLURM_JOB_ID": "42",
     }
     return tmp_path, script, env
 
@@ -97,10 +100,16 @@ def _wait_for(path: Path, timeout_s: float = 20) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("trainer_rc", [0, 3])
-def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc):
+@pytest.mark.parametrize(
+    ("trainer_rc", "preempted_rc", "want_rc"),
+    [(0, 1, 0), (3, 1, 3), (75, 1, 0), (143, 0, 0), (143, 1, 143)],
+)
+def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc, preempted_rc, want_rc):
+    """75 requeues; so does another status (a rank ended by the first rank's exit 75) when the
+    run's records say the checkpoint is complete (`roles preempted` exits 0), else it propagates."""
     tmp, script, env = flow
     env["FLOW_TRAINER_RC"] = str(trainer_rc)
+    env["FLOW_PREEMPTED_RC"] = str(preempted_rc)
     proc = subprocess.Popen(
         ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -112,12 +121,15 @@ def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == trainer_rc, out
+    assert proc.returncode == want_rc, out
+    asked = trainer_rc not in (0, 75)
+    assert (tmp / "asked").exists() == asked, out
+    assert (tmp / "requeued").exists() == (trainer_rc == 75 or (asked and preempted_rc == 0)), out
     assert (tmp / "trainer-usr2").read_text() == "usr2\n"
     assert "SIGUSR2: asking the trainers to checkpoint" in out
     assert f"trainers exited with status {trainer_rc}" in out
     steps = (tmp / "steps").read_text().splitlines()
-    pinned = sorted((line.split()[0], line.split()[4]) for line in steps)
+    pinned = sorted((line.split()[0], line.split()[4]) for line in steps if " preempted " not in line)
     assert pinned == [
         ("node1", "master"),
         ("node1", "trainer"),

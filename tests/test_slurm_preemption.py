@@ -217,6 +217,28 @@ def test_ledger_is_the_union_of_the_newest_complete_checkpoints_parts(tmp_path):
         ledger.read_ledger(ck)
 
 
+def test_an_attempt_counts_as_preempted_only_with_its_complete_checkpoint(tmp_path):
+    """What the batch script asks after SIGUSR2 when the trainers' step ended with another status
+    than PREEMPTED_EXIT (one rank's exit ended the others' tasks): the trainers' `ended` record
+    and the complete checkpoint it names."""
+    run = RunDir.of(tmp_path, "r-j7")
+    assert ledger.preempted_attempt(run) is None
+    run.root.mkdir()
+    run.ended.write_text(json.dumps({"ok": False, "preempted": True, "step": 4}))
+    assert ledger.preempted_attempt(run) is None  # no checkpoint at all
+    d = run.checkpoints / "step-00000004"
+    d.mkdir(parents=True)
+    for rank in range(2):
+        ledger.write_part(d, rank, 4, [rank])
+    assert ledger.preempted_attempt(run) is None  # parts, but no meta.json: not complete
+    (d / "meta.json").write_text(json.dumps({"step": 4, "world_size": 2}))
+    assert "step-00000004" in (ledger.preempted_attempt(run) or "")
+    run.ended.write_text(json.dumps({"ok": False, "preempted": True, "step": 5}))
+    assert ledger.preempted_attempt(run) is None  # the checkpoint it names is not the newest
+    run.ended.write_text(json.dumps({"ok": False, "error": "RuntimeError: boom"}))
+    assert ledger.preempted_attempt(run) is None
+
+
 def test_begin_attempt_clears_what_would_mislead_the_next(tmp_path):
     run = RunDir.of(tmp_path, "r-j7")
     run.manifests.mkdir(parents=True)

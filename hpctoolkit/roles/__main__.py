@@ -12,7 +12,9 @@ from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_text_atomic
 
 ROLE_CHECK = "check"
-ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE)
+# Not a role: exit 0 when this attempt's trainers checkpointed on SIGUSR2 (the batch script asks).
+ROLE_PREEMPTED = "preempted"
+ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE, ROLE_PREEMPTED)
 
 
 def main(argv: list[str]) -> int:
@@ -34,6 +36,10 @@ def main(argv: list[str]) -> int:
         return 0
     if args.role == ROLE_EVALUATE:
         return run_evaluate(ctx)
+    if args.role == ROLE_PREEMPTED:
+        why = ledger.preempted_attempt(ctx.run)
+        print(f"preempted: {why}" if why else f"run {ctx.run_id}: no checkpoint on SIGUSR2 in this attempt")
+        return 0 if why else 1
     result = run_process(ctx, select_process(ctx, args.role))
     return result if isinstance(result, int) else 0
 

@@ -57,6 +57,10 @@ def run_master(ctx: NodeContext, proc: Process) -> int:
         )
     store_cfg = replace(ctx.cfg.store, bind_host=master_bind_host(ctx), master_port=m.port)
     stop = term_event()
+    if signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL:
+        # Not under submitit (whose handler requeues): a preemption notice sent to every step
+        # must not end the store while the trainers checkpoint; the run's end ends the master.
+        signal.signal(signal.SIGUSR2, lambda *_: say("SIGUSR2: staying up until the run ends"))
     with resolve_master(store_cfg, ctx.run.logs) as master:
         # The metrics port is picked at start; trainers count the keys left through it.
         record = {"run_id": ctx.run_id, "address": master.address, "metrics_address": master.metrics_address}

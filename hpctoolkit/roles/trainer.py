@@ -35,6 +35,8 @@ from hpctoolkit.train import preempt
 QUEUE_STALL_TIMEOUT_S = 1800.0
 # Rank 0 waits this long for the other ranks' read records after training.
 READ_RECORDS_TIMEOUT_S = 300.0
+# After a checkpoint on SIGUSR2, ranks > 0 wait at most this long for rank 0's `ended` record.
+PREEMPT_RECORD_WAIT_S = 30.0
 
 
 def say(msg: str) -> None:
@@ -68,7 +70,9 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
 
 
 def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -> int:
-    """Every rank wrote its part of the checkpoint; rank 0 tells the services the run stopped."""
+    """Every rank wrote its part of the checkpoint; rank 0 tells the services the run stopped.
+    The other ranks leave only once that record exists: the first rank to exit ends the others'
+    tasks (`srun --kill-on-bad-exit`), and the batch script reads the record to requeue."""
     if proc.node_rank == 0:
         step = (result or {}).get("steps_trained")
         write_json_atomic(ctx.run.ended, {"ok": False, "preempted": True, "step": step})
@@ -76,6 +80,10 @@ def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -
             f"SIGUSR2: checkpointed at step {step} (nothing new when no step was trained since the last); "
             f"requeue the job to resume (exit {ledger.PREEMPTED_EXIT})"
         )
+    else:
+        deadline = time.monotonic() + PREEMPT_RECORD_WAIT_S
+        while not (read_json(ctx.run.ended) or {}).get("preempted") and time.monotonic() < deadline:
+            time.sleep(0.2)
     return ledger.PREEMPTED_EXIT
 
 

@@ -110,6 +110,20 @@ def read_ledger(checkpoints: str | os.PathLike, step: int | None = None) -> Ledg
     return Ledger(int(meta["step"]), latest, frozenset(prompts))
 
 
+def preempted_attempt(run: RunDir) -> str | None:
+    """Why this attempt of `run` counts as preempted (its trainers checkpointed on SIGUSR2, the
+    checkpoint complete), or None. The batch script asks when the trainers' step ended with another
+    status: under `srun --kill-on-bad-exit` the first rank to exit with PREEMPTED_EXIT ends the
+    others' tasks, so the step's status is a race; the records are not."""
+    ended = read_json(run.ended)
+    if not (isinstance(ended, dict) and ended.get("preempted")):
+        return None
+    done = read_ledger(run.checkpoints)
+    if done is None or done.step != ended.get("step"):
+        return None
+    return f"checkpoint step-{done.step:08d} of run {run.run_id} is complete"
+
+
 def remaining(share: Iterable[int], ledger: Ledger | None) -> list[int]:
     """The prompt indices of `share` that no completed checkpoint trained on, in order."""
     done = ledger.prompts if ledger is not None else frozenset()

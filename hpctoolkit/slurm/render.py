@@ -362,6 +362,13 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
     return [
         *body,
         'echo "trainers exited with status $rc"',
+        f"# The first rank to exit {PREEMPTED_EXIT} ends the others' tasks (--kill-on-bad-exit), and a notice",
+        "# sent to the steps (scancel --signal=USR2) never reaches this shell: the step's status alone",
+        "# does not say; the run's records do (every rank's part of a checkpoint written on SIGUSR2).",
+        f"if ((rc != 0 && rc != {PREEMPTED_EXIT})) && "
+        '"${RUN[@]}" -m hpctoolkit.roles preempted "$RECIPE" "${OVERRIDES[@]}"; then',
+        f"  rc={PREEMPTED_EXIT}",
+        "fi",
         f"# {PREEMPTED_EXIT}: every trainer rank wrote its part of a checkpoint on SIGUSR2; the job goes",
         "# back to the queue and resumes from it in the same run directory (same job id).",
         f"if ((rc == {PREEMPTED_EXIT})); then",

@@ -108,6 +108,9 @@ def _die_with_parent_fn() -> Callable[[], None]:
 
     def _in_child() -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # A preemption notice sent to a whole job step (`scancel --signal=USR2`) reaches this
+        # child too; its default action would end the store under the run. Ignored survives exec.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         # The parent may have died between fork and prctl; then nobody would deliver the signal.
         if os.getppid() != parent:
             os._exit(1)
