@@ -6,7 +6,8 @@ Every `python -m hpctoolkit.X` entry point is `run_cli(main)`, where `main(argv)
 key, address or sample, never a traceback. Anything else (an `OSError`, a bug) is also one line,
 `error: <Type>: <message> (traceback in <file>)`, exit 1: its traceback goes to a file under
 `<cache>/errors/` (`HPCTOOLKIT_CACHE`, else ~/.cache/hpctoolkit), and also to stderr with
-`HPCTOOLKIT_DEBUG=1`. Ctrl-C is `interrupted`, exit 130. `report` is the same line for the one
+`HPCTOOLKIT_DEBUG=1`. Ctrl-C is `interrupted`, exit 130. SIGUSR1 prints every thread's Python stack
+to stderr and goes on (`dump_stacks_on_sigusr1`; `scancel --signal=USR1 JOB` for a job that hangs). `report` is the same line for the one
 entry that bypasses `run_cli` (submitit's task, `roles.dispatch.run_task`).
 
 Every entry point builds its arguments with `parser(...)` and reads them with `parse(...)`:
@@ -17,7 +18,9 @@ never exits on its own: a usage mistake is a `ConfigError`, `--help` is `HelpReq
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -106,8 +109,15 @@ def report(err: Exception) -> int:
     return EXIT_FAILED
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every thread's Python stack to stderr (the role's log); the process goes on."""
+    # fd 2 itself: a replaced sys.stderr (pytest's capture, a notebook) may have no descriptor.
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or 2, all_threads=True)
+
+
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    dump_stacks_on_sigusr1()
     try:
         code = main(args)
     except HelpRequested as shown:

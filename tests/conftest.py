@@ -8,6 +8,7 @@ fixture: the environment to submit with (`SLURM_CONF` also set in this process f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -71,9 +72,19 @@ def wait_done(
         if state and state not in UNFINISHED:
             return state
         time.sleep(poll_s)
+    # Every role process prints its threads' stacks on SIGUSR1 (hpctoolkit.cli), into the log.
+    with contextlib.suppress(shell.CommandError):
+        shell.run(["scancel", "--signal=USR1", job], env=env)
+        time.sleep(3)
     shell.run(["scancel", job], env=env)
-    tail = log.read_text(errors="replace")[-8000:] if log is not None and log.is_file() else ""
-    raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled\n{tail}")
+    text = log.read_text(errors="replace") if log is not None and log.is_file() else ""
+    ours = [x for x in text.splitlines() if x.startswith(("[hpctoolkit", "error:"))][-40:]
+    stacks = text[text.find("Thread 0x") :][-12000:] if "Thread 0x" in text else ""
+    raise TimeoutError(
+        f"job {job} still {state or 'unknown'} after {timeout_s}s; cancelled\n"
+        + "\n".join(ours)
+        + f"\n--- stacks on SIGUSR1 ---\n{stacks}\n--- tail ---\n{text[-4000:]}"
+    )
 
 
 @contextmanager

@@ -110,3 +110,19 @@ def test_a_failing_submitit_task_prints_the_line_and_still_fails(monkeypatch, ca
     # submitit re-raises it out of the task's interpreter: the last-resort hook adds nothing.
     sys.excepthook(OSError, raised.value, raised.value.__traceback__)
     assert capsys.readouterr().err == ""
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
+    """A hung role is read with `scancel --signal=USR1 JOB`: its stacks land in the job's log."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = "import time\nfrom hpctoolkit.cli import run_cli\nrun_cli(lambda argv: time.sleep(2) or 0)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "most recent call first" in err and "<lambda>" in err, err

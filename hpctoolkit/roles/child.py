@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import errors
-from hpctoolkit.cli import one_line
+from hpctoolkit.cli import dump_stacks_on_sigusr1, one_line
 from hpctoolkit.rundir.atomic import write_json_atomic
 
 
 def _entry(fn: Callable[..., Any], args: tuple, result_path: str) -> None:
+    dump_stacks_on_sigusr1()
     try:
         result = fn(*args)
         payload = {"ok": True, "result": result}
