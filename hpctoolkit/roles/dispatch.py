@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 from hpctoolkit import envs
-from hpctoolkit.cli import report
+from hpctoolkit.cli import dump_stacks_on_sigusr1, report
 from hpctoolkit.errors import StoreError
 from hpctoolkit.plan.placement import (
     ROLE_ENGINE_FOLLOWER,
@@ -135,6 +135,7 @@ def run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> st
     fails and submitit keeps its traceback in the job's result (`job.result()` shows it); the
     task's log gets the line only.
     """
+    dump_stacks_on_sigusr1()
     try:
         return _run_task(plan, recipe, overrides, dry)
     except Exception as err:
