@@ -75,8 +75,10 @@ major=$(field cuda)
 major=${major%%.*}
 mc=$("$py" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("mooncake").origin))')
 for so in store.so engine.so; do
-  ldd "$mc/$so" | grep -Eq "^[[:space:]]*libcudart\.so\.$major => /" \
-    || die "$mc/$so does not link libcudart.so.$major: $(ldd "$mc/$so" | grep -E 'cudart|not found' | tr -s '[:space:]' ' ')"
+  # Read whole first: under pipefail, `ldd | grep -q` fails when grep exits before ldd is done.
+  libs=$(ldd "$mc/$so")
+  grep -Eq "^[[:space:]]*libcudart\.so\.$major => /" <<<"$libs" \
+    || die "$mc/$so does not link libcudart.so.$major: $(grep -E 'cudart|not found' <<<"$libs" | tr -s '[:space:]' ' ')"
 done
 "$py" - "$major" <<'PY'
 import os
