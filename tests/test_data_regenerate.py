@@ -4,6 +4,8 @@ sampling settings, per-request seeds, and the empty/truncated/failed counts with
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -159,3 +161,33 @@ def test_an_answer_is_asked_for_no_more_than_the_engine_can_capture(tok):
         max_model_len=len(prompt) + 10,
     )
     assert gen.calls[0][1] == [9]
+
+
+def test_the_generating_engines_environment_wins_over_the_inherited_one(monkeypatch, tmp_path):
+    """A VLLM_HOST_IP / VLLM_ENABLE_V1_MULTIPROCESSING=0 the process inherited (a login shell, an
+    earlier in-process engine) must not reach a multi-node generating engine: its message queue
+    then listened on 127.0.0.1 and the other node's workers never joined (a hang on the emulated
+    hosts). vLLM is replaced here by a stand-in that records the environment it started in; the
+    real engine over two hosts is tests/test_multihost.py, whose jobs inherit such values."""
+    import sys
+    import types
+
+    from hpctoolkit.engine.regenerate import Sampling, vllm_generator
+
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update({k: os.environ.get(k) for k in ("VLLM_HOST_IP", "VLLM_ENABLE_V1_MULTIPROCESSING")})
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, object
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env = {"VLLM_HOST_IP": "198.18.1.13", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    vllm_generator(tmp_path, Sampling(4), 64, {"enforce_eager": True}, env)
+    assert seen == env

@@ -57,7 +57,10 @@ def hosts(tmp_path_factory):
 
     resolve_target("builtin:tiny-qwen3")  # into the cache every host shares, before any job
     with emulated_hosts(tmp_path_factory.mktemp("hosts-state"), NODES) as env:
-        yield {**env, "HPCTOOLKIT_PYTHON": sys.executable}
+        # What a login shell may carry (and what an earlier in-process engine leaves in this
+        # process): every role must set its own, or a multi-node engine listens on 127.0.0.1.
+        leftovers = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        yield {**env, **leftovers, "HPCTOOLKIT_PYTHON": sys.executable}
 
 
 def sbatch(env: dict[str, str], out: Path, *extra: str) -> tuple[str, RunDir]:

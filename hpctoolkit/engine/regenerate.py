@@ -317,8 +317,11 @@ def vllm_generator(
     if env is None:
         backend = "cuda" if torch.cuda.is_available() else "cpu"
         env = engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
+    # The layout's environment wins over what the process inherited: a VLLM_HOST_IP or
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 left in a login shell (or by an earlier in-process engine)
+    # made a multi-node generating engine's message queue listen on 127.0.0.1, so its other
+    # node's workers never joined and generation hung.
+    os.environ.update(env)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
