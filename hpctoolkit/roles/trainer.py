@@ -316,14 +316,23 @@ def _live_summary(
 ) -> dict[str, Any]:
     world = ctx.plan.trainer.world_size
     deadline = time.monotonic() + READ_RECORDS_TIMEOUT_S
+    published = _published(ctx, prefixes)
     read, moved, complete = _read_totals(source, world)
-    while not complete and "at_s" not in watch.result and world > 1 and time.monotonic() < deadline:
+    # A rank's record is complete once its stream ended; one whose steps took exactly its share
+    # never asks for more, so every published sample read also ends the wait (it held a job that
+    # read all it published, K3's own counts, for the whole timeout).
+    while (
+        not complete
+        and "at_s" not in watch.result
+        and world > 1
+        and (published is None or read < published)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
         read, moved, complete = _read_totals(source, world)
     keys_left = watch.result.get("keys_left_in_store")
     if keys_left is None:
         keys_left = _count_keys(watch.metrics)
-    published = _published(ctx, prefixes)
     summary = {
         "recipe": ctx.cfg.name,
         "run_id": ctx.run_id,
