@@ -7,8 +7,9 @@ key, address or sample, never a traceback. Anything else (an `OSError`, a bug) i
 `error: <Type>: <message> (traceback in <file>)`, exit 1: its traceback goes to a file under
 `<cache>/errors/` (`HPCTOOLKIT_CACHE`, else ~/.cache/hpctoolkit), and also to stderr with
 `HPCTOOLKIT_DEBUG=1`. Ctrl-C is `interrupted`, exit 130. SIGUSR1 prints every thread's Python stack
-to stderr and goes on (`dump_stacks_on_sigusr1`; `scancel --signal=USR1 JOB` for a job that hangs). `report` is the same line for the one
-entry that bypasses `run_cli` (submitit's task, `roles.dispatch.run_task`).
+to stderr and goes on (`dump_stacks_on_sigusr1`; `scancel --signal=USR1 JOB` for a job that hangs).
+`report` is the same line for the one entry that bypasses `run_cli` (submitit's task,
+`roles.dispatch.run_task`).
 
 Every entry point builds its arguments with `parser(...)` and reads them with `parse(...)`:
 flags and positionals (`section.key=value` overrides included) may come in any order, and argparse

@@ -264,7 +264,7 @@ def test_preemption_across_hosts_resumes_without_losing_a_sample(hosts, tmp_path
     engine's two PP stages on two more): one checkpoint of both ranks, the batch script's requeue,
     and the next attempt resumes at that step on the same hosts, the engine capturing only the
     prompts the ledger lacks; every prompt trained once."""
-    from test_slurm_preemption import _start_requeued_now, _stepds_gone, _wait_steps
+    from test_slurm_preemption import _order, _start_requeued_now, _stepds_gone, _wait_steps
 
     from hpctoolkit.rundir import ledger
     from hpctoolkit.slurm import shell
@@ -304,8 +304,7 @@ def test_preemption_across_hosts_resumes_without_losing_a_sample(hosts, tmp_path
     # Both ranks' data_order: steps 1..20 each, and every prompt of the run trained once.
     prompts = []
     for rank in range(2):
-        path = run.train / "data_order" / f"rank{rank}.jsonl"
-        order = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        order = _order(run, rank)
         assert [r["step"] for r in order] == list(range(1, 21))
         prompts += [p for r in order for p in r["prompts"]]
     assert sorted(prompts) == list(range(40)), "a prompt was skipped or trained twice"

@@ -59,8 +59,8 @@ def _env(slurm_cluster: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _order(run: RunDir) -> list[dict]:
-    path = run.train / "data_order" / "rank0.jsonl"
+def _order(run: RunDir, rank: int = 0) -> list[dict]:
+    path = run.train / "data_order" / f"rank{rank}.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
