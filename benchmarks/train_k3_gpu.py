@@ -350,6 +350,16 @@ def parse_args() -> argparse.Namespace:
         help="wrap in FSDP2 even on one rank (the path before `LocalMixedPrecision`), for comparison",
     )
     p.add_argument(
+        "--sync",
+        action="store_true",
+        help="time each step drained, the batch moved before the timer (the loop before the overlap)",
+    )
+    p.add_argument(
+        "--plain-grad-cast",
+        action="store_true",
+        help="cast gradients with PyTorch's copy instead of the compiled kernel (`fsdp.upcast`)",
+    )
+    p.add_argument(
         "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
     )
     return p.parse_args()
@@ -358,19 +368,20 @@ def parse_args() -> argparse.Namespace:
 _BATCHES: list = []
 
 
-def _next_batch(stream, args, cfg, ctx):
+def _next_batch(stream, args, cfg, device):
     """The next of `--distinct` CPU batches, cycled (random states at 64k context take ~10 s each
-    to draw on the host), moved to the device as the training loop moves it under bf16."""
+    to draw on the host), collated as the training loop collates them (page-locked on CUDA)."""
     from hpctoolkit.train.batch import collate
 
     if len(_BATCHES) < args.distinct:
         samples = [next(stream) for _ in range(args.batch)]
-        _BATCHES.append(collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens))
-        batch = _BATCHES[-1]
-    else:
-        batch = _BATCHES[0]
-        _BATCHES.append(_BATCHES.pop(0))
-    return batch.to(ctx.device, torch.bfloat16)
+        pin = device == "cuda" and not args.sync
+        _BATCHES.append(
+            collate(samples, max_seq_len=args.seq, min_loss_tokens=cfg.min_loss_tokens, pin_memory=pin)
+        )
+        return _BATCHES[-1]
+    _BATCHES.append(_BATCHES.pop(0))
+    return _BATCHES[-1]
 
 
 KERNEL_CLASSES = (
@@ -403,7 +414,7 @@ def _profile_step(trainer, optimizer, scheduler, cfg, ctx, stream, args, table_p
 
     def one_step(events=None):
         t = time.perf_counter()
-        batch = _next_batch(stream, args, cfg, ctx)
+        batch = _next_batch(stream, args, cfg, "cuda").to(ctx.device, torch.bfloat16)
         torch.cuda.synchronize()
         data_ms.append((time.perf_counter() - t) * 1e3)
         rec = (lambda i: events[i].record()) if events else (lambda i: None)
@@ -508,6 +519,64 @@ def sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps_overlapped(trainer, optimizer, scheduler, cfg, ctx, stream, args, device):
+    """As `train/loop.py` steps: the page-locked batch moved on a copy stream, each step queued
+    (`step.launch`) before the previous one's statistics are read. A step's time is from the
+    previous step's end to its own (the first: from its launch)."""
+    from hpctoolkit.train.step import DeviceFeeder, launch
+
+    feeder = DeviceFeeder(ctx.device, torch.bfloat16)
+    ends, losses, norms, pending = [], [], [], None
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.monotonic()
+
+    def finish(launched) -> None:
+        res = launched.result()
+        ends.append(time.monotonic())
+        losses.append(float(res.stats[1]) / max(float(res.stats[0]), 1e-9))
+        norms.append(res.grad_norm)
+
+    for step in range(args.steps):
+        if ctx.world_size > 1:
+            torch.distributed.barrier(group=ctx.host_group)  # see `_steps_synced`
+        batch = feeder.put(_next_batch(stream, args, cfg, device))
+        launched = launch(trainer, optimizer, scheduler, batch, step, ctx, cfg.grad_clip)
+        if pending is not None:
+            finish(pending)
+        pending = launched
+    finish(pending)
+    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+    return times, losses, norms
+
+
+def _steps_synced(trainer, optimizer, scheduler, cfg, ctx, stream, args, device):
+    """The loop before the overlap (`--sync`): pageable batch moved outside the timer, the device
+    drained before and after each step."""
+    from hpctoolkit.train.step import launch
+
+    times, losses, norms = [], [], []
+    for step in range(args.steps):
+        batch = _next_batch(stream, args, cfg, device).to(ctx.device, torch.bfloat16)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if ctx.world_size > 1:
+            # Every rank builds its synthetic batch on the CPU first (1 OpenMP thread under
+            # torchrun, ~1 s at K3 shapes, varying by rank); without this barrier rank 0's timer
+            # would include the slowest rank's data generation through the first collective.
+            torch.distributed.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        t = time.monotonic()
+        res = launch(trainer, optimizer, scheduler, batch, step, ctx, cfg.grad_clip).result()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.monotonic() - t)
+        losses.append(float(res.stats[1]) / max(float(res.stats[0]), 1e-9))
+        norms.append(res.grad_norm)
+    return times, losses, norms
+
+
 def main() -> int:
     args = parse_args()
     if args.sweep:
@@ -522,13 +591,13 @@ def main() -> int:
 
     from hpctoolkit.models.registry import load_draft_config
     from hpctoolkit.train.config import TrainingConfig
-    from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
-    from hpctoolkit.train.loop import forward_backward
-    from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
+    from hpctoolkit.train.fsdp import LocalMixedPrecision, build_mesh, init_distributed, shard_trainer
+    from hpctoolkit.train.optim import build_optimizer
     from hpctoolkit.train.synthetic import SyntheticSamples
     from hpctoolkit.train.target_head import TargetHead
     from hpctoolkit.train.trainers.build import build_trainer
 
+    LocalMixedPrecision.compiled_grad_cast = not args.plain_grad_cast
     recipe = "tiny_k3_dspark_mla.json" if args.tiny else "kimi_k3_dspark_mla.json"
     config = load_draft_config(ROOT / "recipes" / "draft_models" / recipe)
     config.attention_backend = args.backend if not args.tiny else "sdpa"
@@ -582,38 +651,15 @@ def main() -> int:
     )
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
     stream = src(ctx.rank, ctx.world_size, 0, 0)
-    for step in range(args.steps):
-        batch = _next_batch(stream, args, cfg, ctx)
-        if step == 0:
-            anchors_BN = trainer.step_inputs(batch, 0)["anchors_BN"]
-            if ctx.is_main:
-                print(f"first batch on the device at {time.monotonic() - t0:.1f} s", flush=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if ctx.world_size > 1:
-            # Every rank builds its synthetic batch on the CPU first (1 OpenMP thread under
-            # torchrun, ~1 s at K3 shapes, varying by rank); without this barrier rank 0's timer
-            # would include the slowest rank's data generation through the first collective.
-            torch.distributed.barrier()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        t = time.monotonic()
-        parts = forward_backward(trainer, batch, step, ctx)
-        gn = clip_grad_norm(trainer, cfg.grad_clip, optimizer)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.monotonic() - t)
-        losses.append(float(parts.numerator.detach()) / max(float(parts.denominator), 1e-9))
-        if ctx.is_main:
-            print(
-                f"step {step}: {times[-1] * 1e3:.0f} ms, loss {losses[-1]:.4f}, grad_norm {float(gn):.3f}",
-                flush=True,
-            )
+    anchors_BN = trainer.step_inputs(_next_batch(stream, args, cfg, device), 0)["anchors_BN"]
+    if ctx.is_main:
+        print(f"first batch drawn at {time.monotonic() - t0:.1f} s", flush=True)
+    run_steps = _steps_synced if args.sync else _steps_overlapped
+    times, losses, norms = run_steps(trainer, optimizer, scheduler, cfg, ctx, stream, args, device)
+    if ctx.is_main:
+        for i, (t, loss, gn) in enumerate(zip(times, losses, norms, strict=True)):
+            print(f"step {i}: {t * 1e3:.0f} ms, loss {loss:.4f}, grad_norm {gn:.3f}", flush=True)
     phases = profile = None
     if args.profile and device == "cuda":
         try:
@@ -649,6 +695,8 @@ def main() -> int:
         "activation_checkpoint_layers": args.ac,
         "compile": args.compile,
         "fsdp_on_one_rank": args.fsdp_on_one_rank,
+        "timing": "synced per step, copy outside" if args.sync else "overlapped, as the training loop",
+        "compiled_grad_cast": not args.plain_grad_cast,
         "batch_per_gpu": args.batch,
         "context_tokens_per_sample": args.seq,
         "draft_tokens_per_sample": args.anchors * config.block_size,

@@ -48,7 +48,7 @@ def _samples():
 
 def _rank_worker(rank: int, world: int, out_dir: str, init: str) -> None:
     from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
-    from hpctoolkit.train.loop import forward_backward
+    from hpctoolkit.train.step import forward_backward
 
     torch.set_num_threads(1)
     ctx = init_distributed(rank, world, init, "cpu")

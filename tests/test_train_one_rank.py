@@ -11,8 +11,8 @@ from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import LocalMixedPrecision, build_mesh, init_distributed, shard_trainer
-from hpctoolkit.train.loop import forward_backward
 from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
+from hpctoolkit.train.step import forward_backward
 from hpctoolkit.train.synthetic import SyntheticSamples
 from hpctoolkit.train.trainers.build import build_trainer
 

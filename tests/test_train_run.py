@@ -210,7 +210,7 @@ def test_activation_checkpointing_is_a_validated_training_option():
 def _step_grads(ctx, cfg, batch):
     """Loss and full gradients of one sharded DSpark step (tiny MLA draft, fp32, CPU)."""
     from hpctoolkit.train.fsdp import build_mesh, shard_trainer
-    from hpctoolkit.train.loop import forward_backward
+    from hpctoolkit.train.step import forward_backward
     from hpctoolkit.train.trainers.build import build_trainer
 
     tr = build_trainer(

@@ -24,8 +24,9 @@ from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window
-from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
+from hpctoolkit.train.optim import build_optimizer
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
+from hpctoolkit.train.step import DeviceFeeder, LaunchedStep, launch
 from hpctoolkit.train.trainers.base import FamilyTrainer
 from hpctoolkit.train.trainers.build import build_trainer
 
@@ -108,20 +109,6 @@ def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
     return {k.removeprefix("draft."): v for k, v in sd.items() if k.startswith("draft.")}  # type: ignore[misc]
 
 
-def forward_backward(trainer: FamilyTrainer, batch, step: int, ctx: DistContext):
-    """Forward, normalise by the global denominator, backward. Returns this rank's `LossParts`.
-
-    The denominator is summed over ranks and the local numerator scaled by `world_size`, so after
-    FSDP averages gradients the step's gradient is that of `sum(numerators) / sum(denominators)`.
-    The scale stays on the device: reading it on the host would stall the queue before backward.
-    """
-    parts = trainer.run(batch, step)
-    den = ctx.all_reduce_sum(parts.denominator.detach().to(torch.float64).reshape(1).clone())
-    scale = (ctx.world_size / den.clamp_min(1e-12)).to(parts.numerator.dtype)
-    (parts.numerator * scale).sum().backward()
-    return parts
-
-
 def run_rank(rank: int, world_size: int, job: TrainJob) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns the summary, the others None."""
     cfg = job.training
@@ -157,6 +144,8 @@ class _Run:
     # Prompts this rank trained on (resumed from the checkpoint's ledger part), and SIGUSR2.
     trained_prompts: set[int] = field(default_factory=set)
     preempted: bool = False
+    feeder: DeviceFeeder | None = None
+    last_finish: float = 0.0
 
     @property
     def cfg(self) -> TrainingConfig:
@@ -211,6 +200,8 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     stream = SampleStream(opener, ctx.rank, ctx.world_size, **position)
     window = Window(max(1, min(20, cfg.steps // 5)))
     run = _Run(ctx, job, trainer, optimizer, scheduler, ckpt, stream, start_step, window, step=start_step)
+    # FSDP casts the inputs to the compute dtype anyway; moving them in it halves the copy.
+    run.feeder = DeviceFeeder(ctx.device, torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32)
     run.trained_prompts.update(prompts)
     return run
 
@@ -224,51 +215,74 @@ def _prompts_of(samples) -> list[int | None]:
     return out
 
 
-def _train_step(run: _Run, samples, order_log) -> tuple[StepStats, float, dict[str, float]]:
-    """One optimizer step on `samples`: `(global stats, tokens, scalars)`."""
+def _launch_step(run: _Run, samples, order_log) -> LaunchedStep:
+    """Queue one optimizer step on `samples` (`step.launch`: the host does not wait for it)."""
     cfg, ctx = run.cfg, run.ctx
-    t0 = time.monotonic()
-    batch = collate(samples, max_seq_len=cfg.max_seq_len, min_loss_tokens=cfg.min_loss_tokens)
-    # FSDP casts the inputs to the compute dtype anyway; moving them in it halves the copy.
-    batch = batch.to(ctx.device, torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32)
+    batch = collate(
+        samples,
+        max_seq_len=cfg.max_seq_len,
+        min_loss_tokens=cfg.min_loss_tokens,
+        pin_memory=ctx.device.type == "cuda",
+    )
+    assert run.feeder is not None
+    batch = run.feeder.put(batch)
     prompts = _prompts_of(samples)
     record = {"step": run.step + 1, "epoch": run.stream.epoch, "keys": batch.keys, "prompts": prompts}
     order_log.write(json.dumps(record) + "\n")
     order_log.flush()
-    parts = forward_backward(run.trainer, batch, run.step, ctx)
-    grad_norm = clip_grad_norm(run.trainer, cfg.grad_clip, run.optimizer)
-    lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    tokens_t = torch.tensor(
-        [float(batch.supervised_tokens), float(batch.num_tokens)], dtype=torch.float64, device=ctx.device
-    )
-    vec = ctx.all_reduce_sum(torch.cat([parts.stats_vector(), tokens_t])).cpu()
-    dt = time.monotonic() - t0
+    launched = launch(run.trainer, run.optimizer, run.scheduler, batch, run.step, ctx, cfg.grad_clip)
     run.step += 1
     run.steps_this_run += 1
     run.trained_prompts.update(p for p in prompts if p is not None)
-    tokens = float(vec[-1])
-    run.tokens_total += tokens
-    run.supervised_total += float(vec[-2])
-    stats = StepStats(run.trainer.num_positions, tuple(parts.extras), vec[:-2])
+    return launched
+
+
+def _finish_step(run: _Run, launched: LaunchedStep, step: int) -> tuple[StepStats, dict[str, float]]:
+    """Wait for a launched step; its global statistics, refusing a non-finite loss."""
+    res = launched.result()
+    now = time.monotonic()
+    # Steps overlap: a step's time is from the previous step's end (or its own launch) to its end.
+    dt = now - max(launched.launched_at, run.last_finish)
+    run.last_finish = now
+    run.tokens_total += res.tokens
+    run.supervised_total += res.supervised_tokens
+    stats = StepStats(run.trainer.num_positions, launched.extras, res.stats)
     if not math.isfinite(stats.loss):
-        raise FloatingPointError(
-            f"loss is {stats.loss} at step {run.step}; stopping instead of training on it"
-        )
+        raise FloatingPointError(f"loss is {stats.loss} at step {step}; stopping instead of training on it")
     scalars = {
-        "grad_norm": float(grad_norm),
-        "lr": lr,
-        "tokens_per_s": tokens / max(dt, 1e-9),
-        "tokens_per_s_per_rank": tokens / max(dt, 1e-9) / ctx.world_size,
-        "supervised_tokens": float(vec[-2]),
+        "grad_norm": res.grad_norm,
+        "lr": launched.lr,
+        "tokens_per_s": res.tokens / max(dt, 1e-9),
+        "tokens_per_s_per_rank": res.tokens / max(dt, 1e-9) / run.ctx.world_size,
+        "supervised_tokens": res.supervised_tokens,
     }
-    return stats, tokens, scalars
+    return stats, scalars
+
+
+def _report(run: _Run, step: int, stats: StepStats, scalars: dict[str, float], tb, bar) -> None:
+    run.window.add(stats)
+    run.last_stats = stats
+    if not run.ctx.is_main:
+        return
+    if step % run.cfg.log_every == 0 or step == run.cfg.steps:
+        tb.log(step, stats, scalars)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{stats.loss:.3f}",
+            acc0=f"{stats.pos_accuracy()[0]:.2f}",
+            tau=f"{stats.acceptance_length_incl_bonus():.2f}",
+            gn=f"{scalars['grad_norm']:.2f}",
+            tok_s=f"{scalars['tokens_per_s']:.0f}",
+        )
 
 
 def _train_steps(run: _Run) -> None:
-    """Steps until `training.steps`, `stop_after`, or the samples run out (`run.stop_reason`)."""
+    """Steps until `training.steps`, `stop_after`, or the samples run out (`run.stop_reason`).
+
+    The device runs one step ahead of the host: step `n + 1` is read and queued before step `n`'s
+    statistics are read (`step.py`), and every step is finished before a checkpoint or the end.
+    """
     cfg, ctx, job = run.cfg, run.ctx, run.job
     tb = TensorBoardLog(run.files.tensorboard, enabled=ctx.is_main)
     bar = None
@@ -280,6 +294,15 @@ def _train_steps(run: _Run) -> None:
     order_path = run.files.order_log(ctx.rank)
     order_path.parent.mkdir(parents=True, exist_ok=True)
     _truncate_order(order_path, run.start_step)
+    pending: tuple[LaunchedStep, int] | None = None
+
+    def finish() -> None:
+        nonlocal pending
+        if pending is not None:
+            launched, step = pending
+            pending = None
+            _report(run, step, *_finish_step(run, launched, step), tb, bar)
+
     # Which samples each step read, per rank: what resume is checked against.
     with order_path.open("a") as order_log:
         while run.step < cfg.steps:
@@ -288,36 +311,33 @@ def _train_steps(run: _Run) -> None:
                 break
             samples, asked = _next_samples(run)
             # One collective: does every rank have a batch, and was any rank asked to stop?
-            flags = torch.tensor([0.0 if samples is None else 1.0, 0.0 if asked else 1.0], device=ctx.device)
-            if ctx.world_size > 1:
-                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-            if float(flags[1]) == 0.0:
+            ok = _all_ranks(ctx, samples is not None, not asked)
+            if not ok[1]:
                 run.preempted = True
                 run.stop_reason = f"preempted (SIGUSR2) at step {run.step}"
                 break
-            if float(flags[0]) == 0.0:
+            if not ok[0]:
                 run.stop_reason = f"samples source exhausted at step {run.step}"
                 break
-            stats, _, scalars = _train_step(run, samples, order_log)
-            run.window.add(stats)
-            run.last_stats = stats
-            if ctx.is_main:
-                if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-                    tb.log(run.step, stats, scalars)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{stats.loss:.3f}",
-                        acc0=f"{stats.pos_accuracy()[0]:.2f}",
-                        tau=f"{stats.acceptance_length_incl_bonus():.2f}",
-                        gn=f"{scalars['grad_norm']:.2f}",
-                        tok_s=f"{scalars['tokens_per_s']:.0f}",
-                    )
+            launched = _launch_step(run, samples, order_log)
+            finish()
+            pending = (launched, run.step)
             if run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps:
+                finish()
                 run.save()
+    finish()
     if bar is not None:
         bar.close()
     tb.close()
+
+
+def _all_ranks(ctx: DistContext, *flags: bool) -> list[bool]:
+    """Each flag ANDed over ranks, on the host-side group (no wait for the device's queue)."""
+    if ctx.world_size == 1:
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=ctx.host_group)
+    return [bool(x) for x in t.tolist()]
 
 
 def _next_samples(run: _Run) -> tuple[list[Any] | None, bool]:

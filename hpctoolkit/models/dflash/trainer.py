@@ -69,9 +69,10 @@ class DFlashTrainer(FamilyTrainer):
 
     def step_inputs(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         K, N = self.block_size, self.cfg.num_anchors
+        host = batch.on_host()  # no device sync: the previous step may still be running
         pos_BS = torch.arange(batch.seq_len).unsqueeze(0)
-        fits_BS = pos_BS + K - 1 < batch.lengths_B.cpu().unsqueeze(1)
-        eligible_BS = batch.loss_mask_BS().cpu() & fits_BS & block_supervised(batch.supervised_BS.cpu(), K)
+        fits_BS = pos_BS + K - 1 < host.lengths_B.unsqueeze(1)
+        eligible_BS = host.loss_mask_BS() & fits_BS & block_supervised(host.supervised_BS, K)
         anchors = torch.zeros(batch.batch_size, N, dtype=torch.long)
         ok = torch.zeros(batch.batch_size, N, dtype=torch.bool)
         if batch.seq_len >= N:
