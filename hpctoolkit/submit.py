@@ -107,9 +107,10 @@ def describe(cfg: RecipeConfig, plan: Plan | None) -> str:
         f"target      {cfg.paths.target_model}  ({num_layers} layers)",
         f"draft       {cfg.draft.config}",
         f"capture     target layers {list(e.target_layer_ids)} -> capture ids {capture} (last = last_hidden_states)",
-        f"engine      {e.num_engines} x (TP={e.tp_size} x PP={e.pp_size}) over {e.nnodes} node(s) each",
+        f"engine      {e.num_engines} x (TP={e.tp_size} x PP={e.pp_size}) over {e.nnodes} node(s) each, {e.dtype}",
         f"store       Mooncake master: {master}; lease {s.kv_lease_ttl_s}s; reader retry {s.get_retry_max_wait_seconds}s",
-        f"training    {t.steps} steps, {t.world_size} rank(s), FSDP {t.fsdp_mode}, device {t.device}",
+        f"training    {t.steps} steps, {t.world_size} rank(s), FSDP {t.fsdp_mode}, device {t.device}, "
+        f"{t.mixed_precision}",
     ]
     if plan is not None:
         lines += ["", plan.describe()]

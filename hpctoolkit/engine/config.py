@@ -38,6 +38,7 @@ class EngineConfig:
     nnodes: int = 1
     gpus_per_node: int = 1
     pp_size: int = 1
+    # "bfloat16" | "float16" | "float32" | "auto" (`config/precision.py`)
     dtype: str = "bfloat16"
     max_model_len: int = 2048
     # Prefill chunk: prompts longer than this are prefilled over several steps.
@@ -78,7 +79,7 @@ class EngineConfig:
             "capture_batch",
             "cpu_kvcache_space_gb",
         )
-        one_of(self, "dtype", ("bfloat16", "float16", "float32"))
+        one_of(self, "dtype", ("auto", "bfloat16", "float16", "float32"))
         require(
             self.world_size % self.pp_size == 0,
             "pp_size",

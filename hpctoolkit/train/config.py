@@ -25,7 +25,8 @@ class TrainingConfig:
     world_size: int = 1
     fsdp_mode: str = "full_shard"  # "full_shard" | "replicate"
     device: str = "cpu"  # "cpu" | "cuda"
-    mixed_precision: str = "fp32"  # "bf16" | "fp32" (parameters; master weights stay fp32)
+    # "bf16" | "fp32" (parameters; master weights stay fp32) | "auto" (`config/precision.py`)
+    mixed_precision: str = "fp32"
     # Eagle3 test-time-training unroll.
     ttt_length: int = 7
     # DFlash/DSpark anchors per sample (fixed, so attention shapes stay static).
@@ -82,7 +83,7 @@ class TrainingConfig:
         parse_size(self.spool_max_size, "spool_max_size")
         one_of(self, "fsdp_mode", ("full_shard", "replicate"))
         one_of(self, "device", ("cpu", "cuda"))
-        one_of(self, "mixed_precision", ("bf16", "fp32"))
+        one_of(self, "mixed_precision", ("auto", "bf16", "fp32"))
         one_of(self, "data_source", ("live", "offline"))
         one_of(self, "label_source", ("target", "data"))
         non_negative(self, "activation_checkpoint_layers")
