@@ -546,8 +546,11 @@ def _steps_overlapped(trainer, optimizer, scheduler, cfg, ctx, stream, args, dev
             finish(pending)
         pending = launched
     finish(pending)
+    # Step i's statistics are read once step i + 1 is queued; when the device is the bottleneck,
+    # the host queues until the launch queue is full, so every interval but the last is one
+    # device step (shifted by the queue's depth) and the last is what the queue held: dropped.
     times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
-    return times, losses, norms
+    return times[:-1] if len(times) > 1 else times, losses, norms
 
 
 def _steps_synced(trainer, optimizer, scheduler, cfg, ctx, stream, args, device):
@@ -658,7 +661,7 @@ def main() -> int:
     run_steps = _steps_synced if args.sync else _steps_overlapped
     times, losses, norms = run_steps(trainer, optimizer, scheduler, cfg, ctx, stream, args, device)
     if ctx.is_main:
-        for i, (t, loss, gn) in enumerate(zip(times, losses, norms, strict=True)):
+        for i, (t, loss, gn) in enumerate(zip(times, losses, norms, strict=False)):
             print(f"step {i}: {t * 1e3:.0f} ms, loss {loss:.4f}, grad_norm {gn:.3f}", flush=True)
     phases = profile = None
     if args.profile and device == "cuda":
