@@ -358,6 +358,21 @@ def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypa
     assert out["served_acceptance_by_category"] == {"writing": 1.5} and out["evaluate"]["detail"] == 1
     assert [q.category for q in got["questions"]] == list(CATEGORIES)
     assert got["max_tokens"] == cfg.evaluate.max_tokens
+    # The engine's precision serves too (`auto` here: vLLM's own would emulate bf16 on an AVX2 CPU).
+    assert got["dtype"] == cfg.engine.dtype == "auto"
+
+
+def test_serving_takes_the_engine_dtype_and_decides_auto_as_the_engine_does(monkeypatch):
+    from hpctoolkit.config.precision import bf16_native, host_facts
+    from hpctoolkit.evaluate import serve
+    from hpctoolkit.evaluate.serve import ServingSession
+
+    monkeypatch.setattr(serve, "serving_method", lambda export_dir: "dflash")
+    facts = host_facts()
+    want = "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
+    common = {"num_speculative_tokens": 3, "max_model_len": 128}
+    assert ServingSession("e", "t", **common).dtype == want
+    assert ServingSession("e", "t", **common, dtype="bfloat16").dtype == "bfloat16"
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def serve_two_turn(
     *,
     num_speculative_tokens: int,
     max_tokens: int,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Serve every question's two turns (see the module docstring).
 
@@ -110,6 +111,7 @@ def serve_two_turn(
         num_speculative_tokens=k,
         max_model_len=max_len,
         max_num_seqs=min(len(questions), MAX_NUM_SEQS),
+        dtype=dtype,
     ) as session:
         for turn in (1, 2):
             if turn == 1:

@@ -51,6 +51,7 @@ def evaluate(
     num_speculative_tokens: int,
     max_tokens: int,
     plot_path: str | os.PathLike | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Served and simulated acceptance of the exported draft on `prompts_token_ids`.
 
@@ -67,6 +68,7 @@ def evaluate(
         prompts_token_ids,
         num_speculative_tokens=num_speculative_tokens,
         max_tokens=max_tokens,
+        dtype=dtype,
     )
     outputs = served.pop("outputs")
     simulated = simulate(
@@ -99,6 +101,7 @@ def evaluate_mt_bench(
     max_tokens: int,
     plot_path: str | os.PathLike | None = None,
     simulate_per_category: int | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Served and simulated acceptance of the exported draft on MT-Bench's two-turn `questions`.
 
@@ -110,7 +113,13 @@ def evaluate_mt_bench(
     """
     k = num_speculative_tokens
     run = serve_two_turn(
-        export_dir, target_dir, questions, tokenizer, num_speculative_tokens=k, max_tokens=max_tokens
+        export_dir,
+        target_dir,
+        questions,
+        tokenizer,
+        num_speculative_tokens=k,
+        max_tokens=max_tokens,
+        dtype=dtype,
     )
     calls = run["calls"]
     groups = acceptance_by_group(calls)

@@ -183,6 +183,14 @@ def model_len(longest_prompt: int, max_tokens: int, num_speculative_tokens: int)
     return 64 * ((longest_prompt + max_tokens + num_speculative_tokens + 64) // 64)
 
 
+def serving_dtype() -> str:
+    """The engine dtype `auto` gives on this host (`config/precision.py`)."""
+    from hpctoolkit.config.precision import bf16_native, host_facts
+
+    facts = host_facts()
+    return "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
+
+
 class ServingSession:
     """One vLLM engine serving the export with its target (in this process), for several calls.
 
@@ -200,8 +208,12 @@ class ServingSession:
         num_speculative_tokens: int,
         max_model_len: int,
         max_num_seqs: int = 8,
+        dtype: str = "auto",
     ) -> None:
         self.export_dir, self.target_dir = Path(export_dir), Path(target_dir)
+        # `engine.dtype`; auto as there (`config/precision.py`): vLLM's own auto would take the
+        # checkpoint's bf16 and emulate it on a CPU without bf16 instructions (1-2 tokens/s).
+        self.dtype = dtype if dtype != "auto" else serving_dtype()
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -225,6 +237,7 @@ class ServingSession:
                     "num_speculative_tokens": self.num_speculative_tokens,
                 },
                 enforce_eager=True,
+                dtype=self.dtype,
                 disable_log_stats=False,
                 # Each output carries its own acceptance histogram (`request_counters`).
                 per_request_spec_decode_metrics="summary",
@@ -327,6 +340,7 @@ def serve(
     *,
     num_speculative_tokens: int,
     max_tokens: int,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Greedy speculative decoding in vLLM (in this process), EOS ignored; outputs, counters, audit."""
     longest = max(len(p) for p in prompts_token_ids)
@@ -335,6 +349,7 @@ def serve(
         target_dir,
         num_speculative_tokens=num_speculative_tokens,
         max_model_len=model_len(longest, max_tokens, num_speculative_tokens),
+        dtype=dtype,
     ) as session:
         got = session.generate(prompts_token_ids, max_tokens=max_tokens, ignore_eos=True)
     return {

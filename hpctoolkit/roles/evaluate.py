@@ -69,6 +69,7 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         prompts,
         num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
         max_tokens=cfg.evaluate.max_tokens,
+        dtype=cfg.engine.dtype,
     )
     return {
         "eval_set": "held_out",
@@ -94,6 +95,7 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
         max_tokens=cfg.evaluate.max_tokens,
         simulate_per_category=cfg.evaluate.simulate_per_category,
+        dtype=cfg.engine.dtype,
     )
     by_category = ", ".join(
         f"{c} {v:.2f}" if v is not None else f"{c} -" for c, v in ev["served_acceptance_by_category"].items()
