@@ -33,11 +33,31 @@ def test_a_named_precision_is_kept_whatever_the_host():
     assert resolve_precision(cfg, HostFacts(False, AVX2)) is cfg
 
 
-def test_host_facts_read_the_cpu_flags(tmp_path):
+def test_host_facts_read_the_cpu_flags_and_the_driver_s_gpus(tmp_path, monkeypatch):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert host_facts(info).cpu_bf16
     assert not host_facts(tmp_path / "absent").cpu_bf16
+    gpus = tmp_path / "gpus"
+    assert not host_facts(info, gpus).cuda
+    (gpus / "0000:18:00.0").mkdir(parents=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert host_facts(info, gpus).cuda
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not host_facts(info, gpus).cuda
+
+
+def test_loading_the_embedded_default_imports_nothing_heavy():
+    """`auto` reads the host from files: the recipe still loads without torch (as `test_config`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom hpctoolkit.config.load import load_recipe\n"
+        "cfg = load_recipe('recipes/local.yaml')\nassert 'auto' not in (cfg.engine.dtype, cfg.training.mixed_precision)\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_load_resolves_auto_and_refuses_an_unknown_precision():

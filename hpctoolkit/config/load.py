@@ -21,7 +21,7 @@ from omegaconf.errors import (
 )
 
 from hpctoolkit.config.couplings import check_couplings, fill_from_draft
-from hpctoolkit.config.precision import host_facts, resolve_precision
+from hpctoolkit.config.precision import resolve_precision
 from hpctoolkit.config.schema import SECTIONS, RecipeConfig
 from hpctoolkit.errors import ConfigError
 
@@ -122,7 +122,7 @@ def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeCon
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose, then check the couplings across sections (which read the target and draft configs)."""
-    cfg = resolve_precision(fill_from_draft(compose(path, overrides)), host_facts())
+    cfg = resolve_precision(fill_from_draft(compose(path, overrides)))
     check_couplings(cfg)
     return cfg
 

