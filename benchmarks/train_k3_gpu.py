@@ -220,6 +220,7 @@ Device calls 1-3 of round 3 (each line its own process; within call 1, the first
     python benchmarks/train_k3_gpu.py --seq 8192 --batch 2 --steps 7 --warmup 3 --distinct 1         # call 3
     python benchmarks/train_k3_gpu.py --seq 65536 --steps 8 --warmup 3 --distinct 1                  # call 3
     python benchmarks/train_k3_gpu.py --steps 6 --warmup 2 --profile prof.txt                        # call 3
+    python benchmarks/train_k3_gpu.py --batch 6 --steps 7 --warmup 3                                 # call 4
 
 | one H200, 512 blocks of 7 per sample | round 2 (drained) | round 3 (as the loop runs) | MFU    | peak allocated |
 |--------------------------------------|-------------------|----------------------------|--------|----------------|
@@ -228,6 +229,7 @@ Device calls 1-3 of round 3 (each line its own process; within call 1, the first
 | batch 2 x 4096 (167.1 TFLOP)         | 372.3 ms (round 2's call) | 370.1 ms             | 57.1 % | 63.4 GiB       |
 | batch 2 x 8192 (191.6 TFLOP)         |                   | 435.0 ms                   | 55.7 % | 67.5 GiB       |
 | batch 4 x 4096 (334.3 TFLOP)         |                   | 707.8 ms                   | 59.8 % | 78.2 GiB       |
+| batch 6 x 4096 (501.5 TFLOP)         |                   | 1028.7 ms (call 4)         | 61.7 % | 92.9 GiB       |
 | batch 1 x 65536 (270.4 TFLOP)        | 734 ms (round 1)  | 697.8 ms                   | 49.1 % | 85.8 GiB       |
 
 The same losses and gradient norms come out of both timings step for step (the overlapped path
@@ -244,12 +246,14 @@ casts 4.2 (vectorised), the fused loss's chunk kernel 5.2, foreach grad norm 3.2
 page-locked batch copy 6.4 (overlapped in the loop, inside a drained profile).
 
 **The 60 % MFU target is still not met on one GPU**: 51.9 % at batch 1 x 4096, 51.8 % at the
-production batch 1 x 8192, 57.1 % at batch 2 x 4096, 59.8 % at batch 4 x 4096. The step is now
+production batch 1 x 8192, 57.1 % at batch 2 x 4096, 59.8 % at batch 4 x 4096; 61.7 % only at batch
+6 x 4096 (24k tokens a step on one GPU, 92.9 GiB). The step is now
 device-bound, and the batch sizes give its shape: a fixed 36 ms a step (fused AdamW over 2.83 B
 fp32 parameters 27, casts of weights and gradients 9.6, grad norm 3.2) plus 167 ms per 4096-token
 sample (63.3 % MFU at the margin, against `draft_step.py`'s 69.9 %: the target-head pass of the L1
 term, 6144 rows x 7168 x 163840 at batch 2, and the DSpark loss beyond CE are in the trainer's step
-and not in its model-FLOP count). So one GPU reaches 60 % only from about 5 samples of 4096 a step.
+and not in its model-FLOP count). So one GPU reaches 60 % only from about 5 samples of 4096 a step
+(the model says 61.2 % at 6; measured 61.7 %).
 On the reference deployment the fixed part shrinks: FSDP over 8 ranks shards the optimizer step
 and the casts to an eighth (about 4.5 ms a rank), which would put batch 1 x 8192 near 59 % before
 communication. That is an estimate: no machine with several GPUs was lent (issue 20). What would
