@@ -201,13 +201,16 @@ def test_subprocess_exit_code_and_single_line(recipe):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_config_imports_nothing_heavy():
+@pytest.mark.parametrize("recipe_path", ["recipes/tiny.yaml", "recipes/local.yaml"])
+def test_config_imports_nothing_heavy(recipe_path):
     # Loading a recipe asks the family table about the draft (models.families), through the
-    # hpctoolkit.models package inits: those import nothing, so no torch either.
+    # hpctoolkit.models package inits: those import nothing, so no torch either. local.yaml's
+    # `auto` precisions read the host from files (`config/precision.py`), not through torch.
     code = (
         "import sys, hpctoolkit.config, hpctoolkit.capture, hpctoolkit.submit\n"
         "from hpctoolkit.config.load import load_recipe\n"
-        "load_recipe('recipes/tiny.yaml', [])\n"
+        f"cfg = load_recipe({recipe_path!r}, [])\n"
+        "assert 'auto' not in (cfg.engine.dtype, cfg.training.mixed_precision)\n"
         "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'torch.distributed') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -47,19 +47,6 @@ def test_host_facts_read_the_cpu_flags_and_the_driver_s_gpus(tmp_path, monkeypat
     assert not host_facts(info, gpus).cuda
 
 
-def test_loading_the_embedded_default_imports_nothing_heavy():
-    """`auto` reads the host from files: the recipe still loads without torch (as `test_config`)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\nfrom hpctoolkit.config.load import load_recipe\n"
-        "cfg = load_recipe('recipes/local.yaml')\nassert 'auto' not in (cfg.engine.dtype, cfg.training.mixed_precision)\n"
-        "assert 'torch' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 def test_load_resolves_auto_and_refuses_an_unknown_precision():
     cfg = load_recipe("recipes/local.yaml")
     assert cfg.engine.dtype in ("bfloat16", "float32") and cfg.training.mixed_precision in ("bf16", "fp32")

@@ -363,13 +363,12 @@ def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypa
 
 
 def test_serving_takes_the_engine_dtype_and_decides_auto_as_the_engine_does(monkeypatch):
-    from hpctoolkit.config.precision import bf16_native, host_facts
+    from hpctoolkit.config.precision import auto_engine_dtype
     from hpctoolkit.evaluate import serve
     from hpctoolkit.evaluate.serve import ServingSession
 
     monkeypatch.setattr(serve, "serving_method", lambda export_dir: "dflash")
-    facts = host_facts()
-    want = "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
+    want = auto_engine_dtype()  # what `resolve_precision` gives `engine.dtype: auto` here
     common = {"num_speculative_tokens": 3, "max_model_len": 128}
     assert ServingSession("e", "t", **common).dtype == want
     assert ServingSession("e", "t", **common, dtype="bfloat16").dtype == "bfloat16"

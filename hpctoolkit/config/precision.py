@@ -55,19 +55,25 @@ def bf16_native(device: str, facts: HostFacts) -> bool:
     return device == "cuda" or facts.cpu_bf16
 
 
+def auto_engine_dtype(facts: HostFacts | None = None) -> str:
+    """What `engine.dtype: auto` gives on a host (this one when None): the engine runs where an
+    NVIDIA GPU is visible, else on the CPU (vLLM-CPU)."""
+    facts = facts if facts is not None else host_facts()
+    return "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
+
+
 def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
     """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
     if a precision is `auto`); a new config, `cfg` unchanged.
 
     The engine runs where an NVIDIA GPU is visible on the host, else on the CPU (vLLM-CPU); the
-    trainer on `training.device`."""
+    trainer on `training.device` (`auto_engine_dtype`)."""
     engine, training = cfg.engine, cfg.training
     if "auto" not in (engine.dtype, training.mixed_precision):
         return cfg
     facts = facts if facts is not None else host_facts()
     if engine.dtype == "auto":
-        native = bf16_native("cuda" if facts.cuda else "cpu", facts)
-        engine = dataclasses.replace(engine, dtype="bfloat16" if native else "float32")
+        engine = dataclasses.replace(engine, dtype=auto_engine_dtype(facts))
     if training.mixed_precision == "auto":
         native = bf16_native(training.device, facts)
         training = dataclasses.replace(training, mixed_precision="bf16" if native else "fp32")

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hpctoolkit.config.precision import auto_engine_dtype
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.models.families import serving_for
 
@@ -183,14 +184,6 @@ def model_len(longest_prompt: int, max_tokens: int, num_speculative_tokens: int)
     return 64 * ((longest_prompt + max_tokens + num_speculative_tokens + 64) // 64)
 
 
-def serving_dtype() -> str:
-    """The engine dtype `auto` gives on this host (`config/precision.py`)."""
-    from hpctoolkit.config.precision import bf16_native, host_facts
-
-    facts = host_facts()
-    return "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
-
-
 class ServingSession:
     """One vLLM engine serving the export with its target (in this process), for several calls.
 
@@ -213,7 +206,7 @@ class ServingSession:
         self.export_dir, self.target_dir = Path(export_dir), Path(target_dir)
         # `engine.dtype`; auto as there (`config/precision.py`): vLLM's own auto would take the
         # checkpoint's bf16 and emulate it on a CPU without bf16 instructions (1-2 tokens/s).
-        self.dtype = dtype if dtype != "auto" else serving_dtype()
+        self.dtype = dtype if dtype != "auto" else auto_engine_dtype()
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs

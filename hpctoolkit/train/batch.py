@@ -45,16 +45,17 @@ class Batch:
     # `supervised_BS` as collated; None (a batch built by hand) means every valid token.
     supervised: torch.Tensor | None = None
     # The CPU batch this one was moved from (`to`): what the host reads without waiting on the
-    # device (anchor sampling, token counts), so a step queued behind another never syncs.
+    # device (anchor sampling), so a step queued behind another never syncs.
     host: Batch | None = field(default=None, repr=False, compare=False)
 
     def on_host(self) -> Batch:
         """This batch's CPU original; itself if it lives on the CPU (else a copy, which syncs)."""
-        if self.host is not None:
-            return self.host
-        if self.input_ids_BS.device.type == "cpu":
-            return self
-        return self.to("cpu")
+        original = self._host_original()
+        return original if original is not None else self.to("cpu")
+
+    def _host_original(self) -> Batch | None:
+        """The CPU batch to remember when moving this one (never a copy made for the purpose)."""
+        return self if self.input_ids_BS.device.type == "cpu" else self.host
 
     @property
     def supervised_BS(self) -> torch.Tensor:
@@ -63,7 +64,7 @@ class Batch:
     @property
     def supervised_tokens(self) -> int:
         """Tokens the loss may be computed on (see `supervised_BS`)."""
-        return int(self.on_host().supervised_BS.sum())
+        return int(self.supervised_BS.sum())
 
     @property
     def batch_size(self) -> int:
@@ -72,10 +73,6 @@ class Batch:
     @property
     def seq_len(self) -> int:
         return self.input_ids_BS.shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.on_host().lengths_B.sum())
 
     def loss_mask_BS(self) -> torch.Tensor:
         """Positions that may be supervised: real tokens of samples with nonzero weight."""
@@ -96,7 +93,7 @@ class Batch:
             self.last_prenorm,
             self.truncated,
             None if self.supervised is None else mv(self.supervised),
-            host=self.on_host() if torch.device(device).type != "cpu" else None,
+            host=self._host_original() if torch.device(device).type != "cpu" else None,
         )
 
 
