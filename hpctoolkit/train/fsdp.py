@@ -25,6 +25,8 @@ the fp32 weights, the floating inputs of the trainer and of each decoder layer c
 dtype, the bf16 gradients cast to fp32 into the fp32 parameters' `.grad`), with one cast of the
 weights before forward and one of each gradient as backward produces it. Parameters stay plain
 fp32 tensors under their own names, so checkpoints and the optimizer see what they see with FSDP.
+With `mixed_adamw.MixedAdamW` (CUDA, picked by `optim.build_optimizer`) neither cast runs: the
+twins keep their bf16 gradients and the optimizer's kernel writes the twins as it updates.
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ class LocalMixedPrecision:
 
     # Gradients cast by `upcast` on CUDA (the benchmark turns it off to compare).
     compiled_grad_cast = True
+    # Set by `mixed_adamw.MixedAdamW`: each twin keeps its bf16 gradient (no fp32 `.grad`), and the
+    # optimizer, which reads them, writes the twins itself (`twins_current`: no cast before forward).
+    keep_low_precision_grads = False
 
     def __init__(self, trainer: nn.Module, units: list[nn.Module], dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -197,6 +202,8 @@ class LocalMixedPrecision:
         self.pairs = [(p, twins[id(p)]) for p in {id(p): p for _, _, p, _ in self.slots}.values()]
         self.active = False
         self.callback_queued = False
+        self.twins_current = False
+        self.held: dict[nn.Parameter, torch.Tensor] = {}
         trainer.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         trainer.register_forward_hook(self._post_forward)
         for unit in units:
@@ -207,9 +214,11 @@ class LocalMixedPrecision:
 
     def _pre_forward(self, module, args, kwargs):
         if not self.active:
-            with torch.no_grad():
-                for p, twin in self.pairs:
-                    twin.copy_(p)
+            if not self.twins_current:
+                with torch.no_grad():
+                    for p, twin in self.pairs:
+                        twin.copy_(p)
+            self.twins_current = False  # only an optimizer step that writes them sets it again
             self._register(twin=True)
         return self._cast_inputs(module, args, kwargs)
 
@@ -225,14 +234,30 @@ class LocalMixedPrecision:
     def _grad_hook(self, p: nn.Parameter):
         def hook(twin: torch.Tensor) -> None:
             assert twin.grad is not None
-            g = upcast(twin.grad, p.dtype) if self.compiled_grad_cast else twin.grad.to(p.dtype)
-            p.grad = g if p.grad is None else p.grad + g
-            twin.grad = None
             if not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            g, twin.grad = twin.grad, None
+            if self.keep_low_precision_grads and p not in self.held:
+                self.held[p] = g  # the one contribution, kept in bf16
+                return
+            cast = (lambda t: upcast(t, p.dtype)) if self.compiled_grad_cast else (lambda t: t.to(p.dtype))
+            if self.keep_low_precision_grads:  # a second contribution: summed in fp32, as in `.grad`
+                self.held[p] = cast(self.held[p]) + cast(g)
+            else:
+                p.grad = cast(g) if p.grad is None else p.grad + cast(g)
 
         return hook
+
+    def low_precision_grads(self) -> dict[nn.Parameter, tuple[torch.Tensor, nn.Parameter]]:
+        """fp32 parameter -> (its gradient as backward left it: bf16, or fp32 where backward
+        accumulated it more than once, the twin), for those that have one."""
+        twin = dict(self.pairs)
+        return {p: (g, twin[p]) for p, g in self.held.items()}
+
+    def drop_low_precision_grads(self, *, twins_current: bool = False) -> None:
+        self.held.clear()
+        self.twins_current = twins_current
 
     def _end_backward(self) -> None:
         self.callback_queued = False
