@@ -113,3 +113,52 @@ def test_the_one_rank_step_with_mixed_adamw_is_the_plain_one(ctx):
             n: (t.shape, t.dtype) for n, t in s.items()
         }
         assert float(sd_m["state"][k]["step"]) == float(s["step"]) == 3
+
+
+def test_a_checkpoint_moves_between_mixed_adamw_and_a_fresh_one(ctx, tmp_path):
+    """Two steps with MixedAdamW, saved through `Checkpointer` (Distributed Checkpoint), loaded
+    into a fresh trainer and MixedAdamW (DCP initialises an empty optimizer's state by a zero-lr
+    step on fp32 zero gradients: AdamW's own step), then one more step each: the same weights,
+    so the moments and step counts came back and the twins were re-cast from the loaded weights
+    (the load lands on a trainer that has stepped: its twins were current, and are not after)."""
+    from hpctoolkit.train.checkpoint import Checkpointer
+
+    src = SyntheticSamples(
+        num_samples=6, vocab_size=512, hidden_size=128, num_aux=3, lengths=[40, 33], seed=6
+    )
+    batches = [
+        collate([src.sample(2 * i + j) for j in range(2)], max_seq_len=64, min_loss_tokens=14)
+        for i in range(3)
+    ]
+    cfg = TrainingConfig(num_anchors=4, mixed_precision="bf16", lr=1e-3, grad_clip=0.05, warmup_steps=0)
+
+    def build():
+        torch.manual_seed(0)
+        tr = build_trainer(DRAFT, resolve_target("builtin:tiny-qwen3"), cfg)
+        shard_trainer(tr, build_mesh(ctx, cfg.fsdp_mode), cfg)
+        opt = MixedAdamW([p for p in tr.parameters() if p.requires_grad], tr._local_mixed_precision,
+                         lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))  # fmt: skip
+        return tr, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    def step(tr, opt, batch, i):
+        forward_backward(tr, batch.to(ctx.device, torch.bfloat16), i, ctx)
+        clip_grad_norm(tr, cfg.grad_clip, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    tr, opt, sched = build()
+    for i in range(2):
+        step(tr, opt, batches[i], i)
+    ckpt = Checkpointer(tmp_path, keep=2, ctx=ctx)
+    ckpt.save(2, tr, opt, sched, samples_consumed={"epoch": 0, "offset": 0}, meta={})
+    tr2, opt2, sched2 = build()
+    step(tr2, opt2, batches[0], 0)  # weights and twins that the load must replace
+    assert tr2._local_mixed_precision.twins_current
+    ckpt.load(ckpt.latest(), tr2, opt2, sched2)
+    assert not tr2._local_mixed_precision.twins_current
+    step(tr, opt, batches[2], 2)
+    step(tr2, opt2, batches[2], 2)
+    got = dict(tr2.named_parameters())
+    for name, p in tr.named_parameters():
+        assert torch.equal(got[name].detach(), p.detach()), name
+    assert float(opt2.state_dict()["state"][0]["step"]) == 3

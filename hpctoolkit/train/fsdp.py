@@ -205,9 +205,14 @@ class LocalMixedPrecision:
         self.twins_current = False
         self.held: dict[nn.Parameter, torch.Tensor] = {}
         trainer.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        # Loaded weights (a resume) are cast into the twins again before the next forward.
+        trainer.register_load_state_dict_post_hook(lambda module, keys: self._stale())
         trainer.register_forward_hook(self._post_forward)
         for unit in units:
             unit.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+
+    def _stale(self) -> None:
+        self.twins_current = False
 
     def _cast_inputs(self, module, args, kwargs):
         return _cast_floating(args, self.dtype), {k: _cast_floating(v, self.dtype) for k, v in kwargs.items()}
