@@ -499,11 +499,6 @@ def parse_args() -> argparse.Namespace:
         help="fp32 gradients, fused AdamW and weight casts (round 3) instead of `MixedAdamW`",
     )
     p.add_argument(
-        "--optimizer-inline",
-        action="store_true",
-        help="MixedAdamW on the compute stream, after backward, instead of under the next forward",
-    )
-    p.add_argument(
         "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
     )
     return p.parse_args()
@@ -802,8 +797,6 @@ def main() -> int:
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg, fsdp_on_one_rank=args.fsdp_on_one_rank)
     optimizer, scheduler = build_optimizer(trainer, cfg, mixed=not args.plain_adamw)
-    if args.optimizer_inline:
-        optimizer.overlap = False
     build_s = time.monotonic() - t0
     if ctx.is_main:
         print(f"built and sharded in {build_s:.1f} s", flush=True)
@@ -864,8 +857,7 @@ def main() -> int:
         "fsdp_on_one_rank": args.fsdp_on_one_rank,
         "timing": "synced per step, copy outside" if args.sync else "overlapped, as the training loop",
         "compiled_grad_cast": not args.plain_grad_cast,
-        "optimizer": type(optimizer).__name__
-        + (" (side stream)" if getattr(optimizer, "overlap", False) else ""),
+        "optimizer": type(optimizer).__name__,
         "batch_per_gpu": args.batch,
         "context_tokens_per_sample": args.seq,
         "draft_tokens_per_sample": args.anchors * config.block_size,

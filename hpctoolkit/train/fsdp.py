@@ -210,40 +210,6 @@ class LocalMixedPrecision:
         trainer.register_forward_hook(self._post_forward)
         for unit in units:
             unit.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        # The trainable weights in the order forward first needs them: the trainer's own (the
-        # context projection, norms, heads) before anything, then each unit's. `MixedAdamW`
-        # updates them in that order on a side stream and records an event per group; the next
-        # forward waits for a group's event just before it uses the group (`_wait`).
-        first_unit: dict[int, int] = {}
-        for i, unit in enumerate(units):
-            for q in unit.parameters():
-                first_unit.setdefault(id(q), i)
-        self.update_groups: list[list[nn.Parameter]] = [[] for _ in range(len(units) + 1)]
-        for p, _ in self.pairs:
-            self.update_groups[first_unit.get(id(p), -1) + 1].append(p)
-        self.ready: dict[int, torch.cuda.Event] = {}
-        self.optimizer_done: torch.cuda.Event | None = None
-        for i, unit in enumerate(units):
-            self._install_wait(i + 1, unit)
-
-    def _install_wait(self, key: int, unit: nn.Module) -> None:
-        """Wait for group `key` before `unit` runs. A compiled unit (`Module.compile`) runs its
-        hooks inside the compiled graph, so the wait goes around the compiled call instead."""
-        compiled = unit._compiled_call_impl
-        if compiled is None:
-            unit.register_forward_pre_hook(lambda module, args: self._wait(key), prepend=True)
-            return
-
-        def call(*args, **kwargs):
-            self._wait(key)
-            return compiled(*args, **kwargs)
-
-        unit._compiled_call_impl = call
-
-    def _wait(self, key: int) -> None:
-        event = self.ready.get(key)
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
 
     def _stale(self) -> None:
         self.twins_current = False
@@ -253,10 +219,7 @@ class LocalMixedPrecision:
 
     def _pre_forward(self, module, args, kwargs):
         if not self.active:
-            self._wait(0)
             if not self.twins_current:
-                if self.optimizer_done is not None:  # weights still being written: wait for all
-                    torch.cuda.current_stream().wait_event(self.optimizer_done)
                 with torch.no_grad():
                     for p, twin in self.pairs:
                         twin.copy_(p)

@@ -20,7 +20,6 @@ checkpoints move between this path and the plain one. A step where some paramete
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -120,31 +119,17 @@ def reference_step_(
 class MixedAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` (fused) whose step reads the bf16 gradients `LocalMixedPrecision` kept
     and writes its bf16 twins (module doc). `grad_scale` (a tensor, or None) divides every
-    gradient of the next step, as the fused AdamW's; `optim.clip_grad_norm` sets it.
-
-    On CUDA the update runs on a side stream, group by group in the order the next forward needs
-    the weights (`LocalMixedPrecision.update_groups`), each group's event recorded for that
-    forward to wait on: the memory-bound update overlaps the next step's compute-bound forward
-    instead of preceding it. `done` is the event of the whole update (None off CUDA);
-    `step.LaunchedStep.result` waits for it, so a finished step's weights can be read. The
-    gradients and the clip factor, allocated on the compute stream, are marked as used by the
-    side stream (`record_stream`) so that their memory is not handed out again before it has
-    read them. `overlap = False` runs it on the current stream (the benchmark's comparison)."""
-
-    overlap = True
+    gradient of the next step, as the fused AdamW's; `optim.clip_grad_norm` sets it."""
 
     def __init__(self, params, mixed: Any, **kwargs: Any) -> None:
         super().__init__(params, fused=True, **kwargs)
         self.mixed = mixed
         self.grad_scale: torch.Tensor | None = None
-        self.done: torch.cuda.Event | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         mixed.keep_low_precision_grads = True
 
     @torch.no_grad()
     def step(self, closure=None):
         held = self.mixed.low_precision_grads()
-        self.done = None
         if (
             closure is not None
             or not held
@@ -152,54 +137,24 @@ class MixedAdamW(torch.optim.AdamW):
         ):
             self.mixed.drop_low_precision_grads()
             return super().step(closure)
-        group_of = {p: g for g in self.param_groups for p in g["params"] if p in held}
-        for p in group_of:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if not group_of:
-            self.mixed.drop_low_precision_grads()
-            return None
-        ordered = {p for grp in self.mixed.update_groups for p in grp}
-        groups = [[p for p in group_of if p not in ordered], *self.mixed.update_groups]
-        groups[0] += groups.pop(1)  # anything outside the known order goes first, with the root
-        device = next(iter(group_of)).device
-        side = self._side_stream(device) if self.overlap and device.type == "cuda" else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            torch._foreach_add_([self.state[p]["step"] for p in group_of], 1)
-            for key, params in enumerate(groups):
-                for p in params:
-                    if p not in group_of:
-                        continue
-                    group, (grad, twin), state = group_of[p], held[p], self.state[p]
-                    beta1, beta2 = group["betas"]
-                    adamw_step_(
-                        p, grad, state["exp_avg"], state["exp_avg_sq"], twin, state["step"],
-                        self.grad_scale, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                    )  # fmt: skip
-                if side is not None:
-                    self.mixed.ready[key] = _recorded(side)
-        if side is not None:
-            self.done = self.mixed.optimizer_done = _recorded(side)
-            for grad, _ in held.values():
-                grad.record_stream(side)
-            if self.grad_scale is not None:
-                self.grad_scale.record_stream(side)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            items = [(p, held[p]) for p in group["params"] if p in held]
+            for p, _ in items:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not items:
+                continue
+            torch._foreach_add_([self.state[p]["step"] for p, _ in items], 1)
+            for p, (grad, twin) in items:
+                state = self.state[p]
+                adamw_step_(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], twin, state["step"], self.grad_scale,
+                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )  # fmt: skip
         self.mixed.drop_low_precision_grads(twins_current=True)
         return None
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event

@@ -56,14 +56,10 @@ class LaunchedStep:
     launched_at: float
     _vec: torch.Tensor
     _done: torch.cuda.Event | None
-    # The optimizer's own end where it runs on a side stream (`MixedAdamW.done`).
-    _updated: torch.cuda.Event | None = None
 
     def result(self) -> StepResult:
         if self._done is not None:
             self._done.synchronize()
-        if self._updated is not None:
-            self._updated.synchronize()
         v = self._vec
         return StepResult(v[:-3].clone(), float(v[-3]), float(v[-2]), float(v[-1]))
 
@@ -89,7 +85,7 @@ def launch(trainer, optimizer, scheduler, batch: Batch, step: int, ctx, grad_cli
         done = torch.cuda.Event()
         done.record()
         vec = host
-    return LaunchedStep(tuple(parts.extras), lr, t0, vec, done, getattr(optimizer, "done", None))
+    return LaunchedStep(tuple(parts.extras), lr, t0, vec, done)
 
 
 class DeviceFeeder:
