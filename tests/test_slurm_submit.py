@@ -93,10 +93,14 @@ def test_submit_sbatch_reads_the_job_id(tmp_path):
 
 
 def test_submit_sbatch_passes_script_arguments(tmp_path):
-    env = fake_sbatch(tmp_path, 'echo "$@" > "$PWD/args"; echo 12\n')
+    """With arguments the script goes through a file of its own (sbatch reads it before it
+    returns), removed once submitted: concurrent submissions from one folder cannot swap scripts."""
+    env = fake_sbatch(tmp_path, 'echo "$@" > "$PWD/args"; cp "$2" "$PWD/got.sbatch"; echo 12\n')
     assert submit_sbatch("#!/bin/bash\n", tmp_path, args=["paths.output_dir=/x"], env=env) == "12"
     args = (tmp_path / "args").read_text().split()
     assert args[0] == "--parsable" and args[-1] == "paths.output_dir=/x"
+    assert (tmp_path / "got.sbatch").read_text() == "#!/bin/bash\n"
+    assert not list(tmp_path.glob(".hpctoolkit-submit*"))
 
 
 def test_submit_sbatch_errors(tmp_path):

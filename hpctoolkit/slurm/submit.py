@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,11 +54,17 @@ def submit_sbatch(
 ) -> str:
     """Submit `script_text` with `sbatch --parsable` from `workdir` (the job's working directory);
     return the job id. `args` go to the script ("$@": extra overrides)."""
-    script = Path(workdir) / ".hpctoolkit-submit.sbatch"
     if args:
-        # sbatch passes script arguments only to a script file, not to one read from stdin.
-        script.write_text(script_text)
-        out = shell.run(["sbatch", "--parsable", str(script), *args], cwd=workdir, env=env)
+        # sbatch passes script arguments only to a script file, not to one read from stdin. Each
+        # submission writes its own file (two submissions from one folder must not swap scripts);
+        # Slurm keeps its own copy once sbatch returns, so the file goes with it.
+        fd, name = tempfile.mkstemp(prefix=".hpctoolkit-submit-", suffix=".sbatch", dir=workdir)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(script_text)
+            out = shell.run(["sbatch", "--parsable", name, *args], cwd=workdir, env=env)
+        finally:
+            os.unlink(name)
     else:
         out = shell.run(["sbatch", "--parsable"], stdin=script_text, cwd=workdir, env=env)
     line = out.strip().splitlines()[-1] if out.strip() else ""
