@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss, slot_weights
 from hpctoolkit.models.dspark.loss import dspark_loss
-from hpctoolkit.models.eagle3.loss import eagle3_step_loss
+from hpctoolkit.models.eagle3.loss import eagle3_step_loss, eagle3_target_side
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
@@ -165,8 +165,10 @@ def test_eagle3_masks_positions_whose_target_argmax_is_outside_the_draft_vocab()
     rows[1, 1] = 1  # target argmax 1: outside
     rows[2, 0] = 1  # target argmax 0: in
     hidden = torch.randn(3, H, requires_grad=True)
+    logp_t, argmax, inside = eagle3_target_side(lambda r: r @ tgt_W.T, rows, draft_ids)
+    assert argmax.tolist() == [2, 1, 0] and logp_t.shape == (3, 3)
     kl, match, sup = eagle3_step_loss(
-        hidden, torch.randn(3, H), lambda r: r @ tgt_W.T, rows, torch.ones(3, dtype=torch.bool), draft_ids
+        hidden, torch.randn(3, H), logp_t, argmax, inside, torch.ones(3, dtype=torch.bool), draft_ids
     )
     assert sup.tolist() == [True, False, True]
     assert float(kl[1].detach()) == 0.0 and bool(match[1]) is False

@@ -19,18 +19,18 @@ import torch
 from torch import nn
 
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.models.eagle3.loss import EAGLE3_STEP_DECAY, eagle3_step_loss
+from hpctoolkit.models.eagle3.loss import EAGLE3_STEP_DECAY, eagle3_step_loss, eagle3_target_side
 from hpctoolkit.models.eagle3.model import Eagle3DraftModel, KVCache
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.losses import LossParts, acceptance_from_matches, per_position
 from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows
+from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains
 from hpctoolkit.train.trainers.vocab import supervised_token_counts
 
 
 def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
-    """`x[:, t + n]`, zero-padded past the end."""
+    """`x[:, t + n]` (any trailing dims), zero-padded past the end."""
     out = torch.zeros_like(x_BS)
     if n < x_BS.shape[1]:
         out[:, : x_BS.shape[1] - n] = x_BS[:, n:]
@@ -104,6 +104,12 @@ class Eagle3Trainer(FamilyTrainer):
         denominator = torch.zeros((), dtype=torch.float64, device=input_ids_BS.device)
         kls, matches, sups = [], [], []
         kv_cache = KVCache()
+        logp_t, argmax, inside = (
+            x.unflatten(0, (B, S))
+            for x in eagle3_target_side(
+                lambda rows: self.target_logits(rows, last_prenorm), last_BSH.flatten(0, 1), ids_V
+            )
+        )
         for i in range(P):
             in_range_BS = (pos_BS + 1 + i < lengths_B.unsqueeze(1)) & loss_mask_BS
             if label_mask_BS is not None:
@@ -118,8 +124,9 @@ class Eagle3Trainer(FamilyTrainer):
             kl_N, match_N, sup_N = eagle3_step_loss(
                 out.hidden_BSH.flatten(0, 1),
                 lm_head,
-                lambda rows, _p=last_prenorm: self.target_logits(rows, _p),
-                gather_rows(last_BSH, pos_BS + 1 + i).flatten(0, 1),
+                shift_left(logp_t, i + 1).flatten(0, 1),
+                shift_left(argmax, i + 1).flatten(),
+                shift_left(inside, i + 1).flatten(),
                 in_range_BS.flatten(),
                 ids_V,
             )
