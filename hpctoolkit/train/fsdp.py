@@ -200,6 +200,7 @@ class LocalMixedPrecision:
                     twins[id(p)] = twin
                 self.slots.append((module, name, p, twins[id(p)]))
         self.pairs = [(p, twins[id(p)]) for p in {id(p): p for _, _, p, _ in self.slots}.values()]
+        self.twin_of = dict(self.pairs)
         self.active = False
         self.callback_queued = False
         self.twins_current = False
@@ -257,8 +258,7 @@ class LocalMixedPrecision:
     def low_precision_grads(self) -> dict[nn.Parameter, tuple[torch.Tensor, nn.Parameter]]:
         """fp32 parameter -> (its gradient as backward left it: bf16, or fp32 where backward
         accumulated it more than once, the twin), for those that have one."""
-        twin = dict(self.pairs)
-        return {p: (g, twin[p]) for p, g in self.held.items()}
+        return {p: (g, self.twin_of[p]) for p, g in self.held.items()}
 
     def drop_low_precision_grads(self, *, twins_current: bool = False) -> None:
         self.held.clear()

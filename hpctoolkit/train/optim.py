@@ -72,18 +72,22 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None) -> torch.T
         # bf16 gradients, the norm accumulated in fp32 (each is exactly its fp32 upcast)
         grads = [g for g, _ in held.values()]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            optimizer.grad_scale = (1.0 / coef).to(torch.float32)
-        return norm
+        return _fold_clip_factor(optimizer, norm, max_norm)
     if not params:
         return torch.zeros(())
     if max_norm > 0 and _fused(optimizer) and _plain(params):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        optimizer.grad_scale = (1.0 / coef).to(torch.float32)
-        return norm
+        return _fold_clip_factor(optimizer, norm, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    return norm
+
+
+def _fold_clip_factor(optimizer, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Hand the fused step `1 / c`, `c = min(1, max_norm / (norm + 1e-6))` (nothing when
+    `max_norm <= 0`); returns `norm`."""
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        optimizer.grad_scale = (1.0 / coef).to(torch.float32)
     return norm
