@@ -508,6 +508,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--profile", default="", help="after timing: per-phase and per-kernel-class times, table to this file"
     )
+    p.add_argument(
+        "--trace",
+        default="",
+        help="after timing: three more steps as the loop runs them under the profiler, a Chrome "
+        "trace to this file (.json.gz) and the device's idle gaps printed",
+    )
     return p.parse_args()
 
 
@@ -717,6 +723,40 @@ def _steps_overlapped(trainer, optimizer, scheduler, cfg, ctx, stream, args, dev
     return times[:-1] if len(times) > 1 else times, losses, norms
 
 
+def _trace_steps(trainer, optimizer, scheduler, cfg, ctx, stream, args, device, path: Path) -> dict:
+    """Three overlapped steps under the profiler: where the device waits (gaps between kernels
+    on the compute stream, summed and the largest listed), the trace written for a closer look."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    traced = argparse.Namespace(**{**vars(args), "steps": 3})
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _steps_overlapped(trainer, optimizer, scheduler, cfg, ctx, stream, traced, device)
+    prof.export_chrome_trace(str(path))
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower()
+    )
+    gaps, busy, last_end, last_name = [], 0.0, None, ""
+    for start, end, name in kernels:
+        if last_end is not None and start > last_end:
+            gaps.append(((start - last_end) / 1e3, last_name[:60], name[:60]))
+        busy += max(0.0, end - max(start, last_end or start)) / 1e3
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 if kernels else 0.0
+    gaps.sort(reverse=True)
+    return {
+        "trace": str(path),
+        "span_ms": round(span, 1),
+        "busy_ms": round(busy, 1),
+        "idle_ms": round(sum(g for g, _, _ in gaps), 1),
+        "gaps_over_50us": sum(1 for g, _, _ in gaps if g > 0.05),
+        "largest_gaps_ms_after_before": [(round(g, 3), a, b) for g, a, b in gaps[:25]],
+    }
+
+
 def _steps_synced(trainer, optimizer, scheduler, cfg, ctx, stream, args, device):
     """The loop before the overlap (`--sync`): pageable batch moved outside the timer, the device
     drained before and after each step."""
@@ -835,6 +875,10 @@ def main() -> int:
             )
         except Exception as exc:  # the timing above must still be reported
             phases = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    trace = None
+    if args.trace and device == "cuda":
+        trace = _trace_steps(trainer, optimizer, scheduler, cfg, ctx, stream, args, device, Path(args.trace))
+        print(json.dumps(trace, indent=1), flush=True)
     timed = times[args.warmup :] or times
     step_s = statistics.median(timed)
     flops = step_flops(config, args.batch, args.seq, anchors_BN)
@@ -878,6 +922,7 @@ def main() -> int:
         "mfu": flops / step_s / H200_BF16_PEAK_FLOPS,
         "phases_ms": phases,
         "kernel_classes_ms": profile,
+        "trace": trace,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if device == "cuda" else None,
         **static,

@@ -6,6 +6,7 @@ The production path: `build_trainer`, `shard_trainer` (one rank: `LocalMixedPrec
 decoder layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
 """
 
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,100 @@ def test_the_step_with_mixed_adamw_trains_as_the_plain_one(ctx):
     print("mixed", loss(mixed[0]), "plain", loss(plain[0]))
     assert loss(mixed[0])[0] == loss(plain[0])[0]
     assert loss(mixed[0]) == pytest.approx(loss(plain[0]), rel=1e-3)
+
+
+def test_a_step_is_queued_without_waiting_for_the_device(ctx):
+    """The loop queues step n + 1 while step n runs: `launch` must not wait for the device. A
+    kernel that spins for about a second is queued first; launching a step (anchors drawn on the
+    host and moved, the batch moved on the copy stream, forward, backward, clipping, MixedAdamW)
+    must return well before it ends. A pageable host-to-device copy (it waits for its stream to
+    drain first), a `.item()` or a host scalar written into a device tensor would each wait out
+    the spin: at K3 shapes they drained the queue twice a step (8 ms of idle device a step)."""
+    from hpctoolkit.train.step import DeviceFeeder, launch
+
+    cfg = TrainingConfig(
+        num_anchors=24, device="cuda", mixed_precision="bf16", max_seq_len=512, steps=6, warmup_steps=1
+    )
+    src = SyntheticSamples(
+        num_samples=8, vocab_size=512, hidden_size=128, num_aux=3, lengths=[512, 300], seed=3
+    )
+    batches = [
+        collate(
+            [src.sample(2 * i), src.sample(2 * i + 1)], max_seq_len=512, min_loss_tokens=14, pin_memory=True
+        )
+        for i in range(3)
+    ]
+    trainer, opt, sched = _trainer(ctx, cfg)
+    feeder = DeviceFeeder(ctx.device, torch.bfloat16)
+    for step in range(2):  # compile, allocate
+        launch(trainer, opt, sched, feeder.put(batches[step]), step, ctx, cfg.grad_clip).result()
+    torch.cuda.synchronize()
+    spin = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spin[0].record()
+    torch.cuda._sleep(2_000_000_000)  # about 1 s on an H200
+    spin[1].record()
+    t0 = time.monotonic()
+    launched = launch(trainer, opt, sched, feeder.put(batches[2]), 2, ctx, cfg.grad_clip)
+    host_s = time.monotonic() - t0
+    launched.result()
+    spin_s = spin[0].elapsed_time(spin[1]) / 1e3
+    print(f"launch returned after {host_s * 1e3:.1f} ms; the spin queued before it ran {spin_s * 1e3:.0f} ms")
+    assert spin_s > 0.5, "the spin kernel was too short to tell"
+    assert host_s < 0.5 * spin_s, (
+        f"launch waited for the device: {host_s:.3f} s against a {spin_s:.3f} s spin"
+    )
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_the_compiled_fused_block_loss_is_the_eager_one(family):
+    """The fused block losses (`common.fused_rows`) with each chunk's elementwise work compiled
+    (what CUDA runs) against the same code eager, fp32 on the GPU: loss, statistics, gradients."""
+    from hpctoolkit.models.dflash.loss import dflash_loss
+    from hpctoolkit.models.dspark.loss import dspark_loss
+
+    g = torch.Generator().manual_seed(7)
+    B, N, K, H, R, V = 2, 16, 4, 64, 8, 3000
+    dev = torch.device("cuda")
+    leaves = {
+        "hidden": torch.randn(B, N * K, H, generator=g),
+        "markov": torch.randn(B, N * K, R, generator=g),
+        "W2": torch.randn(V, R, generator=g) * 0.1,
+        "conf": torch.randn(B, N * K, generator=g),
+    }
+    W, tgt_W = torch.randn(V, H, generator=g).to(dev), torch.randn(V, H, generator=g).to(dev)
+    rows = torch.randn(B, N * K, H, generator=g).to(dev)
+    labels = torch.randint(0, V, (B, N * K), generator=g).to(dev)
+    labels[:, ::K] = -100
+    ok = torch.ones(B, N, dtype=torch.bool, device=dev)
+    arms = {}
+    for compiled in (False, True):
+        x = {k: v.to(dev).requires_grad_() for k, v in leaves.items()}
+        common = {
+            "block_size": K,
+            "chunk_rows": 40,
+            "compile_elementwise": compiled,
+            "labels_from_target": True,
+        }
+        if family == "dflash":
+            parts = dflash_loss(x["hidden"], W, lambda r: r @ tgt_W.T, rows, labels, ok, gamma=2.0, **common)
+        else:
+            parts = dspark_loss(
+                x["hidden"],
+                x["markov"],
+                W,
+                x["W2"],
+                x["conf"],
+                lambda r: r @ tgt_W.T,
+                rows,
+                labels,
+                ok,
+                **common,
+            )
+        parts.numerator.backward()
+        arms[compiled] = (parts.numerator.detach(), parts.stats_vector(), {k: v.grad for k, v in x.items()})
+    (le, se, ge), (lc, sc, gc) = arms[False], arms[True]
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sc, se, rtol=1e-5, atol=1e-5)
+    for name, ref in ge.items():
+        if ref is not None:
+            torch.testing.assert_close(gc[name], ref, rtol=1e-4, atol=1e-5, msg=name)

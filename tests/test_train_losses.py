@@ -14,7 +14,7 @@ from hpctoolkit.models.eagle3.loss import eagle3_step_loss, eagle3_target_side
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import acceptance_from_matches
+from hpctoolkit.train.losses import acceptance_from_matches, per_position
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.synthetic import SyntheticSample, SyntheticSamples
 from hpctoolkit.train.target_head import TargetHead
@@ -51,8 +51,16 @@ def test_dflash_decay_weights_and_weighted_ce():
     labels = torch.randint(0, V, (B, N * K), generator=g)
     labels[:, ::K] = IGNORE_INDEX
     labels[1, 5] = IGNORE_INDEX
+    rows = torch.randn(B, N * K, H, generator=g)
     parts = dflash_loss(
-        hidden, W, labels, labels.clamp(min=0), torch.ones(B, N, dtype=torch.bool), block_size=K, gamma=2.0
+        hidden,
+        W,
+        lambda r: r @ W.T,
+        rows,
+        labels,
+        torch.ones(B, N, dtype=torch.bool),
+        block_size=K,
+        gamma=2.0,
     )
     ce = F.cross_entropy(
         (hidden @ W.T).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -154,6 +162,63 @@ def test_fused_dspark_loss_gradients_match_autograd(chunk_rows):
     torch.testing.assert_close(grads["fused"][0], grads["reference"][0], rtol=1e-7, atol=1e-9)
     for name, ref in grads["reference"][1].items():
         torch.testing.assert_close(grads["fused"][1][name], ref, rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 1000])
+@pytest.mark.parametrize("from_target", [False, True])
+def test_fused_dflash_loss_gradients_match_autograd(chunk_rows, from_target):
+    """The fused CE (gradients formed in forward, anchor rows skipped, target argmax formed in the
+    same chunk) against plain autograd on full logits, in fp64: loss, gradients and the chain
+    statistics scored against the target's argmax."""
+    g = torch.Generator().manual_seed(4)
+    B, N, K, H, V = 2, 3, 4, 6, 13
+    hidden0 = torch.randn(B, N * K, H, generator=g).double()
+    W0 = torch.randn(V, H, generator=g).double()
+    tgt_W = torch.randn(V, H, generator=g).double()
+    rows = torch.randn(B, N * K, H, generator=g).double()
+    labels = torch.randint(0, V, (B, N * K), generator=g)
+    labels[:, ::K] = IGNORE_INDEX
+    labels[1, 5] = IGNORE_INDEX
+    ok = torch.tensor([[True, True, False], [True, True, True]])
+    tgt_ids = (rows @ tgt_W.T).argmax(-1)
+    ref_labels = torch.where(labels != IGNORE_INDEX, tgt_ids, labels) if from_target else labels
+    arms = {}
+    for arm in ("fused", "reference"):
+        hidden, W = hidden0.clone().requires_grad_(), W0.clone().requires_grad_()
+        if arm == "fused":
+            parts = dflash_loss(
+                hidden,
+                W,
+                lambda r: r @ tgt_W.T,
+                rows,
+                labels,
+                ok,
+                block_size=K,
+                gamma=2.0,
+                chunk_rows=chunk_rows,
+                labels_from_target=from_target,
+            )
+            loss = parts.numerator
+            stats = {n: getattr(parts, n) for n in ("pos_correct", "pos_count", "reach", "chains")}
+        else:
+            logits = (hidden @ W.T).flatten(0, 1)
+            ce = F.cross_entropy(logits, ref_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+            k = torch.arange(K).repeat(B * N)
+            w = torch.where(k > 0, torch.exp(-(k - 1) / 2.0), 0.0) * (ref_labels.flatten() != IGNORE_INDEX)
+            loss = (ce * w).sum()
+            match = (logits.argmax(-1) == tgt_ids.flatten()).view(B * N, K)[:, 1:]
+            mask = (ref_labels != IGNORE_INDEX).view(B * N, K)[:, 1:] & ok.reshape(-1, 1)
+            correct, count = per_position(match, mask)
+            reach, chains = acceptance_from_matches(match, ok.reshape(-1))
+            stats = (correct, count, reach, chains)
+        (loss * 3.0).backward()
+        arms[arm] = (loss.detach(), hidden.grad, W.grad, stats)
+    (lf, hf, wf, sf), (lr, hr, wr, (correct, count, reach, chains)) = arms["fused"], arms["reference"]
+    torch.testing.assert_close(lf, lr, rtol=1e-12, atol=0)
+    torch.testing.assert_close(hf, hr, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(wf, wr, rtol=1e-10, atol=1e-14)
+    for name, ref in (("pos_correct", correct), ("pos_count", count), ("reach", reach), ("chains", chains)):
+        torch.testing.assert_close(sf[name].double(), ref.double(), msg=name)
 
 
 def test_eagle3_masks_positions_whose_target_argmax_is_outside_the_draft_vocab():

@@ -133,13 +133,15 @@ def test_clip_factor_folded_into_fused_adamw_matches_clip_then_step(max_norm):
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_dspark_labels_from_the_loss_target_logits_match_precomputed_labels(batches):
-    """`label_source: target`: the DSpark trainer no longer runs the target head for its labels
-    (`block_targets(target_ids=False)`); the loss takes each supervised slot's label from the
-    target logits it forms anyway. Same loss, statistics and gradients as precomputed labels."""
+@pytest.mark.parametrize("draft", [DRAFT, "recipes/draft_models/tiny_dflash.json"])
+def test_labels_from_the_loss_target_logits_match_precomputed_labels(batches, draft):
+    """`label_source: target`: the DSpark and DFlash trainers run no target-head pass of their own
+    for labels (`block_targets`); the loss takes each supervised slot's label from the target
+    logits it forms at the scored slots anyway. Same loss, statistics and gradients as labels
+    precomputed by a separate pass (as the trainers did before)."""
     cfg = TrainingConfig(num_anchors=4)
     torch.manual_seed(0)
-    tr = build_trainer(DRAFT, resolve_target("builtin:tiny-qwen3"), cfg).double()
+    tr = build_trainer(draft, resolve_target("builtin:tiny-qwen3"), cfg).double()
     batch = batches[0]
     step = dict(tr.step_inputs(batch, 0).items())
     args = (batch.input_ids_BS, batch.last_BSH.double(), batch.loss_mask_BS())
@@ -159,25 +161,39 @@ def test_dspark_labels_from_the_loss_target_logits_match_precomputed_labels(batc
     tr.zero_grad(set_to_none=True)
 
     # The reference: labels from a separate target-head pass, as before.
+    from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss
     from hpctoolkit.models.dspark.loss import dspark_loss
 
-    layout, rows_BTH, tgt_BT, labels_BT = tr.block_targets(
-        *args, step["anchors_BN"], step["anchor_ok_BN"], batch.last_prenorm
-    )
-    assert tgt_BT is not None and (labels_BT != IGNORE_INDEX).any()
+    layout, rows_BTH, marks_BT = tr.block_targets(*args, step["anchors_BN"], step["anchor_ok_BN"])
+    with torch.no_grad():
+        tgt_BT = head_logits(rows_BTH.flatten(0, 1), batch.last_prenorm).argmax(-1).view(marks_BT.shape)
+    labels_BT = tgt_BT.masked_fill(marks_BT == IGNORE_INDEX, IGNORE_INDEX)
+    assert (labels_BT != IGNORE_INDEX).any()
     out = tr.draft(batch.context_BSC.double(), batch.input_ids_BS, layout)
-    ref = dspark_loss(
-        out.hidden_BTH,
-        out.markov_BTR.to(out.hidden_BTH.dtype),
-        tr.draft.lm_head.weight,
-        tr.draft.markov_head.markov_w2.weight,
-        out.confidence_BT,
-        lambda r: head_logits(r, batch.last_prenorm),
-        rows_BTH,
-        labels_BT,
-        step["anchor_ok_BN"],
-        block_size=tr.block_size,
-    )
+    if tr.family == "dflash":
+        ref = dflash_loss(
+            out.hidden_BTH,
+            tr.draft.lm_head.weight,
+            lambda r: head_logits(r, batch.last_prenorm),
+            rows_BTH,
+            labels_BT,
+            step["anchor_ok_BN"],
+            block_size=tr.block_size,
+            gamma=dflash_decay_gamma(tr.block_size, tr.draft.config.decay_gamma),
+        )
+    else:
+        ref = dspark_loss(
+            out.hidden_BTH,
+            out.markov_BTR.to(out.hidden_BTH.dtype),
+            tr.draft.lm_head.weight,
+            tr.draft.markov_head.markov_w2.weight,
+            out.confidence_BT,
+            lambda r: head_logits(r, batch.last_prenorm),
+            rows_BTH,
+            labels_BT,
+            step["anchor_ok_BN"],
+            block_size=tr.block_size,
+        )
     ref.numerator.backward()
     torch.testing.assert_close(got[0].numerator, ref.numerator, rtol=1e-12, atol=0)
     torch.testing.assert_close(got[0].stats_vector(), ref.stats_vector(), rtol=1e-12, atol=0)

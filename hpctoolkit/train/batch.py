@@ -169,6 +169,11 @@ def collate(
     weight = (lengths_t >= max(min_loss_tokens, 2)).float()
     if truncated:
         log.info("cut %d sample(s) to max_seq_len=%d", truncated, max_seq_len)
+    supervised = valid & masked & (weight > 0).unsqueeze(1)
+    if pin_memory:  # every tensor: a pageable copy to the device would wait for its stream to drain
+        valid, lengths_t, weight, supervised = (
+            t.pin_memory() for t in (valid, lengths_t, weight, supervised)
+        )
     return Batch(
         keys=[str(s.key) for s in samples],
         input_ids_BS=input_ids,
@@ -179,5 +184,5 @@ def collate(
         weight_B=weight,
         last_prenorm=prenorm.pop(),
         truncated=truncated,
-        supervised=valid & masked & (weight > 0).unsqueeze(1),
+        supervised=supervised,
     )

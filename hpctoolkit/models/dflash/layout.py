@@ -118,6 +118,11 @@ def block_attention_mask(anchors_BN: torch.Tensor, block_size: int, context_len:
     return AttentionMask(mask_mod, B, T, context_len + T, anchors_BN.device)
 
 
+def check_anchor_range(anchors_BN: torch.Tensor, context_len: int) -> None:
+    if anchors_BN.numel() and (int(anchors_BN.min()) < 0 or int(anchors_BN.max()) >= context_len):
+        raise ConfigError(f"anchors must lie in [0, {context_len})")
+
+
 def make_block_layout(
     anchors_BN: torch.Tensor, block_size: int, context_len: int, valid_BN: torch.Tensor | None = None
 ) -> BlockLayout:
@@ -128,8 +133,11 @@ def make_block_layout(
         )
     if anchors_BN.dtype != torch.long or anchors_BN.dim() != 2:
         raise ConfigError("anchors_BN must be a [batch, num_blocks] int64 tensor")
-    if anchors_BN.numel() and (int(anchors_BN.min()) < 0 or int(anchors_BN.max()) >= context_len):
-        raise ConfigError(f"anchors must lie in [0, {context_len})")
+    # Checked where the anchors are drawn, on the host: on a device, reading their range back would
+    # wait for every step queued before this one (the trainers draw them with `sample_anchors`,
+    # which keeps them in range, and check them there).
+    if anchors_BN.device.type == "cpu":
+        check_anchor_range(anchors_BN, context_len)
     return BlockLayout(anchors_BN, block_size, context_len, valid_BN)
 
 

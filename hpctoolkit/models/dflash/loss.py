@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
+from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, unslot
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
-from hpctoolkit.train.losses import LossParts, acceptance_from_matches, chunked_rows, per_position
+from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 
 # gamma by block size, from the DFlash paper's training recipe.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -35,47 +35,91 @@ def dflash_decay_gamma(block_size: int, configured: float = 0.0) -> float:
 def slot_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
     """`[K]`: 0 for the anchor slot, `exp(-(k-1)/gamma)` for `k >= 1`."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+    # `torch.where`, not `w[0] = 0.0`: that assignment copies a host scalar, which on CUDA waits
+    # for the stream to drain.
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), 0.0)
 
 
-def _ce_rows(
-    h_NH: torch.Tensor, labels_N: torch.Tensor, w_VH: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(h_NH, w_VH).float()
-    ce = F.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="none")
-    return ce, logits.argmax(-1)
+def _dflash_rows(
+    z_NV: torch.Tensor,
+    t_NV: torch.Tensor,
+    labels_N: torch.Tensor,
+    w_N: torch.Tensor,
+    grad_dtype: torch.dtype,
+    labels_from_target: bool = False,
+):
+    """One chunk: `(sum_n w_n ce_n, (ce_N, draft argmax, target argmax), d(that sum)/d z_NV)`.
+    `z_NV` draft logits, `t_NV` target logits (only their argmax is used), `w_N` the slot weights.
+    `labels_from_target`: each supervised row's label is the target's argmax."""
+    z = z_NV.to(torch.promote_types(z_NV.dtype, torch.float32))  # fp32, or fp64 in the CPU tests
+    tgt = t_NV.argmax(-1)
+    if labels_from_target:
+        labels_N = torch.where(labels_N != IGNORE_INDEX, tgt, labels_N)
+    valid = labels_N != IGNORE_INDEX
+    safe = labels_N.clamp(min=0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    ce = (lse.squeeze(1) - z.gather(1, safe).squeeze(1)) * valid
+    # d ce / dz = softmax(z) - onehot(label)
+    grad = torch.exp(z - lse).scatter_add(1, safe, -torch.ones_like(lse))
+    weight = (w_N * valid).unsqueeze(1)
+    return (w_N * ce).sum(), (ce, z.argmax(-1), tgt), (grad * weight).to(grad_dtype)
 
 
 def dflash_loss(
     hidden_BTH: torch.Tensor,
     lm_head_VH: torch.Tensor,
+    target_logits_fn,
+    target_rows_BTH: torch.Tensor,
     labels_BT: torch.Tensor,
-    target_ids_BT: torch.Tensor,
     chain_ok_BN: torch.Tensor,
     *,
     block_size: int,
     gamma: float,
+    chunk_rows: int = LOGIT_CHUNK_ROWS,
+    compile_elementwise: bool | None = None,
+    labels_from_target: bool = False,
 ) -> LossParts:
-    """`labels_BT` are the CE targets (`IGNORE_INDEX` where unsupervised); `target_ids_BT` the
-    target's greedy tokens, which accuracy and simulated acceptance are scored against."""
+    """Decay-weighted CE of the draft logits `hidden @ lm_head.T` at every slot but the anchors.
+
+    `target_logits_fn(rows_NH) -> [N, V]` (no grad) gives the target's logits at each slot from
+    `target_rows_BTH` (the target's last state one position before the slot): accuracy and
+    simulated acceptance are scored against their argmax. `labels_BT` are the CE targets
+    (`IGNORE_INDEX` where unsupervised); with `labels_from_target` they only mark the supervised
+    slots and each one's label is that argmax (the trainer's `label_source: target`), so the target
+    head runs once a step, on the scored rows only.
+
+    Fused with the vocabulary GEMMs (`common.fused_rows`): each chunk's draft logits are formed
+    once and the CE gradient with them; `compile_elementwise` (default: on CUDA) fuses the chunk's
+    softmax and gradient passes."""
     B, T, _ = hidden_BTH.shape
     K = block_size
     N = T // K
-    ce_N, pred_N = chunked_rows(_ce_rows, hidden_BTH.flatten(0, 1), labels_BT.flatten(), consts=(lm_head_VH,))
+    if compile_elementwise is None:
+        compile_elementwise = hidden_BTH.device.type == "cuda"
     mask_BT = labels_BT != IGNORE_INDEX
     w_BT = slot_weights(K, gamma, hidden_BTH.device).repeat(N).unsqueeze(0) * mask_BT
-    numerator = (ce_N.view(B, T) * w_BT).sum()
+    numerator, ce_n, pred_n, tgt_n = fused_block_rows(
+        _dflash_rows,
+        (None, torch.long, torch.long),
+        drop_anchor(hidden_BTH, K),
+        lm_head_VH,
+        target_logits_fn,
+        drop_anchor(target_rows_BTH, K),
+        drop_anchor(labels_BT, K),
+        drop_anchor(w_BT.expand(B, T), K).to(torch.promote_types(hidden_BTH.dtype, torch.float32)),
+        chunk_rows=chunk_rows,
+        compiled=compile_elementwise,
+        labels_from_target=labels_from_target,
+    )
     denominator = w_BT.sum().detach()
 
     def slots(x_BT: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B*N, K-1], dropping the anchor slot
         return x_BT.reshape(B * N, K)[:, 1:]
 
-    match_BT = pred_N.view(B, T) == target_ids_BT
+    match_BT = unslot(pred_n, B, T, K) == unslot(tgt_n, B, T, K)
     chain_ok = chain_ok_BN.reshape(-1)
     pos_mask = slots(mask_BT) & chain_ok.unsqueeze(1)
-    loss_sum, loss_w = per_position(slots(ce_N.view(B, T)), pos_mask)
+    loss_sum, loss_w = per_position(slots(unslot(ce_n, B, T, K)), pos_mask)
     correct, count = per_position(slots(match_BT), pos_mask)
     reach, chains = acceptance_from_matches(slots(match_BT), chain_ok)
     return LossParts(

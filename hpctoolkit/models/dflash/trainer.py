@@ -6,12 +6,17 @@ from __future__ import annotations
 import torch
 
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.models.dflash.layout import IGNORE_INDEX, make_block_layout, sample_anchors
+from hpctoolkit.models.dflash.layout import (
+    IGNORE_INDEX,
+    check_anchor_range,
+    make_block_layout,
+    sample_anchors,
+)
 from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss
 from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts
+from hpctoolkit.train.losses import LossParts
 from hpctoolkit.train.target_head import TargetHead
 from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows, sample_generator
 
@@ -80,6 +85,7 @@ class DFlashTrainer(FamilyTrainer):
                 g = sample_generator(self.cfg.seed, step, key)
                 anchors[b : b + 1], ok[b : b + 1] = sample_anchors(eligible_BS[b : b + 1], N, K, generator=g)
         # else: too short to hold N distinct anchors; all blocks stay invalid, shapes stay static.
+        check_anchor_range(anchors, batch.seq_len)  # here, on the host: `make_block_layout` won't on a GPU
         return {"anchors_BN": anchors, "anchor_ok_BN": ok}
 
     def block_targets(
@@ -89,37 +95,20 @@ class DFlashTrainer(FamilyTrainer):
         loss_mask_BS: torch.Tensor,
         anchors_BN: torch.Tensor,
         anchor_ok_BN: torch.Tensor,
-        last_prenorm: bool,
-        *,
-        target_ids: bool = True,
     ):
-        """Layout, target rows (last state one before each slot), target greedy ids, CE labels.
+        """Layout, target rows (the target's last state one before each slot) and CE labels.
 
-        `target_ids=False` (a loss that forms the target logits itself) skips the target head:
-        the ids come back as None and, under `label_source: target`, the labels are 0 at every
-        supervised slot (IGNORE_INDEX elsewhere) for the loss to replace with the target's argmax.
+        The losses form the target logits at the scored slots themselves, so no target head runs
+        here: under `label_source: target` the labels are 0 at every supervised slot
+        (IGNORE_INDEX elsewhere) for the loss to replace with the target's argmax.
         """
         K = self.block_size
         layout = make_block_layout(anchors_BN, K, input_ids_BS.shape[1])
-        pos_BT = layout.q_position_ids()
-        target_rows_BTH = gather_rows(last_BSH, pos_BT - 1)
+        target_rows_BTH = gather_rows(last_BSH, layout.q_position_ids() - 1)
         data_labels_BT = layout.labels(input_ids_BS, loss_mask_BS)
-        block_ok_BT = anchor_ok_BN.repeat_interleave(K, dim=1)
-        supervised_BT = (data_labels_BT != IGNORE_INDEX) & block_ok_BT
-        if not target_ids:
-            src = data_labels_BT if self.cfg.label_source == "data" else torch.zeros_like(data_labels_BT)
-            return layout, target_rows_BTH, None, src.masked_fill(~supervised_BT, IGNORE_INDEX)
-        with torch.no_grad():
-            rows_NH = target_rows_BTH.flatten(0, 1)
-            target_ids_BT = torch.cat(
-                [
-                    self.target_logits(rows_NH[i : i + LOGIT_CHUNK_ROWS], last_prenorm).argmax(-1)
-                    for i in range(0, rows_NH.shape[0], LOGIT_CHUNK_ROWS)
-                ]
-            ).view(pos_BT.shape)
-        labels_src = target_ids_BT if self.cfg.label_source == "target" else data_labels_BT
-        labels_BT = labels_src.masked_fill(~supervised_BT, IGNORE_INDEX)
-        return layout, target_rows_BTH, target_ids_BT, labels_BT
+        supervised_BT = (data_labels_BT != IGNORE_INDEX) & anchor_ok_BN.repeat_interleave(K, dim=1)
+        src = data_labels_BT if self.cfg.label_source == "data" else torch.zeros_like(data_labels_BT)
+        return layout, target_rows_BTH, src.masked_fill(~supervised_BT, IGNORE_INDEX)
 
     def forward(
         self,
@@ -133,16 +122,20 @@ class DFlashTrainer(FamilyTrainer):
         anchors_BN: torch.Tensor,
         anchor_ok_BN: torch.Tensor,
     ) -> LossParts:
-        layout, _, target_ids_BT, labels_BT = self.block_targets(
-            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm
+        # The loss forms the target logits of every scored slot (accuracy and acceptance are
+        # scored against their argmax), so it also takes the target-greedy labels from them.
+        layout, target_rows_BTH, labels_BT = self.block_targets(
+            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN
         )
         out = self.draft(context_BSC, input_ids_BS, layout)
         return dflash_loss(
             out.hidden_BTH,
             self.draft.lm_head.weight,
+            lambda rows_NH: self.target_logits(rows_NH, last_prenorm),
+            target_rows_BTH,
             labels_BT,
-            target_ids_BT,
             anchor_ok_BN,
             block_size=self.block_size,
             gamma=dflash_decay_gamma(self.block_size, self.draft.config.decay_gamma),
+            labels_from_target=self.cfg.label_source == "target",
         )

@@ -19,13 +19,13 @@ draft token is right".
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
+from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, unslot
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dflash.loss import slot_weights
 from hpctoolkit.models.dspark.model import DSparkDraftModel, DSparkOutput
@@ -50,7 +50,7 @@ def _dspark_rows(
     grad_dtype: torch.dtype,
     labels_from_target: bool = False,
 ):
-    """One chunk: `(sum_n w_n (0.1 ce_n + 0.9 l1_n), ce_N, l1_N, draft argmax, target argmax,
+    """One chunk: `(sum_n w_n (0.1 ce_n + 0.9 l1_n), (ce_N, l1_N, draft argmax, target argmax),
     d(that sum)/d z_NV)`. `z_NV` draft logits, `t_NV` target logits, `w_N` the slot weights.
     `labels_from_target`: each supervised row's label is the target's argmax (`t_NV`'s)."""
     acc = torch.promote_types(z_NV.dtype, torch.float32)  # fp32, or fp64 in the CPU tests
@@ -72,78 +72,7 @@ def _dspark_rows(
     # d ce / dz = p - onehot(label); d l1 / dz = p * (s - <s, p>) (softmax Jacobian).
     grad = DSPARK_CE_W * p + DSPARK_L1_W * p * (s - (s * p).sum(-1, keepdim=True))
     grad = grad.scatter_add(1, safe, (-DSPARK_CE_W * valid.to(grad.dtype)).unsqueeze(1))
-    return total, ce, l1, z.argmax(-1), tgt, (grad * w_N.unsqueeze(1)).to(grad_dtype)
-
-
-_compiled_rows = None
-
-
-def _rows_fn(compiled: bool):
-    global _compiled_rows
-    if not compiled:
-        return _dspark_rows
-    if _compiled_rows is None:
-        _compiled_rows = torch.compile(_dspark_rows, dynamic=False)
-    return _compiled_rows
-
-
-def _even_chunks(n: int, target: int) -> list[slice]:
-    """Row slices of (nearly) equal size <= target: one compiled shape, not a ragged tail."""
-    pieces = max(1, math.ceil(n / target))
-    size = math.ceil(n / pieces) if n else 0
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)] if n else []
-
-
-class _FusedDSparkRows(torch.autograd.Function):
-    """`(weighted CE+L1 sum, ce_N, l1_N, pred_N, tgt_N)` over rows; gradients formed in forward."""
-
-    @staticmethod
-    def forward(
-        ctx, h_NH, m_NR, w_VH, w2_VR, t_NH, labels_N, weight_N, target_fn, chunk, compiled, from_target
-    ):
-        n = h_NH.shape[0]
-        dev = h_NH.device
-        acc = torch.promote_types(h_NH.dtype, torch.float32)
-        need = (h_NH.requires_grad, m_NR.requires_grad, w_VH.requires_grad, w2_VR.requires_grad)
-        g_h = torch.zeros_like(h_NH) if need[0] else None
-        g_m = torch.zeros_like(m_NR) if need[1] else None
-        g_w = torch.zeros_like(w_VH, dtype=acc) if need[2] else None
-        g_w2 = torch.zeros_like(w2_VR, dtype=acc) if need[3] else None
-        total = torch.zeros((), dtype=acc, device=dev)
-        ce_N = torch.zeros(n, dtype=acc, device=dev)
-        l1_N = torch.zeros_like(ce_N)
-        pred_N = torch.zeros(n, dtype=torch.long, device=dev)
-        tgt_N = torch.zeros_like(pred_N)
-        rows = _rows_fn(compiled)
-        for sl in _even_chunks(n, chunk):
-            z = torch.addmm(F.linear(m_NR[sl], w2_VR), h_NH[sl], w_VH.t())
-            t = target_fn(t_NH[sl])
-            part, ce_N[sl], l1_N[sl], pred_N[sl], tgt_N[sl], grad = rows(
-                z, t, labels_N[sl], weight_N[sl], h_NH.dtype, from_target
-            )
-            total += part
-            del z, t
-            if g_h is not None:
-                g_h[sl] = grad @ w_VH
-            if g_m is not None:
-                g_m[sl] = grad @ w2_VR
-            if g_w is not None:
-                g_w += (grad.t() @ h_NH[sl]).to(acc)
-            if g_w2 is not None:
-                g_w2 += (grad.t() @ m_NR[sl]).to(acc)
-        ctx.grads = (g_h, g_m, g_w, g_w2)
-        ctx.dtypes = (h_NH.dtype, m_NR.dtype, w_VH.dtype, w2_VR.dtype)
-        ctx.mark_non_differentiable(ce_N, l1_N, pred_N, tgt_N)
-        return total, ce_N, l1_N, pred_N, tgt_N
-
-    @staticmethod
-    def backward(ctx, grad_total, *_unused):
-        grads, ctx.grads = ctx.grads, None
-        out = [
-            None if g is None else (g * grad_total.to(g.dtype)).to(dt)
-            for g, dt in zip(grads, ctx.dtypes, strict=True)
-        ]
-        return (*out, None, None, None, None, None, None, None)
+    return total, (ce, l1, z.argmax(-1), tgt), (grad * w_N.unsqueeze(1)).to(grad_dtype)
 
 
 def _confidence_bce(confidence_BT: torch.Tensor, l1_BT: torch.Tensor) -> torch.Tensor:
@@ -185,34 +114,28 @@ def dspark_loss(
     if compile_elementwise is None:
         compile_elementwise = hidden_BTH.device.type == "cuda"
 
-    def drop_anchor(x_BT_: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [B*N*(K-1), ...]
-        return x_BT_.reshape(B, N, K, *x_BT_.shape[2:])[:, :, 1:].reshape(B * N * (K - 1), *x_BT_.shape[2:])
-
     mask_BT = labels_BT != IGNORE_INDEX
     w_BT = slot_weights(K, gamma, hidden_BTH.device).repeat(N).unsqueeze(0) * mask_BT
-    weighted, ce_n, l1_n, pred_n, tgt_n = _FusedDSparkRows.apply(
-        drop_anchor(hidden_BTH),
-        drop_anchor(markov_BTR),
+    weighted, ce_n, l1_n, pred_n, tgt_n = fused_block_rows(
+        _dspark_rows,
+        (None, None, torch.long, torch.long),
+        drop_anchor(hidden_BTH, K),
         lm_head_VH,
-        markov_w2_VR,
-        drop_anchor(target_rows_BTH),
-        drop_anchor(labels_BT),
-        drop_anchor(w_BT.expand(B, T)).to(torch.promote_types(hidden_BTH.dtype, torch.float32)),
         target_logits_fn,
-        chunk_rows,
-        compile_elementwise,
-        labels_from_target,
+        drop_anchor(target_rows_BTH, K),
+        drop_anchor(labels_BT, K),
+        drop_anchor(w_BT.expand(B, T), K).to(torch.promote_types(hidden_BTH.dtype, torch.float32)),
+        markov_NR=drop_anchor(markov_BTR, K),
+        markov_w2_VR=markov_w2_VR,
+        chunk_rows=chunk_rows,
+        compiled=compile_elementwise,
+        labels_from_target=labels_from_target,
     )
 
     def slots(x_BT: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B*N, K-1], dropping the anchor slot
         return x_BT.reshape(B * N, K)[:, 1:]
 
-    def unslot(x_n: torch.Tensor) -> torch.Tensor:  # kept rows -> [B, T], zero at the anchor slot
-        full = x_n.new_zeros(B * N, K)
-        full[:, 1:] = x_n.view(B * N, K - 1)
-        return full.view(B, T)
-
-    ce_BT, l1_BT = unslot(ce_n), unslot(l1_n)
+    ce_BT, l1_BT = unslot(ce_n, B, T, K), unslot(l1_n, B, T, K)
     per_slot_BT = DSPARK_CE_W * ce_BT + DSPARK_L1_W * l1_BT
     bce_BT = torch.zeros_like(ce_BT)
     numerator = weighted
@@ -222,7 +145,7 @@ def dspark_loss(
         per_slot_BT = per_slot_BT + DSPARK_BCE_W * bce_BT.detach()
     denominator = w_BT.sum().detach()
 
-    match_BT = unslot(pred_n) == unslot(tgt_n)
+    match_BT = unslot(pred_n, B, T, K) == unslot(tgt_n, B, T, K)
     chain_ok = chain_ok_BN.reshape(-1)
     pos_mask = slots(mask_BT) & chain_ok.unsqueeze(1)
     loss_sum, loss_w = per_position(slots(per_slot_BT), pos_mask)

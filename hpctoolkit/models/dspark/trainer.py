@@ -30,8 +30,8 @@ class DSparkTrainer(DFlashTrainer):
     ) -> LossParts:
         # The loss forms the target logits of every scored slot for its L1 term anyway, so it
         # also takes the target-greedy labels from them: one target-head pass a step, not two.
-        layout, target_rows_BTH, _, labels_BT = self.block_targets(
-            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN, last_prenorm, target_ids=False
+        layout, target_rows_BTH, labels_BT = self.block_targets(
+            input_ids_BS, last_BSH, loss_mask_BS, anchors_BN, anchor_ok_BN
         )
         out = self.draft(context_BSC, input_ids_BS, layout)
         return dspark_loss(

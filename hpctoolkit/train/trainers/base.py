@@ -104,7 +104,14 @@ class FamilyTrainer(nn.Module):
 
     def run(self, batch: Batch, step: int) -> LossParts:
         """Forward one batch (already on the device) at optimizer step `step`."""
-        extra = {k: v.to(batch.input_ids_BS.device) for k, v in self.step_inputs(batch, step).items()}
+        dev = batch.input_ids_BS.device
+        # Drawn on the host: moved from page-locked memory, since a pageable copy to a CUDA
+        # device first waits for everything queued on the stream (the previous step, in the loop).
+        pin = dev.type == "cuda"
+        extra = {
+            k: (v.pin_memory() if pin else v).to(dev, non_blocking=True)
+            for k, v in self.step_inputs(batch, step).items()
+        }
         return self(
             batch.input_ids_BS,
             batch.context_BSC,
