@@ -72,7 +72,12 @@ def evaluate(
     )
     outputs = served.pop("outputs")
     simulated = simulate(
-        export_dir, target_dir, prompts_token_ids, outputs, num_speculative_tokens=num_speculative_tokens
+        export_dir,
+        target_dir,
+        prompts_token_ids,
+        outputs,
+        num_speculative_tokens=num_speculative_tokens,
+        dtype=dtype,
     )
     result = {
         "eval_set": "held_out",
@@ -128,7 +133,7 @@ def evaluate_mt_bench(
     n = simulate_per_category
     prompts = [p for c in calls for p in c["prompts"][:n]]
     outputs = [o for c in calls for o in c["outputs"][:n]]
-    simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k)
+    simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k, dtype=dtype)
     simulated["num_sequences"] = len(prompts)
     served["calls"] = [_call_summary(c, tokenizer.eos_token_id) for c in calls]
     result = {

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from hpctoolkit.config.couplings import draft_target_layer_ids
+from hpctoolkit.config.precision import auto_engine_dtype
+from hpctoolkit.data.sample import torch_dtype
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
@@ -125,8 +127,12 @@ def simulate(
     outputs: list[list[int]],
     *,
     num_speculative_tokens: int,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
-    """The trainer's simulated acceptance of the exported draft on prompt + served output."""
+    """The trainer's simulated acceptance of the exported draft on prompt + served output.
+
+    `dtype` is the engine's (`engine.dtype`; `auto` resolved as the engine resolves it): the
+    hidden states are recaptured in the precision the served target ran in."""
     k = num_speculative_tokens
     draft, head = load_exported_draft(export_dir, target_dir)
     trainer_cls = trainer_class_for(load_draft_config(export_dir))
@@ -138,7 +144,9 @@ def simulate(
     # vLLM keeps verifying until the request holds max_tokens, so its last chains reach up to k
     # tokens past the output; extend each sequence greedily by k so those chains are defined.
     extended = greedy_sequences(target_dir, sequences, k)
-    states = recapture(target_dir, extended, hf_indices)
+    if dtype == "auto":
+        dtype = auto_engine_dtype()
+    states = recapture(target_dir, extended, hf_indices, dtype=torch_dtype(dtype))
     total = None
     replayed: list[int] = []
     for prompt, out, seq, (aux, last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
