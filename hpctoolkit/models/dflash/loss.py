@@ -17,7 +17,7 @@ import math
 import torch
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
-from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, unslot
+from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 
@@ -113,17 +113,15 @@ def dflash_loss(
     )
     denominator = w_BT.sum().detach()
 
-    def slots(x_BT: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B*N, K-1], dropping the anchor slot
-        return x_BT.reshape(B * N, K)[:, 1:]
-
-    match_BT = unslot(pred_n, B, T, K) == unslot(tgt_n, B, T, K)
+    # Per chain (block) and draft position: the rows come back in [B*N, K-1] order.
+    match_NP = (pred_n == tgt_n).view(B * N, K - 1)
     chain_ok = chain_ok_BN.reshape(-1)
-    pos_mask = slots(mask_BT) & chain_ok.unsqueeze(1)
-    loss_sum, loss_w = per_position(slots(unslot(ce_n, B, T, K)), pos_mask)
-    correct, count = per_position(slots(match_BT), pos_mask)
-    reach, chains = acceptance_from_matches(slots(match_BT), chain_ok)
+    pos_mask = mask_BT.reshape(B * N, K)[:, 1:] & chain_ok.unsqueeze(1)
+    loss_sum, loss_w = per_position(ce_n.view(B * N, K - 1), pos_mask)
+    correct, count = per_position(match_NP, pos_mask)
+    reach, chains = acceptance_from_matches(match_NP, chain_ok)
     return LossParts(
-        numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, chain_matches=slots(match_BT)
+        numerator, denominator, loss_sum, loss_w, correct, count, reach, chains, chain_matches=match_NP
     )
 
 
