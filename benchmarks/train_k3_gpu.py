@@ -753,29 +753,26 @@ def _steps_overlapped(trainer, optimizer, scheduler, cfg, ctx, stream, args, dev
     """As `train/loop.py` steps: the page-locked batch moved on a copy stream, each step queued
     (`step.launch`) before the previous one's statistics are read. A step's time is from the
     previous step's end to its own (the first: from its launch)."""
-    from hpctoolkit.train.step import DeviceFeeder, launch
+    from hpctoolkit.train.step import DeviceFeeder, launch, one_ahead
 
     feeder = DeviceFeeder(ctx.device, torch.bfloat16)
-    ends, losses, norms, pending = [], [], [], None
+    ends, losses, norms = [], [], []
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.monotonic()
 
-    def finish(launched) -> None:
+    def launches():
+        for step in range(args.steps):
+            if ctx.world_size > 1:
+                torch.distributed.barrier(group=ctx.host_group)  # see `_steps_synced`
+            batch = feeder.put(_next_batch(stream, args, cfg, device))
+            yield launch(trainer, optimizer, scheduler, batch, step, ctx, cfg.grad_clip)
+
+    for launched in one_ahead(launches()):
         res = launched.result()
         ends.append(time.monotonic())
         losses.append(float(res.stats[1]) / max(float(res.stats[0]), 1e-9))
         norms.append(res.grad_norm)
-
-    for step in range(args.steps):
-        if ctx.world_size > 1:
-            torch.distributed.barrier(group=ctx.host_group)  # see `_steps_synced`
-        batch = feeder.put(_next_batch(stream, args, cfg, device))
-        launched = launch(trainer, optimizer, scheduler, batch, step, ctx, cfg.grad_clip)
-        if pending is not None:
-            finish(pending)
-        pending = launched
-    finish(pending)
     # Step i's statistics are read once step i + 1 is queued; when the device is the bottleneck,
     # the host queues until the launch queue is full, so every interval but the last is one
     # device step (shifted by the queue's depth) and the last is what the queue held: dropped.

@@ -106,23 +106,22 @@ def _trainer(ctx, cfg: TrainingConfig, mixed: bool = True):
 def _run_steps(ctx, cfg, batches, *, overlapped: bool, mixed: bool = True):
     """Statistics of each step and the final weights, stepping as the loop does or drained."""
     from hpctoolkit.train.mixed_adamw import MixedAdamW
-    from hpctoolkit.train.step import DeviceFeeder, launch
+    from hpctoolkit.train.step import DeviceFeeder, launch, one_ahead
 
     trainer, opt, sched = _trainer(ctx, cfg, mixed)
     assert isinstance(opt, MixedAdamW) == mixed
-    feeder, pending, stats = DeviceFeeder(ctx.device, torch.bfloat16), None, []
-    for step, b in enumerate(batches):
-        if not overlapped:
+    feeder, stats = DeviceFeeder(ctx.device, torch.bfloat16), []
+    if not overlapped:
+        for step, b in enumerate(batches):
             res = launch(trainer, opt, sched, b.to(ctx.device, torch.bfloat16), step, ctx, cfg.grad_clip)
             stats.append(res.result().stats)
             torch.cuda.synchronize()
-            continue
-        launched = launch(trainer, opt, sched, feeder.put(b), step, ctx, cfg.grad_clip)
-        if pending is not None:
-            stats.append(pending.result().stats)
-        pending = launched
-    if pending is not None:
-        stats.append(pending.result().stats)
+    else:
+        launches = (
+            launch(trainer, opt, sched, feeder.put(b), step, ctx, cfg.grad_clip)
+            for step, b in enumerate(batches)
+        )
+        stats = [launched.result().stats for launched in one_ahead(launches)]
     return torch.stack(stats), {n: p.detach().clone() for n, p in trainer.named_parameters()}
 
 

@@ -252,3 +252,21 @@ def test_activation_checkpointing_gives_the_same_step(tmp_path):
             _step_grads(ctx, TrainingConfig(num_anchors=4, activation_checkpoint_layers=9), batch)
     finally:
         ctx.close()
+
+
+def test_one_ahead_reads_a_step_only_once_the_next_is_queued():
+    """`step.one_ahead`: step n is handed back after step n + 1 is launched, the last at the end,
+    each exactly once and in order."""
+    from hpctoolkit.train.step import one_ahead
+
+    events: list[str] = []
+
+    def launches():
+        for n in range(4):
+            events.append(f"launch {n}")
+            yield n
+
+    for n in one_ahead(launches()):
+        events.append(f"read {n}")
+    assert events == ["launch 0", "launch 1", "read 0", "launch 2", "read 1", "launch 3", "read 2", "read 3"]
+    assert list(one_ahead(iter(()))) == []

@@ -14,13 +14,17 @@ overlaps the step before it instead of queueing behind it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from hpctoolkit.train.batch import Batch
 from hpctoolkit.train.losses import LossParts
 from hpctoolkit.train.optim import clip_grad_norm
+
+T = TypeVar("T")  # a launched step (`LaunchedStep`), or anything a test queues
 
 
 def forward_backward(trainer, batch: Batch, step: int, ctx) -> LossParts:
@@ -86,6 +90,20 @@ def launch(trainer, optimizer, scheduler, batch: Batch, step: int, ctx, grad_cli
         done.record()
         vec = host
     return LaunchedStep(tuple(parts.extras), lr, t0, vec, done)
+
+
+def one_ahead(launches: Iterable[T]) -> Iterator[T]:
+    """Each launched step, handed back once the next one is queued (the last when none follows):
+    the host reads step `n`'s statistics with step `n + 1` already on the device. `launches` is
+    consumed lazily, so a generator that reads and launches a batch per item keeps the overlap.
+    (`loop.py` writes the same order out by hand, with checkpoints between steps.)"""
+    pending: T | None = None
+    for launched in launches:
+        if pending is not None:
+            yield pending
+        pending = launched
+    if pending is not None:
+        yield pending
 
 
 class DeviceFeeder:
