@@ -888,6 +888,7 @@ def main() -> int:
         fsdp_mode="full_shard",
         activation_checkpoint_layers=args.ac,
         compile=args.compile,
+        optimizer="adamw" if args.plain_adamw else "auto",
     )
     H, V = config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -900,7 +901,7 @@ def main() -> int:
     n_frozen = sum(p.numel() for p in trainer.parameters() if not p.requires_grad)
     trainer.to(ctx.device)
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg, fsdp_on_one_rank=args.fsdp_on_one_rank)
-    optimizer, scheduler = build_optimizer(trainer, cfg, mixed=not args.plain_adamw)
+    optimizer, scheduler = build_optimizer(trainer, cfg)
     build_s = time.monotonic() - t0
     if ctx.is_main:
         print(f"built and sharded in {build_s:.1f} s", flush=True)

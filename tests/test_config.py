@@ -108,6 +108,8 @@ def test_wrong_type(capsys, recipe):
         ("training.steps=0", "training.steps must be > 0"),
         ("store.master_port=70000", "store.master_port must be <= 65535"),
         ("training.fsdp_mode=zero3", "training.fsdp_mode must be one of"),
+        ("training.optimizer=lamb", "training.optimizer must be one of"),
+        ("training.optimizer=mixed_adamw", "training.optimizer mixed_adamw runs on CUDA only"),
         ("store.global_segment_size=lots", "store.global_segment_size must be a size"),
         ("store.master_address=nohost", "store.master_address must be host:port"),
         ("store.backpressure_high=1.5", "store.backpressure_high must lie in (backpressure_low=0.5, 1)"),

@@ -6,6 +6,7 @@ The production path: `build_trainer`, `shard_trainer` (one rank: `LocalMixedPrec
 decoder layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
 """
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -100,7 +101,10 @@ def _trainer(ctx, cfg: TrainingConfig, mixed: bool = True):
     shard_trainer(trainer, build_mesh(ctx, cfg.fsdp_mode), cfg)
     from hpctoolkit.train.optim import build_optimizer
 
-    return (trainer, *build_optimizer(trainer, cfg, mixed=mixed))
+    return (
+        trainer,
+        *build_optimizer(trainer, dataclasses.replace(cfg, optimizer="mixed_adamw" if mixed else "adamw")),
+    )
 
 
 def _run_steps(ctx, cfg, batches, *, overlapped: bool, mixed: bool = True):

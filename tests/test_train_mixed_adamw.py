@@ -162,3 +162,22 @@ def test_a_checkpoint_moves_between_mixed_adamw_and_a_fresh_one(ctx, tmp_path):
     for name, p in tr.named_parameters():
         assert torch.equal(got[name].detach(), p.detach()), name
     assert float(opt2.state_dict()["state"][0]["step"]) == 3
+
+
+def test_the_optimizer_switch(ctx):
+    """`training.optimizer`: `auto` and `adamw` give torch's AdamW where `MixedAdamW` cannot run
+    (here: the CPU); `mixed_adamw` there is refused in one line naming the key and the reason."""
+    from hpctoolkit.errors import ConfigError
+
+    cfg = TrainingConfig(num_anchors=4, mixed_precision="bf16")
+    tr = build_trainer(DRAFT, resolve_target("builtin:tiny-qwen3"), cfg)
+    shard_trainer(tr, build_mesh(ctx, cfg.fsdp_mode), cfg)
+    for choice in ("auto", "adamw"):
+        cfg.optimizer = choice
+        opt, _ = build_optimizer(tr, cfg)
+        assert type(opt) is torch.optim.AdamW, choice
+    cfg.optimizer = "mixed_adamw"
+    with pytest.raises(
+        ConfigError, match=r"^training.optimizer: mixed_adamw cannot run here: the parameters are not on CUDA"
+    ):
+        build_optimizer(tr, cfg)

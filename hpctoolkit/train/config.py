@@ -58,6 +58,11 @@ class TrainingConfig:
     activation_checkpoint_layers: int = 0
     # torch.compile each decoder layer: "auto" on CUDA only, "on" also on the CPU, "off" never.
     compile: str = "auto"
+    # "mixed_adamw": one Triton kernel per tensor reads the bf16 gradient and writes the fp32
+    # weight, the moments and the bf16 weight (`train/mixed_adamw.py`; one rank, bf16, CUDA).
+    # "adamw": torch's AdamW (fused on CUDA). "auto": mixed_adamw where it can run, else adamw.
+    # Both keep the same state, so a checkpoint resumes under either.
+    optimizer: str = "auto"
     # Start draft decoder layer i from target layer init_layers_from_target[i] (the weights the
     # two share by name and shape: attention projections, MLP, layer norms) and the draft's final
     # norm from the target's; [] keeps the fresh init. A small draft trained briefly learns from
@@ -88,6 +93,14 @@ class TrainingConfig:
         one_of(self, "label_source", ("target", "data"))
         non_negative(self, "activation_checkpoint_layers")
         one_of(self, "compile", ("auto", "on", "off"))
+        one_of(self, "optimizer", ("auto", "adamw", "mixed_adamw"))
+        if self.optimizer == "mixed_adamw":  # one rank's bf16 optimizer, a Triton kernel
+            for ok, why in (
+                (self.device == "cuda", "runs on CUDA only (training.device: cuda)"),
+                (self.world_size == 1, "is one rank's optimizer (training.world_size: 1)"),
+                (self.mixed_precision != "fp32", "needs training.mixed_precision: bf16"),
+            ):
+                require(ok, "optimizer", f"mixed_adamw {why}", self.optimizer)
         bad = [i for i in self.init_layers_from_target if not isinstance(i, int) or i < 0]
         require(not bad, "init_layers_from_target", "must list target layer indices (ints >= 0)", bad)
         require(

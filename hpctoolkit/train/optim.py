@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.train import mixed_adamw
 from hpctoolkit.train.config import TrainingConfig
 
@@ -24,16 +25,24 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig, *, mixed: bool = True):
+def build_optimizer(model: nn.Module, cfg: TrainingConfig):
     """AdamW (fused into one kernel per step on CUDA: 23 ms instead of foreach's 62 ms over the
     K3 draft's 2.83 B fp32 parameters on an H200) and its schedule. One rank in bf16 on CUDA
     (`LocalMixedPrecision`) gets `MixedAdamW`, which also takes in the gradient and weight casts,
-    unless `mixed=False` (the benchmark's comparison)."""
+    unless `training.optimizer: adamw`; `mixed_adamw` where it cannot run is refused."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     local = getattr(model, "_local_mixed_precision", None)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": (0.9, 0.95)}
-    if mixed and fused and local is not None and mixed_adamw.available(params[0].device):
+    mixed_ok = fused and local is not None and mixed_adamw.available(params[0].device)
+    if cfg.optimizer == "mixed_adamw" and not mixed_ok:
+        why = (
+            "the parameters are not on CUDA" if not fused
+            else "this rank does not train in bf16 without FSDP (one rank, LocalMixedPrecision)" if local is None
+            else "triton is not installed"
+        )  # fmt: skip
+        raise ConfigError(f"training.optimizer: mixed_adamw cannot run here: {why}; use adamw or auto")
+    if mixed_ok and cfg.optimizer != "adamw":
         opt: torch.optim.AdamW = mixed_adamw.MixedAdamW(params, local, **kwargs)
     else:
         opt = torch.optim.AdamW(params, fused=fused or None, **kwargs)
