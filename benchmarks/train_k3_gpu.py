@@ -380,6 +380,15 @@ the model-FLOP count. On the reference deployment, FSDP over 8 ranks shards the 
 the norm to about 3 ms a rank. At batch 1 x 8192 that would be about 196 ms, 62 %. That is
 arithmetic: no machine with several GPUs has been lent.
 
+Re-checked 2026-12-04 (one H200, torch 2.11.0+cu130), after `step.one_ahead` took over this
+script's overlapped loop and `training.optimizer` became the switch behind `--plain-adamw`:
+
+    python benchmarks/train_k3_gpu.py --seq 8192 --steps 7 --warmup 2 --distinct 1                # call 1
+    python benchmarks/train_k3_gpu.py --seq 8192 --steps 6 --warmup 2 --distinct 1 --plain-adamw  # call 2
+
+1 x 8192: 214.4 ms, 56.5 %, 16.7k draft tok/s, 56.9 GiB peak allocated with MixedAdamW (call 1);
+231.0 ms, 52.4 % with `training.optimizer: adamw` (call 2; round 4: 217.0 against 235.6 ms).
+
 ## Long context (same defaults: batch 1, 512 blocks of 7)
 
 Each row one process (fresh allocator and peak). Rows marked r1 are round 1's code, the 4096 row
@@ -471,6 +480,9 @@ time. Static memory (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, froz
         # 2, publish 2, train 9: AC fp32 and bf16, the compiled cast exact, overlapped = drained,
         # MixedAdamW = fused AdamW, mixed = plain step, a step queued without waiting, the
         # compiled fused DFlash and DSpark losses = eager), 5 skipped (vLLM absent), 115.8 s
+    python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs   # 2026-12-04, calls 1 and 2: 13
+        # passed, 5 skipped, 94.5 s and 112.9 s (call 2 after `training.optimizer`: the GPU test
+        # now asks for mixed_adamw and adamw by name)
     # collecting needs omegaconf, absent there: carry its wheel (`.whl`, device README)
 
 ## Earlier figures (2026-11-30, before this issue's changes)
