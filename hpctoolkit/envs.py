@@ -61,6 +61,13 @@ HPCTOOLKIT_DEBUG = _register(
     "1: a failure that is not a known fault also prints its traceback on stderr before its one "
     "line (`hpctoolkit.cli.report`; the traceback is written under <cache>/errors/ either way).",
 )
+HPCTOOLKIT_MIN_STEP_S = _register(
+    "HPCTOOLKIT_MIN_STEP_S",
+    "0",
+    "Seconds: the training loop starts no step sooner than this after the previous one. For tests "
+    "that must catch a run mid-training at a wall-clock moment (a Slurm time limit's signal) "
+    "whatever the machine's speed; 0, the default, never waits.",
+)
 HPCTOOLKIT_ENGINE_BACKEND = _register(
     "HPCTOOLKIT_ENGINE_BACKEND",
     None,

@@ -118,5 +118,6 @@ def test_envvars_registered():
         "HPCTOOLKIT_PLAN_DIGEST",
         "HPCTOOLKIT_PYTHON",
         "HPCTOOLKIT_SLURM_STATE",
+        "HPCTOOLKIT_MIN_STEP_S",
     ):
         assert name in names and names[name].doc

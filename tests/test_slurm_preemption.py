@@ -545,9 +545,10 @@ def _read(path: Path):
 
 # Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
 # runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
-# training), while the trainer is mid-way through its steps: an unloaded machine trains about 22
-# steps a second once the engine is up (~50 s), so the first attempt trains at most ~1500 of 3000.
-# While the requeued job waits, the test raises its time limit (as an operator would with
+# training), while the trainer is mid-way through its steps. The steps are paced to at least
+# MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any machine: a
+# 2-core AVX2 machine trained about 22 steps a second once the engine was up (~50 s), a 2-core
+# AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal). While the requeued job waits, the test raises its time limit (as an operator would with
 # `scontrol update`; the roles read the limit at start), so the resumed attempt trains to the same
 # final step as an uninterrupted run.
 TIME_LIMIT = [
@@ -558,10 +559,11 @@ TIME_LIMIT = [
 ]
 # The resumed attempt's limit, minutes: engine start plus up to ~3000 steps on a loaded machine.
 RESUMED_LIMIT_MIN = 15
+MIN_STEP_S = 0.06
 
 
 def test_time_limit_checkpoints_requeues_and_resumes_to_the_final_step(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster)
+    env = {**_env(slurm_cluster), "HPCTOOLKIT_MIN_STEP_S": str(MIN_STEP_S)}
     t0 = time.monotonic()
     cfg, out, job, run = _submit(env, tmp_path, TIME_LIMIT)
     try:
