@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from hpctoolkit.models.common.fused_ce import IGNORE_INDEX
+
 _COMPILED: dict[Callable, Callable] = {}
 
 
@@ -159,3 +161,12 @@ def unslot(x_n: torch.Tensor, batch: int, num_tokens: int, block_size: int) -> t
     full = x_n.new_zeros(batch * (num_tokens // K), K)
     full[:, 1:] = x_n.view(-1, K - 1)
     return full.view(batch, num_tokens)
+
+
+def row_targets(t_NV: torch.Tensor, labels_N: torch.Tensor, labels_from_target: bool):
+    """`(tgt_N, labels_N)`: the target's argmax per row, and the rows' labels with, when
+    `labels_from_target`, each supervised one (not `IGNORE_INDEX`) replaced by that argmax."""
+    tgt = t_NV.argmax(-1)
+    if labels_from_target:
+        labels_N = torch.where(labels_N != IGNORE_INDEX, tgt, labels_N)
+    return tgt, labels_N

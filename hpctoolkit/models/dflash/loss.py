@@ -17,7 +17,7 @@ import math
 import torch
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
-from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows
+from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, row_targets
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 
@@ -52,9 +52,7 @@ def _dflash_rows(
     `z_NV` draft logits, `t_NV` target logits (only their argmax is used), `w_N` the slot weights.
     `labels_from_target`: each supervised row's label is the target's argmax."""
     z = z_NV.to(torch.promote_types(z_NV.dtype, torch.float32))  # fp32, or fp64 in the CPU tests
-    tgt = t_NV.argmax(-1)
-    if labels_from_target:
-        labels_N = torch.where(labels_N != IGNORE_INDEX, tgt, labels_N)
+    tgt, labels_N = row_targets(t_NV, labels_N, labels_from_target)
     valid = labels_N != IGNORE_INDEX
     safe = labels_N.clamp(min=0).unsqueeze(1)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
-from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, unslot
+from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, row_targets, unslot
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dflash.loss import slot_weights
 from hpctoolkit.models.dspark.model import DSparkDraftModel, DSparkOutput
@@ -56,9 +56,7 @@ def _dspark_rows(
     acc = torch.promote_types(z_NV.dtype, torch.float32)  # fp32, or fp64 in the CPU tests
     z = z_NV.to(acc)
     t = t_NV.to(acc)
-    tgt = t.argmax(-1)
-    if labels_from_target:
-        labels_N = torch.where(labels_N != IGNORE_INDEX, tgt, labels_N)
+    tgt, labels_N = row_targets(t, labels_N, labels_from_target)
     p = torch.exp(z - torch.logsumexp(z, dim=-1, keepdim=True))
     q = torch.exp(t - torch.logsumexp(t, dim=-1, keepdim=True))
     d = p - q
