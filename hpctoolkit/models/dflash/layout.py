@@ -19,8 +19,7 @@ import torch
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.attention import AttentionMask
-
-IGNORE_INDEX = -100
+from hpctoolkit.models.common.fused_ce import IGNORE_INDEX  # one value for every loss
 
 
 @dataclass(frozen=True)
