@@ -283,17 +283,17 @@ def check_two_turns(tmp_path: Path) -> None:
     import hpctoolkit.evaluate.simulate as simulate_mod
     from hpctoolkit.config.precision import auto_engine_dtype
 
-    recaptured = []  # the simulation re-runs the target in the precision the engine served in
+    rerun_dtypes = []  # the simulation re-runs the target in the precision the engine served in
     recapture, greedy = simulate_mod.recapture, simulate_mod.greedy_sequences
-    simulate_mod.recapture = lambda *a, **kw: recaptured.append(kw["dtype"]) or recapture(*a, **kw)
-    simulate_mod.greedy_sequences = lambda *a, **kw: recaptured.append(kw["dtype"]) or greedy(*a, **kw)
+    simulate_mod.recapture = lambda *a, **kw: rerun_dtypes.append(kw["dtype"]) or recapture(*a, **kw)
+    simulate_mod.greedy_sequences = lambda *a, **kw: rerun_dtypes.append(kw["dtype"]) or greedy(*a, **kw)
 
     result = evaluate_mt_bench(export, target, questions, tok, num_speculative_tokens=3, max_tokens=16)
     (tmp_path / "evaluate.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k not in ("served", "simulated")}, indent=2))
 
     assert result["eval_set"] == "mt_bench" and result["num_questions"] == 2
-    assert recaptured == [getattr(torch, auto_engine_dtype())] * 2, recaptured
+    assert rerun_dtypes == [getattr(torch, auto_engine_dtype())] * 2, rerun_dtypes
     assert set(result["served_acceptance_by_category"]) == {"writing", "math"}
     assert set(result["served_acceptance_by_turn"]) == {"1", "2"}
     values = [result["served_acceptance_length"], result["simulated_acceptance_length"]]

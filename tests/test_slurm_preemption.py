@@ -548,7 +548,8 @@ def _read(path: Path):
 # training), while the trainer is mid-way through its steps. The steps are paced to at least
 # MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any machine: a
 # 2-core AVX2 machine trained about 22 steps a second once the engine was up (~50 s), a 2-core
-# AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal). While the requeued job waits, the test raises its time limit (as an operator would with
+# AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal).
+# While the requeued job waits, the test raises its time limit (as an operator would with
 # `scontrol update`; the roles read the limit at start), so the resumed attempt trains to the same
 # final step as an uninterrupted run.
 TIME_LIMIT = [

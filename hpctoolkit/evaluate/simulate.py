@@ -141,13 +141,12 @@ def simulate(
         raise DataIntegrityError(f"export {export_dir} names no target layers in its config.json")
     hf_indices = [i + 1 for i in layer_ids]
     sequences = [p + o for p, o in zip(prompts_token_ids, outputs, strict=True)]
-    if dtype == "auto":
-        dtype = auto_engine_dtype()
+    # Both passes below run the target in the precision it was served in.
+    served_dtype = torch_dtype(auto_engine_dtype() if dtype == "auto" else dtype)
     # vLLM keeps verifying until the request holds max_tokens, so its last chains reach up to k
     # tokens past the output; extend each sequence greedily by k so those chains are defined.
-    # Both passes run the target in the precision it was served in.
-    extended = greedy_sequences(target_dir, sequences, k, dtype=torch_dtype(dtype))
-    states = recapture(target_dir, extended, hf_indices, dtype=torch_dtype(dtype))
+    extended = greedy_sequences(target_dir, sequences, k, dtype=served_dtype)
+    states = recapture(target_dir, extended, hf_indices, dtype=served_dtype)
     total = None
     replayed: list[int] = []
     for prompt, out, seq, (aux, last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
