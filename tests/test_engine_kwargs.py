@@ -314,3 +314,64 @@ def test_generating_engine_nodes_differ_only_in_node_keys(tmp_path):
     assert strip(lead) == strip(follow)
     assert strip(lead)["seed"] == 7 and strip(lead)["max_model_len"] == 256
     assert lenv["VLLM_HOST_IP"] == "198.18.0.13" and fenv["VLLM_HOST_IP"] == "198.18.0.14"
+
+
+# ------------------------------------------------------------ CUDA engines spawn their workers
+# PP=2 on two H200s (2026-12-04) died in vLLM's workers with "Cannot re-initialize CUDA in forked
+# subprocess": a CUDA probe above vLLM arms torch's fork poisoning without setting the flag vLLM's
+# own spawn guard reads. Every engine we start on CUDA must spawn, whatever probed CUDA before.
+
+
+@pytest.mark.parametrize(("nodes", "pp"), [(1, 1), (1, 2), (2, 2)])
+def test_every_cuda_capture_engine_node_spawns_its_workers(nodes, pp):
+    """Leader and headless follower nodes (one `engine_llm_kwargs` call) at every layout."""
+    cfg = EngineConfig(target_layer_ids=[0], nnodes=nodes, gpus_per_node=pp // nodes, pp_size=pp)
+    for rank in range(nodes):
+        node = {"node_rank": rank, "master_addr": "n1", "master_port": 29600} if nodes > 1 else {}
+        _, env = _build(cfg, backend="cuda", **node)
+        assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    # vLLM-CPU is left to fork: nothing CUDA is in the way and a fork starts faster.
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in _build(cfg, backend="cpu", **node)[1]
+
+
+def test_cuda_generating_and_serving_engines_spawn_their_workers(tmp_path, monkeypatch):
+    from hpctoolkit.engine.regenerate import generation_kwargs
+    from hpctoolkit.evaluate import serve
+
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=2, pp_size=2)
+    assert generation_kwargs(cfg, tmp_path, backend="cuda")[1]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    # The one-device generator and the draft's serving engine take their backend from the probe.
+    monkeypatch.setattr(engine_env_mod, "cuda_visible", lambda: True)
+    monkeypatch.delenv("HPCTOOLKIT_ENGINE_BACKEND", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.setattr(serve, "detect_backend", engine_env_mod.detect_backend)
+    for k in engine_env_mod.ENGINE_ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    serve._engine_environment()
+    import os
+
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_the_cuda_probe_asks_nvml_and_restores_the_environment(monkeypatch):
+    """`cuda_visible` must not go through the CUDA runtime's device count (that arms the fork
+    poisoning); torch asks NVML when PYTORCH_NVML_BASED_CUDA_CHECK=1, and the caller's value stays."""
+    import os
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_available",
+        lambda: seen.append(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")) or True,
+    )
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    assert engine_env_mod.cuda_visible() is True
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")
+    assert engine_env_mod.cuda_visible() is True
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
+    assert seen == ["1", "1"]
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
+    assert engine_env_mod.cuda_visible() is False  # a CPU build: no driver call at all

@@ -20,6 +20,7 @@ ENGINE_ENV_KEYS = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_USE_V2_MODEL_RUNNER",
     "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_WORKER_MULTIPROC_METHOD",
 )
 
 
@@ -91,6 +92,14 @@ def engine_env(
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if host_ip in ("127.0.0.1", "localhost"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
+    if backend == "cuda":
+        # CUDA cannot be used in a child forked after the parent touched it, and vLLM's own guard
+        # (`_maybe_force_spawn`) looks only at `torch.cuda.is_initialized()`. A device-count probe
+        # (`torch.cuda.is_available()`, anywhere above vLLM) does not set that flag, yet it arms
+        # torch's fork poisoning: an EngineCore forked from such a process, and the PP/TP workers
+        # it forks in turn, die with "Cannot re-initialize CUDA in forked subprocess" (PP=2 on two
+        # H200s, 2026-12-04). Every CUDA engine therefore spawns, whoever probed what before.
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if backend == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_space_gb)
@@ -105,6 +114,29 @@ def engine_env(
     return env
 
 
+def cuda_visible() -> bool:
+    """Whether torch sees a CUDA GPU, asked through NVML so that nothing is armed against fork.
+
+    `torch.cuda.is_available()` asks the CUDA runtime for the device count by default, which
+    leaves this process unable to hand CUDA to a forked child (see `engine_env`). With
+    `PYTORCH_NVML_BASED_CUDA_CHECK=1` torch asks NVML instead, and falls back to the runtime only
+    where NVML is missing. The one probe engine code uses.
+    """
+    import torch
+
+    if not torch.cuda._is_compiled():  # a CPU build: no driver call at all
+        return False
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+
+
 def detect_backend() -> str:
     """'cuda' when torch sees a GPU, else 'cpu'; `HPCTOOLKIT_ENGINE_BACKEND` overrides."""
     forced = envs.get(envs.HPCTOOLKIT_ENGINE_BACKEND.name)
@@ -112,6 +144,4 @@ def detect_backend() -> str:
         if forced not in ("cpu", "cuda"):
             raise ValueError(f"HPCTOOLKIT_ENGINE_BACKEND must be 'cpu' or 'cuda', got {forced!r}")
         return forced
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_visible() else "cpu"

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.config.precision import auto_engine_dtype
+from hpctoolkit.engine.env import cuda_visible, detect_backend
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.models.families import serving_for
 
@@ -43,7 +44,7 @@ def serving_method(export_dir: str | os.PathLike) -> str:
         )
     raw = json.loads(cfg_path.read_text())
     serving = serving_for(raw)
-    if serving.cpu_unservable and not torch.cuda.is_available():
+    if serving.cpu_unservable and not cuda_visible():
         arch = (raw.get("architectures") or [serving.served_architecture])[0]
         raise ConfigError(f"cannot serve {arch} on the CPU: {serving.cpu_unservable}")
     return serving.vllm_method
@@ -53,7 +54,7 @@ def _engine_environment() -> None:
     """Apply the engine environment (in-process, CPU) before vLLM is imported; user values win."""
     from hpctoolkit.engine.env import engine_env
 
-    backend = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = detect_backend()
     # Serving, not capture: vLLM picks its own runner (DSpark drafts need V2 on CUDA).
     env = engine_env(backend, in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
     for k, v in env.items():

@@ -43,11 +43,10 @@ def say(msg: str) -> None:
 
 def not_served_reason(draft_config: str) -> str | None:
     """Why vLLM on this machine cannot serve this draft family, or None."""
-    import torch
-
+    from hpctoolkit.engine.env import cuda_visible
     from hpctoolkit.models.families import serving_for
 
-    return None if torch.cuda.is_available() else serving_for(draft_config).cpu_unservable
+    return None if cuda_visible() else serving_for(draft_config).cpu_unservable
 
 
 def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
