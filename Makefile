@@ -34,10 +34,10 @@ $(STAMP): $(SETUP_INPUTS)
 	@echo "[setup] done"
 
 run: setup
-	$(PY) -m hpctoolkit.submit recipes/local.yaml $(ARGS)
+	$(PY) -m hpctoolkit.submit default $(ARGS)
 
 dry-run: setup
-	$(PY) -m hpctoolkit.submit recipes/local.yaml --dry-run $(ARGS)
+	$(PY) -m hpctoolkit.submit default --dry-run $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check hpctoolkit tests benchmarks

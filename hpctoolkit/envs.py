@@ -74,6 +74,13 @@ HPCTOOLKIT_ENGINE_BACKEND = _register(
     "Force the engine backend ('cpu' or 'cuda'); default: cuda when torch sees a GPU, else cpu.",
 )
 
+HPCTOOLKIT_DEFAULT_RECIPE = _register(
+    "HPCTOOLKIT_DEFAULT_RECIPE",
+    None,
+    "Force make run's embedded default ('cpu': recipes/local.yaml, 'gpu': recipes/local_gpu.yaml); "
+    "default: the GPU one where a CUDA GPU and vLLM's CUDA build are present.",
+)
+
 
 # ---- Slurm placement and node roles (owner: hpctoolkit/slurm, hpctoolkit/roles) ----------------
 HPCTOOLKIT_NODE_DRY = _register(

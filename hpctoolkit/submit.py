@@ -1,5 +1,9 @@
 """`python -m hpctoolkit.submit RECIPE [section.key=value ...] [--dry-run [--json]] [--render-sbatch]`
 
+RECIPE `default` is the embedded default `make run` takes: recipes/local_gpu.yaml where a CUDA GPU
+and vLLM's CUDA build are present, else recipes/local.yaml (`config.defaults`; the plan printout
+says which and why).
+
 Validates the recipe and its overrides, plans where every part runs and sizes the store, then
 either prints that plan (`--dry-run`; `--json`: as one JSON object), prints the batch script
 (`--render-sbatch`), runs the whole job on this machine (`cluster.backend: local`) or submits it
@@ -119,7 +123,7 @@ def describe(cfg: RecipeConfig, plan: Plan | None) -> str:
 
 def main(argv: list[str]) -> int:
     ap = parser("hpctoolkit.submit", __doc__)
-    ap.add_argument("recipe", help="recipe YAML, e.g. recipes/local.yaml")
+    ap.add_argument("recipe", help="recipe YAML, e.g. recipes/local.yaml; 'default': make run's choice")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
@@ -128,6 +132,13 @@ def main(argv: list[str]) -> int:
     if args.json and not args.dry_run:
         raise ConfigError("--json prints the plan of a dry run: give --dry-run too")
 
+    chosen = None
+    if args.recipe == "default":
+        from hpctoolkit import envs
+        from hpctoolkit.config import defaults
+
+        chosen = defaults.choose(defaults.probe(), envs.get(envs.HPCTOOLKIT_DEFAULT_RECIPE.name))
+        args.recipe = chosen.recipe
     if args.render_sbatch:
         # The script is rendered before the job's paths exist: `???` values stay open and become
         # arguments of `sbatch`; the couplings run on the nodes, where the files are.
@@ -146,6 +157,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(plan_json(cfg, plan, sized, node_memory), indent=2))
         return 0
+    if chosen is not None:
+        print(chosen.describe())
     print(describe(cfg, plan))
     print(sized.describe())
     if args.dry_run:
