@@ -74,6 +74,12 @@ HPCTOOLKIT_ENGINE_BACKEND = _register(
     "Force the engine backend ('cpu' or 'cuda'); default: cuda when torch sees a GPU, else cpu.",
 )
 
+HPCTOOLKIT_GPU_MEMORY_UTILIZATION = _register(
+    "HPCTOOLKIT_GPU_MEMORY_UTILIZATION",
+    None,
+    "vLLM's gpu_memory_utilization for every CUDA engine we start (capture, regeneration, serving) "
+    "unless engine.extra_args sets it; default: vLLM's (0.9). For a GPU shared by several engines.",
+)
 HPCTOOLKIT_DEFAULT_RECIPE = _register(
     "HPCTOOLKIT_DEFAULT_RECIPE",
     None,

@@ -336,6 +336,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
 
 
 @pytest.mark.real
+@pytest.mark.gpu  # and in the GPU tier, on a CUDA engine
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not importable")
 def test_engines_pause_for_a_slow_trainer_on_the_real_master(tmp_path, monkeypatch, capsys):
     got = _run_slow_trainer_job(tmp_path, monkeypatch, gate=True)
@@ -349,6 +350,7 @@ def test_engines_pause_for_a_slow_trainer_on_the_real_master(tmp_path, monkeypat
 
 
 @pytest.mark.real
+@pytest.mark.gpu  # and in the GPU tier, on a CUDA engine
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not importable")
 def test_without_the_pause_the_same_job_fails(tmp_path, monkeypatch):
     """The control: the segment cannot hold what the engine publishes ahead of the trainer.

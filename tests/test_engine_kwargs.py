@@ -375,3 +375,17 @@ def test_the_cuda_probe_asks_nvml_and_restores_the_environment(monkeypatch):
     assert seen == ["1", "1"]
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
     assert engine_env_mod.cuda_visible() is False  # a CPU build: no driver call at all
+
+
+def test_a_shared_gpu_gives_each_cuda_engine_its_share(monkeypatch):
+    monkeypatch.setenv("HPCTOOLKIT_GPU_MEMORY_UTILIZATION", "0.2")
+    assert _build(backend="cuda")[0]["gpu_memory_utilization"] == 0.2
+    assert "gpu_memory_utilization" not in _build(backend="cpu")[0]
+    mine = EngineConfig(target_layer_ids=[0], extra_args={"gpu_memory_utilization": 0.35})
+    assert _build(mine, backend="cuda")[0]["gpu_memory_utilization"] == 0.35  # the recipe wins
+    for bad in ("0", "1.5", "half"):
+        monkeypatch.setenv("HPCTOOLKIT_GPU_MEMORY_UTILIZATION", bad)
+        with pytest.raises(ValueError, match="HPCTOOLKIT_GPU_MEMORY_UTILIZATION must be a fraction"):
+            _build(backend="cuda")
+    monkeypatch.delenv("HPCTOOLKIT_GPU_MEMORY_UTILIZATION")
+    assert "gpu_memory_utilization" not in _build(backend="cuda")[0]  # vLLM's own default

@@ -87,6 +87,7 @@ def test_load_audit_names_a_parameter_nothing_loaded():
 
 @pytest.mark.real
 @pytest.mark.slow
+@pytest.mark.gpu  # and in the GPU tier: an exported draft served by CUDA vLLM
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("draft", "capture_ids", "steps"),

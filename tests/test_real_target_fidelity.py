@@ -112,6 +112,7 @@ def chat_prompts(smollm2) -> list[list[int]]:
 
 @needs_wheel
 @pytest.mark.slow
+@pytest.mark.gpu  # and in the GPU tier: the same check against a CUDA engine
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_capture_matches_hf(smollm2, chat_prompts, tmp_path, dtype):

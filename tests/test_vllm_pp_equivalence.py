@@ -60,8 +60,22 @@ def round_robin_bind(world_size: int, cores: int | list[int]) -> str:
 # ------------------------------------------------------------------------------------ one arm
 
 
+# Engine modes an arm can run in (`args["mode"]`): the enforce_eager flag and extra engine args.
+MODES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "eager": (True, {}),
+    "compiled": (False, {"compilation_config": {"cudagraph_mode": "NONE"}}),
+    "graphs": (False, {}),
+}
+
+
 def run_arm(args: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: capture, read back through Mooncake + dataset, save float64 tensors."""
+    """In a fresh process: capture, read back through Mooncake + dataset, save float64 tensors.
+
+    Optional `args`: `mode` (`MODES`, default eager), `in_process` (the engine's, default its
+    config's), `probe_cuda` (ask the CUDA runtime for the device count first, as any code above
+    vLLM may: it arms torch's fork poisoning), `repeats` (capture the prompts that many times;
+    every repeat is saved, so a caller can count rows that differ between identical requests).
+    """
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.engine import env as engine_env_mod
     from hpctoolkit.engine.config import EngineConfig
@@ -70,6 +84,9 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     from hpctoolkit.store.mooncake import MooncakeStore
 
     pp, tp = int(args["pp"]), int(args.get("tp", 1))
+    eager, extra_args = MODES[args.get("mode", "eager")]
+    if args.get("probe_cuda"):
+        torch.cuda.is_available()  # the runtime's device count, not NVML's
     cores = os.cpu_count() or 1
     if pp * tp > cores:
         # Test-only: the engine's even split needs a core per worker; oversubscribe instead.
@@ -82,21 +99,26 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
         max_model_len=1024,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=4,
-        enforce_eager=True,
+        enforce_eager=eager,
+        extra_args=extra_args,
+        **({"in_process": bool(args["in_process"])} if "in_process" in args else {}),
     )
     store_cfg = StoreConfig()
     t0 = time.monotonic()
-    with CaptureEngine(cfg, args["model_dir"], args["address"], store_cfg, f"equiv-tp{tp}-pp{pp}") as eng:
+    run_id = f"equiv-tp{tp}-pp{pp}-{args.get('tag', 'arm')}"
+    repeats = int(args.get("repeats", 1))
+    with CaptureEngine(cfg, args["model_dir"], args["address"], store_cfg, run_id) as eng:
         started = time.monotonic() - t0
+        in_process = eng.in_process
         t1 = time.monotonic()
         # One capture() call, as the production callers batch it (still one request per generate()).
-        manifests = eng.capture(args["prompts"])
+        manifests = eng.capture(args["prompts"] * repeats)
         capture_s = time.monotonic() - t1
         reader = MooncakeStore(args["address"], store_cfg, "reader")
         try:
             out = []
             ds = HiddenStateDataset(manifests, reader, retry_max_wait_s=60)
-            for ids, m, s in zip(args["prompts"], manifests, ds, strict=True):
+            for ids, m, s in zip(args["prompts"] * repeats, manifests, ds, strict=True):
                 out.append(
                     {
                         "input_ids": s.input_ids.clone(),
@@ -114,6 +136,10 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     return {
         "pp": pp,
         "tp": tp,
+        "mode": args.get("mode", "eager"),
+        "in_process": in_process,
+        "probed_cuda": bool(args.get("probe_cuda")),
+        "worker_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"),
         "engine_start_s": started,
         "capture_s": capture_s,
         "total_s": time.monotonic() - t0,
@@ -128,12 +154,17 @@ def spawn_arm(
     tp: int = 1,
     prompt_ids: list[list[int]] | None = None,
     target_layer_ids: list[int] = TARGET_LAYER_IDS,
+    **extra: Any,
 ) -> tuple[list[dict], dict]:
     """Run one arm (TP x PP) in its own process; return its samples and timings, or fail with its log.
 
-    `prompt_ids` default to `prompts()`; a real target passes its own, with its own layer ids."""
-    out, log = work / f"tp{tp}-pp{pp}.pt", work / f"tp{tp}-pp{pp}.log"
+    `prompt_ids` default to `prompts()`; a real target passes its own, with its own layer ids.
+    `extra`: `run_arm`'s optional arguments (`mode`, `in_process`, `probe_cuda`, `repeats`)."""
+    name = f"tp{tp}-pp{pp}" + "".join(f"-{k}{v}" for k, v in sorted(extra.items()))
+    out, log = work / f"{name}.pt", work / f"{name}.log"
     args = {
+        **extra,
+        "tag": name,
         "pp": pp,
         "tp": tp,
         "model_dir": model_dir,

@@ -114,6 +114,23 @@ def engine_env(
     return env
 
 
+def gpu_memory_share() -> dict[str, float]:
+    """`{"gpu_memory_utilization": x}` from HPCTOOLKIT_GPU_MEMORY_UTILIZATION, else `{}` (vLLM's 0.9).
+
+    For GPUs that hold more than one engine at once (the GPU test tier starts several, and vLLM
+    frees none within a process); a recipe's `engine.extra_args` still wins."""
+    raw = envs.get(envs.HPCTOOLKIT_GPU_MEMORY_UTILIZATION.name)
+    if not raw:
+        return {}
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"HPCTOOLKIT_GPU_MEMORY_UTILIZATION must be a fraction in (0, 1], got {raw!r}")
+    return {"gpu_memory_utilization": share}
+
+
 def cuda_visible() -> bool:
     """Whether torch sees a CUDA GPU, asked through NVML so that nothing is armed against fork.
 

@@ -20,7 +20,7 @@ from typing import Any
 from hpctoolkit.capture import capture_ids_for, check_layer_layout, sanitize_key
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.engine.connector_api import EXTRA_CONFIG_KEY
-from hpctoolkit.engine.env import engine_env
+from hpctoolkit.engine.env import engine_env, gpu_memory_share
 from hpctoolkit.errors import ConfigError
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"
@@ -202,6 +202,8 @@ def build_llm_kwargs(
     # the intermediate-tensor buffers.
     eager = cfg.enforce_eager if cfg.enforce_eager is not None else (backend == "cpu" and cfg.pp_size == 1)
     kwargs = _llm_args(cfg, model_dir, ids, sink.extra_config(), eager=eager)
+    if backend == "cuda":
+        kwargs.update(gpu_memory_share())
     kwargs.update(cfg.extra_args)
     if cfg.nnodes > 1:
         kwargs.update(

@@ -313,7 +313,9 @@ def vllm_generator(
     from hpctoolkit.engine.env import detect_backend, engine_env
 
     if env is None:
-        env = engine_env(detect_backend(), in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
+        env = engine_env(
+            detect_backend(), in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False
+        )
     # The layout's environment wins over what the process inherited: a VLLM_HOST_IP or
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 left in a login shell (or by an earlier in-process engine)
     # made a multi-node generating engine's message queue listen on 127.0.0.1, so its other

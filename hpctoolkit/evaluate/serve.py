@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.config.precision import auto_engine_dtype
-from hpctoolkit.engine.env import cuda_visible, detect_backend
+from hpctoolkit.engine.env import cuda_visible, detect_backend, gpu_memory_share
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.models.families import serving_for
 
@@ -238,6 +238,7 @@ class ServingSession:
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.max_num_seqs,
                 seed=0,
+                **(gpu_memory_share() if detect_backend() == "cuda" else {}),
             )
         try:
             self.engine_start_s = time.monotonic() - t0
