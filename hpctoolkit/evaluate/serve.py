@@ -61,6 +61,19 @@ def _engine_environment() -> None:
         os.environ.setdefault(k, v)
 
 
+def _memory_share() -> dict[str, float]:
+    """The serving engine's `gpu_memory_utilization` on CUDA: HPCTOOLKIT_GPU_MEMORY_UTILIZATION, else
+    0.9 of what is free now (vLLM's own 0.9 of the whole GPU refuses to start beside anything else
+    still holding memory on it, such as a trainer or an engine of the same run leaving)."""
+    if detect_backend() != "cuda":
+        return {}
+    share = gpu_memory_share()
+    if share:
+        return share
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_memory_utilization": round(min(0.9, 0.9 * free / total), 3)}
+
+
 class LoadAudit:
     """Wraps a vLLM draft class's `load_weights`: NaN-fills its parameters first, keeps the instance."""
 
@@ -238,7 +251,7 @@ class ServingSession:
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.max_num_seqs,
                 seed=0,
-                **(gpu_memory_share() if detect_backend() == "cuda" else {}),
+                **_memory_share(),
             )
         try:
             self.engine_start_s = time.monotonic() - t0
