@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hpctoolkit-setup
 SETUP_INPUTS := pyproject.toml patches/vllm/v0.32.0/series $(wildcard patches/vllm/v0.32.0/*.patch) patches/apply_series.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint dry-run clean image
+.PHONY: setup run test lint dry-run clean image wheelhouse wheelhouse-parts
 
 setup: $(STAMP)
 
@@ -77,3 +77,41 @@ image:
 		--build-arg BASE=$(if $(filter unknown,$(BASE_DIGEST)),$(BASE),$(firstword $(subst :, ,$(BASE)))@$(BASE_DIGEST)) \
 		--build-arg BASE_DIGEST=$(BASE_DIGEST) \
 		$(IMAGE) apptainer/hpctoolkit.def
+
+# `make wheelhouse`: the offline CUDA wheelhouse, a deployment path for GPU nodes without network
+# (README "Offline GPU nodes"), not a set-up command. It downloads the lock's wheels that
+# WHEELHOUSE lacks (CPython 3.12, manylinux x86-64; none when all are there), builds hpctoolkit's
+# own wheel into it, removes what the lock no longer names, and checks the result
+# (hpctoolkit.deploy.wheelhouse). `make wheelhouse-parts` then cuts it into PART_MB MiB parts for
+# a link that copies a bounded size at a time; `cat p* | tar -x` joins them, and
+# launch/install_wheelhouse.sh takes either folder.
+WHEELHOUSE_LOCK ?= patches/vllm/v$(VLLM_VERSION)/wheelhouse.lock
+WHEELHOUSE ?= dist/wheelhouse
+WHEELHOUSE_PARTS ?= dist/wheelhouse-parts
+PART_MB ?= 56
+WHEELHOUSE_CHECK = $(PY) -m hpctoolkit.deploy.wheelhouse --lock $(WHEELHOUSE_LOCK) --wheelhouse $(WHEELHOUSE)
+
+wheelhouse: setup
+	@mkdir -p $(WHEELHOUSE)
+	@$(WHEELHOUSE_CHECK) missing > dist/wheelhouse-missing.txt
+	@if [ -s dist/wheelhouse-missing.txt ]; then \
+		echo "[wheelhouse] downloading $$(wc -l < dist/wheelhouse-missing.txt) wheels into $(WHEELHOUSE)"; \
+		$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+			--python-version 3.12 --implementation cp $$($(WHEELHOUSE_CHECK) platforms) \
+			-d $(WHEELHOUSE) -r dist/wheelhouse-missing.txt; \
+	fi
+	@rm -f dist/wheelhouse-missing.txt $(WHEELHOUSE)/hpctoolkit-*.whl
+	@echo "[wheelhouse] hpctoolkit's own wheel"
+	@# build/ is the in-tree build's scratch: a stale build/lib would put deleted modules in the wheel.
+	@rm -rf build && $(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+		-w $(WHEELHOUSE) . && rm -rf build
+	@$(WHEELHOUSE_CHECK) stale | while read -r f; do \
+		echo "[wheelhouse] removing $$f: the lock does not name it"; rm -rf -- "$(WHEELHOUSE)/$$f"; done
+	@$(WHEELHOUSE_CHECK) check --require-own
+
+wheelhouse-parts: wheelhouse
+	@rm -rf $(WHEELHOUSE_PARTS) && mkdir -p $(WHEELHOUSE_PARTS)
+	@tar -C $(WHEELHOUSE) --sort=name -cf - . | split -b $(PART_MB)m -d -a 2 - $(WHEELHOUSE_PARTS)/p
+	@cd $(WHEELHOUSE_PARTS) && sha256sum p* > SHA256SUMS
+	@echo "[wheelhouse] $$(ls $(WHEELHOUSE_PARTS)/p* | wc -l) parts of at most $(PART_MB) MiB in" \
+		"$(WHEELHOUSE_PARTS) (SHA256SUMS beside them); join with: cat p* | tar -x"
