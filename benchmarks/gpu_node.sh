@@ -5,8 +5,10 @@
 # caller can poll them with short calls.
 #
 #   benchmarks/gpu_node.sh stage PART...     move dist/wheelhouse-parts/PART to $HPC/parts
-#   benchmarks/gpu_node.sh start [STAGE...]  copy this checkout to $HPC/repo and run the stages
-#                                            (default: install tier run bench) there, in order
+#   benchmarks/gpu_node.sh start [STAGE...]  lay the committed tree (dist/snapshot.tar, from
+#                                            `git archive HEAD`; else this checkout as it is) in
+#                                            $HPC/repo and run the stages (default: install tier
+#                                            run bench) there, in order
 #   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
 #                                            tail and copy the results into $OUT (when set)
 #
@@ -66,9 +68,13 @@ case ${1:-} in
   start)
     shift
     [ $# -gt 0 ] || set -- install tier run bench
-    mkdir -p "$res" "$HPC/repo"
-    rm -f "$res/stages.txt"
-    cp -a "$here/." "$HPC/repo/"
+    mkdir -p "$res"
+    rm -rf "$res/stages.txt" "$HPC/repo" && mkdir -p "$HPC/repo"
+    if [ -f "$here/dist/snapshot.tar" ]; then
+      tar -xf "$here/dist/snapshot.tar" -C "$HPC/repo"
+    else
+      cp -a "$here/." "$HPC/repo/"
+    fi
     setsid nohup "$0" _run "$@" > "$res/driver.log" 2>&1 < /dev/null &
     echo "started: $*";;
   _run)
