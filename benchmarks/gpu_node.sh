@@ -31,13 +31,16 @@ stage_install() {
 
 stage_tier() {
   # Four files at a time: each CUDA engine takes a fifth of the GPU (tests/conftest.py).
-  timeout 540 "$py" -m pytest -m gpu -p no:cacheprovider -n 4 --dist loadfile -o addopts= -ra \
+  timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -n 4 --dist loadfile -o addopts= -ra \
     --junitxml "$res/tier.xml" tests/
 }
 
 stage_run() {
   touch "$HPC/venv/.hpctoolkit-setup"  # make's setup stamp: the wheelhouse venv is set up
   timeout 600 make run VENV="$HPC/venv" PY="$py"
+  local rc=$?
+  find runs/local_gpu -name summary.json -exec cp {} "$res/summary.json" \;
+  return $rc
 }
 
 stage_bench() {
@@ -87,8 +90,11 @@ case ${1:-} in
     last=$(find "$res" -name "*.log" -printf "%T@ %p\n" 2>/dev/null | sort -n | tail -1 | cut -d" " -f2)
     [ -n "$last" ] && { echo "--- tail of $last"; tail -n 40 "$last"; }
     if [ -n "${OUT:-}" ]; then
-      for f in "$res"/*.log; do tail -c 4000000 "$f" > "$OUT/$(basename "$f")"; done
-      for f in "$res"/stages.txt "$res"/bench.json "$res"/tier.xml; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+      # At most 8 files come back: the four stages' logs and what they wrote.
+      for s in install tier run bench; do
+        [ -f "$res/$s.log" ] && tail -c 4000000 "$res/$s.log" > "$OUT/$s.log"
+      done
+      for f in stages.txt bench.json tier.xml summary.json; do [ -f "$res/$f" ] && cp "$res/$f" "$OUT/"; done
     fi;;
   *) echo "usage: gpu_node.sh stage PART... | start [STAGE...] | wait SECONDS" >&2; exit 2;;
 esac
