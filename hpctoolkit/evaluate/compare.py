@@ -10,13 +10,14 @@ trainer and the server disagree about the draft, a bug to find.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.evaluate.chat import acceptance_by_group, serve_two_turn
+from hpctoolkit.evaluate.chat import acceptance_by_group, serve_chats
 from hpctoolkit.evaluate.mt_bench import Question
-from hpctoolkit.evaluate.serve import acceptance_from_counters, serve
+from hpctoolkit.evaluate.serve import acceptance_from_counters, add_counters, serve
 from hpctoolkit.evaluate.simulate import simulate
 from hpctoolkit.train.plot import plot_acceptance
 
@@ -30,6 +31,11 @@ MT_BENCH_CONVENTION = (
     "vLLM's counters are summed over all requests (verifications, not questions, are averaged), "
     "per category and per turn over that group's requests"
 )
+SETS_CONVENTION = (
+    "; per_set: every set served by the same engine the same way, the top-level figures being the "
+    "headline set's (eval_set); human_eval: one turn, the problem's prompt in a request to solve it"
+)
+MT_BENCH = "mt_bench"
 
 
 def _acceptance_keys(served: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +105,38 @@ def evaluate(
 def evaluate_mt_bench(
     export_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
-    questions: list[Question],
+    questions: Sequence[Question],
+    tokenizer: Any,
+    *,
+    num_speculative_tokens: int,
+    max_tokens: int,
+    plot_path: str | os.PathLike | None = None,
+    simulate_per_category: int | None = None,
+    dtype: str = "auto",
+    more_sets: Mapping[str, Sequence[Question]] | None = None,
+) -> dict[str, Any]:
+    """`evaluate_sets` with MT-Bench's two-turn `questions` the headline, then `more_sets` (e.g.
+    `human_eval`) served by the same engine and reported under `per_set` only."""
+    sets = {MT_BENCH: questions, **(more_sets or {})}
+    if len(sets) != 1 + len(more_sets or {}):
+        raise ConfigError(f"more_sets may not name {MT_BENCH} again, the headline set")
+    return evaluate_sets(
+        export_dir,
+        target_dir,
+        sets,
+        tokenizer,
+        num_speculative_tokens=num_speculative_tokens,
+        max_tokens=max_tokens,
+        plot_path=plot_path,
+        simulate_per_category=simulate_per_category,
+        dtype=dtype,
+    )
+
+
+def evaluate_sets(
+    export_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    sets: Mapping[str, Sequence[Question]],
     tokenizer: Any,
     *,
     num_speculative_tokens: int,
@@ -108,46 +145,54 @@ def evaluate_mt_bench(
     simulate_per_category: int | None = None,
     dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Served and simulated acceptance of the exported draft on MT-Bench's two-turn `questions`.
+    """Served and simulated acceptance of the exported draft on the chat `sets` (name: questions).
 
-    The held-out result's keys, plus `eval_set` ("mt_bench"), `num_questions`,
-    `served_acceptance_by_category` and `served_acceptance_by_turn` ("1", "2"); `served` adds
-    `calls`, one per (category, turn) with its counters and acceptance. The simulation replays
-    the (prompt, served output) pairs of both turns of the first `simulate_per_category` served
-    questions of each category (all when None).
+    The first set is the headline (MT-Bench's two-turn questions wherever it is served): the
+    held-out result's keys, plus `eval_set` (its name), `num_questions`,
+    `served_acceptance_by_category` and `served_acceptance_by_turn` ("1", "2") are its figures, and
+    the simulation replays the (prompt, served output) pairs of every turn of the first
+    `simulate_per_category` served questions of each of its categories (all when None). `per_set`
+    holds every set's served figures, the headline's too: `num_questions`, `num_turns`,
+    `served_acceptance_length`, `..._by_category`, `..._by_turn`, `counters`, `answers`,
+    `answers_stopped_at_eos`. `served` is the headline's, except `calls` (one per (set, category,
+    turn) with its counters and acceptance) and `engine_counters`, which cover the whole session.
     """
     k = num_speculative_tokens
-    run = serve_two_turn(
+    run = serve_chats(
         export_dir,
         target_dir,
-        questions,
+        sets,
         tokenizer,
         num_speculative_tokens=k,
         max_tokens=max_tokens,
         dtype=dtype,
     )
     calls = run["calls"]
-    groups = acceptance_by_group(calls)
-    served = _served_mt_bench(run, groups, k)
-    # The replay: every call's first `simulate_per_category` questions (all by default).
+    headline = next(iter(sets))
+    mine = [c for c in calls if c["set"] == headline]
+    groups = acceptance_by_group(mine)
+    served = _served_block(run, groups, k)
+    # The replay: every headline call's first `simulate_per_category` questions (all by default).
     n = simulate_per_category
-    prompts = [p for c in calls for p in c["prompts"][:n]]
-    outputs = [o for c in calls for o in c["outputs"][:n]]
+    prompts = [p for c in mine for p in c["prompts"][:n]]
+    outputs = [o for c in mine for o in c["outputs"][:n]]
     simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k, dtype=dtype)
     simulated["num_sequences"] = len(prompts)
     served["calls"] = [_call_summary(c, tokenizer.eos_token_id) for c in calls]
+    per_set = {name: _set_summary(name, qs, served["calls"]) for name, qs in sets.items()}
     result = {
-        "eval_set": "mt_bench",
-        "num_questions": len(questions),
+        "eval_set": headline,
+        "num_questions": len(sets[headline]),
         "categories": list(groups["by_category"]),
         **_acceptance_keys(served, simulated),
         "served_acceptance_by_category": groups["by_category"],
         "served_acceptance_by_turn": groups["by_turn"],
-        "convention": CONVENTION + MT_BENCH_CONVENTION,
+        "per_set": per_set,
+        "convention": CONVENTION + MT_BENCH_CONVENTION + (SETS_CONVENTION if len(sets) > 1 else ""),
         "num_speculative_tokens": k,
         "max_tokens": max_tokens,
-        "answers": sum(len(c["outputs"]) for c in calls),
-        "answers_stopped_at_eos": sum(c["stopped_at_eos"] for c in served["calls"]),
+        "answers": per_set[headline]["answers"],
+        "answers_stopped_at_eos": per_set[headline]["answers_stopped_at_eos"],
         "served_per_position_acceptance": served["acceptance_rate_per_pos"],
         "simulated_per_position_acceptance": simulated["acceptance_rate_per_pos"],
         "served": served,
@@ -158,9 +203,29 @@ def evaluate_mt_bench(
     return result
 
 
-def _served_mt_bench(run: dict[str, Any], groups: dict[str, Any], k: int) -> dict[str, Any]:
-    """The served block of an MT-Bench evaluation; its calls' counters must add up to the engine's."""
+def _set_summary(
+    name: str, questions: Sequence[Question], calls: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """One set's served figures, from its calls' summaries (`_call_summary`)."""
+    mine = [c for c in calls if c["set"] == name]
+    groups = acceptance_by_group(mine)
+    return {
+        "num_questions": len(questions),
+        "num_turns": len(groups["by_turn"]),
+        "served_acceptance_length": groups["overall"],
+        "served_acceptance_by_category": groups["by_category"],
+        "served_acceptance_by_turn": groups["by_turn"],
+        "counters": groups["counters"],
+        "answers": sum(len(c["output_tokens"]) for c in mine),
+        "answers_stopped_at_eos": sum(c["stopped_at_eos"] for c in mine),
+    }
+
+
+def _served_block(run: dict[str, Any], groups: dict[str, Any], k: int) -> dict[str, Any]:
+    """The served block: the headline set's acceptance (`groups`); every call's counters must add
+    up to the engine's over the session."""
     calls = run["calls"]
+    session = add_counters([c["counters"] for c in calls])
     served = {
         "method": run["method"],
         "engine_start_s": run["engine_start_s"],
@@ -171,17 +236,18 @@ def _served_mt_bench(run: dict[str, Any], groups: dict[str, Any], k: int) -> dic
         "unloaded_parameters": [],
         **acceptance_from_counters(groups["counters"], k),
     }
-    if groups["counters"] != run["counters"]:
+    if session != run["counters"]:
         raise DataIntegrityError(
             f"vLLM's spec-decode counters over the session ({run['counters']}) are not the sum of its "
-            f"calls' ({groups['counters']}); a call's counters were read before they were complete"
+            f"calls' ({session}); a call's counters were read before they were complete"
         )
     return served
 
 
 def _call_summary(c: dict[str, Any], eos: int | None) -> dict[str, Any]:
-    """One (category, turn) call as the result reports it: its acceptance, counters and lengths."""
+    """One (set, category, turn) call as the result reports it: its acceptance, counters and lengths."""
     return {
+        "set": c["set"],
         "category": c["category"],
         "turn": c["turn"],
         "question_ids": c["question_ids"],

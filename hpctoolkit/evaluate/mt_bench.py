@@ -30,9 +30,12 @@ NUM_TURNS = 2
 
 @dataclass(frozen=True)
 class Question:
-    question_id: int
+    """One chat of user turns, served in order. MT-Bench's have two; other sets' (`human_eval`) may
+    have one, and name their questions by string."""
+
+    question_id: int | str
     category: str
-    turns: tuple[str, str]
+    turns: tuple[str, ...]
 
 
 def question_file() -> Path:

@@ -1,6 +1,7 @@
 """The `evaluate` role: serve the exported draft with the target in vLLM and measure acceptance on
 `evaluate.prompts`: `held_out` (the data.prompts rows after the run's `data.num_samples`) or
-`mt_bench` (MT-Bench's two-turn questions, per category and turn).
+`mt_bench`: the chat sets of `evaluate.sets` (MT-Bench's two-turn questions, per category and
+turn; HumanEval's one-turn problems), one engine for all, each set's figure under `per_set`.
 
 It runs once the trainers ended cleanly, on every backend: the local launcher starts it, a batch
 script runs it as its last step on trainer rank 0's node (one GPU), and under submitit the task of
@@ -23,7 +24,7 @@ from hpctoolkit.roles.dry import dry_now
 from hpctoolkit.roles.results import finished, merge_summary
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 
-# What summary.json carries of an MT-Bench result (the rest stays under "evaluate").
+# What summary.json carries of a chat-set result, with `per_set` (the rest stays under "evaluate").
 MT_BENCH_HEADLINE = (
     "eval_set",
     "num_questions",
@@ -61,6 +62,8 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         cfg.data.max_prompt_tokens,
         offset=cfg.data.num_samples,
     )
+    if list(cfg.evaluate.sets) != ["mt_bench"]:
+        say(f"warning: evaluate.sets={list(cfg.evaluate.sets)} has no effect with evaluate.prompts=held_out")
     say(f"serving the exported draft with the target in vLLM on {len(prompts)} held-out prompts ...")
     ev = evaluate(
         export_dir,
@@ -78,29 +81,34 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
 
 
 def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
-    from hpctoolkit.evaluate.compare import evaluate_mt_bench
-    from hpctoolkit.evaluate.mt_bench import load_questions, select
+    from hpctoolkit.evaluate import compare
+    from hpctoolkit.evaluate.sets import load_sets, set_lines
 
     cfg = ctx.cfg
-    questions = select(load_questions(), cfg.evaluate.questions_per_category)
-    say(
-        f"serving the exported draft with the target in vLLM on {len(questions)} MT-Bench questions, two turns ..."
-    )
-    ev = evaluate_mt_bench(
-        export_dir,
-        target_dir,
-        questions,
-        tok,
-        num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
-        max_tokens=cfg.evaluate.max_tokens,
-        simulate_per_category=cfg.evaluate.simulate_per_category,
-        dtype=cfg.engine.dtype,
-    )
+    sets = load_sets(cfg.evaluate.sets, cfg.evaluate.questions_per_category)
+    listed = ", ".join(f"{len(qs)} {name}" for name, qs in sets.items())
+    say(f"serving the exported draft with the target in vLLM on {listed} questions ...")
+    kw: dict[str, Any] = {
+        "num_speculative_tokens": cfg.evaluate.num_speculative_tokens,
+        "max_tokens": cfg.evaluate.max_tokens,
+        "simulate_per_category": cfg.evaluate.simulate_per_category,
+        "dtype": cfg.engine.dtype,
+    }
+    if "mt_bench" in sets:  # the headline, as before evaluate.sets
+        mt = sets.pop("mt_bench")
+        if sets:
+            kw["more_sets"] = sets
+        ev = compare.evaluate_mt_bench(export_dir, target_dir, mt, tok, **kw)
+    else:
+        ev = compare.evaluate_sets(export_dir, target_dir, sets, tok, **kw)
     by_category = ", ".join(
         f"{c} {v:.2f}" if v is not None else f"{c} -" for c, v in ev["served_acceptance_by_category"].items()
     )
     say(f"by category: {by_category}; by turn: {ev['served_acceptance_by_turn']}")
-    return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"evaluate": ev}
+    per_set = ev.get("per_set", {})  # every set's served figure, the headline's too
+    for line in set_lines(per_set):
+        say(line)
+    return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"per_set": per_set, "evaluate": ev}
 
 
 def run_evaluate(ctx: NodeContext) -> int:
