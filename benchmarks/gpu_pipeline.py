@@ -1,6 +1,6 @@
 """The pipeline's figures on one CUDA GPU: regeneration, capture against plain prefill, serving.
 
-    python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 256 512]
+    python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 512 1024]
     python benchmarks/gpu_pipeline.py capture [--prompts 512] [--iters 3]
     python benchmarks/gpu_pipeline.py serve   --export runs/local_gpu/export [--k 3]
     python benchmarks/gpu_pipeline.py all     --export runs/local_gpu/export --json OUT.json
@@ -259,7 +259,7 @@ def main() -> int:
     ap.add_argument("part", choices=["regen", "capture", "serve", "all"])
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--capture-prompts", type=int, default=512)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--export", default="")
