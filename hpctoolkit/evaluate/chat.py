@@ -108,7 +108,8 @@ def serve_chats(
 
     Returns `method`, `engine_start_s`, `max_model_len`, `calls` (one per (set, category, turn):
     `set`, `category`, `turn`, `question_ids`, `prompts`, `outputs`, `answers` (the outputs' text),
-    `counters` (its requests' summed), `generate_s` (its share of the turn's batch)) and `counters`
+    `counters` (its requests' summed), `request_counters` (each request's, in `prompts` order),
+    `generate_s` (its share of the turn's batch)) and `counters`
     (what the engine counted over the whole session, which the calls' counters add up to).
     """
     if not sets:
@@ -205,6 +206,8 @@ def _calls_by_group(
                     "outputs": [got["outputs"][i] for i in rows],
                     "answers": [got["answers"][i] for i in rows],
                     "counters": add_counters([got["request_counters"][i] for i in rows]),
+                    # Each request's own, in `prompts` order: the replay is compared with these.
+                    "request_counters": [got["request_counters"][i] for i in rows],
                     "generate_s": got["generate_s"] * share,
                 }
             )

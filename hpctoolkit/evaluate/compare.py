@@ -23,7 +23,9 @@ from hpctoolkit.train.plot import plot_acceptance
 
 CONVENTION = (
     "acceptance_length_incl_bonus = 1 + accepted drafts per verification (EAGLE / vLLM); "
-    "acc_len_excl_bonus = accepted drafts per verification (TorchSpec simulated_acc_len)"
+    "acc_len_excl_bonus = accepted drafts per verification (TorchSpec simulated_acc_len); "
+    "acceptance_length_gap = served on the replayed requests (served_acceptance_length_replayed_requests) "
+    "- simulated (replayed) on them"
 )
 MT_BENCH_CONVENTION = (
     "; on MT-Bench: both turns of every question, each rendered with the target's chat template, "
@@ -38,14 +40,23 @@ SETS_CONVENTION = (
 MT_BENCH = "mt_bench"
 
 
-def _acceptance_keys(served: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
-    """The served and simulated figures every evaluation reports, both incl. the bonus token."""
+def _acceptance_keys(
+    served: dict[str, Any], simulated: dict[str, Any], same: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The served and simulated figures every evaluation reports, both incl. the bonus token.
+
+    `same`: vLLM's counters over exactly the requests the simulation replayed (default: `served`,
+    when it replayed them all). The gap compares those, never two different sets of questions:
+    per-question acceptance varies far more than served and replayed differ."""
+    same = served if same is None else same
     return {
         "served_acceptance_length": served["acceptance_length_incl_bonus"],
+        "served_acceptance_length_replayed_requests": same["acceptance_length_incl_bonus"],
         "simulated_acceptance_length": simulated["acceptance_length_incl_bonus"],
         "simulated_uniform_acceptance_length": simulated["uniform"]["acceptance_length_incl_bonus"],
-        "acceptance_length_gap": served["acceptance_length_incl_bonus"]
+        "acceptance_length_gap": same["acceptance_length_incl_bonus"]
         - simulated["acceptance_length_incl_bonus"],
+        "served_replayed_per_position_acceptance": same["acceptance_rate_per_pos"],
     }
 
 
@@ -178,13 +189,15 @@ def evaluate_sets(
     outputs = [o for c in mine for o in c["outputs"][:n]]
     simulated = simulate(export_dir, target_dir, prompts, outputs, num_speculative_tokens=k, dtype=dtype)
     simulated["num_sequences"] = len(prompts)
+    # vLLM's own counters over those same requests: what the replay is compared with.
+    same = acceptance_from_counters(add_counters([r for c in mine for r in c["request_counters"][:n]]), k)
     served["calls"] = [_call_summary(c, tokenizer.eos_token_id) for c in calls]
     per_set = {name: _set_summary(name, qs, served["calls"]) for name, qs in sets.items()}
     result = {
         "eval_set": headline,
         "num_questions": len(sets[headline]),
         "categories": list(groups["by_category"]),
-        **_acceptance_keys(served, simulated),
+        **_acceptance_keys(served, simulated, same),
         "served_acceptance_by_category": groups["by_category"],
         "served_acceptance_by_turn": groups["by_turn"],
         "per_set": per_set,

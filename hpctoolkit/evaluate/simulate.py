@@ -1,12 +1,22 @@
-# ruff: noqa: N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+# ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """Simulated acceptance: the trainer's own metric, on the tokens vLLM served.
 
 The target is run once more in transformers over prompt + served output to recapture the hidden
-states the engine would capture (aux layers, and the last layer before the final norm); the
-*exported* draft (loaded back from the serving checkpoint, with the target's embedding and head,
-as vLLM shares them) drafts `num_speculative_tokens` tokens from every generated position, and a
-draft counts as accepted while it matches the target's greedy token. Which chains those are is
-the family trainer's `served_chains`. Two averages come out of those chains: `simulated` replays
+states the engine would capture (aux layers); the *exported* draft (loaded back from the serving
+checkpoint, with the target's embedding and head, as vLLM shares them) drafts
+`num_speculative_tokens` tokens from every generated position, and a draft counts as accepted
+while it matches the target's greedy token. Which chains those are is the family trainer's
+`served_chains`.
+
+The target's greedy token at a position is the token vLLM served there (`ServedTokens`): greedy
+speculative decoding is lossless, so each served token is vLLM's own target argmax after the
+served prefix, the very verdict its rejection sampler applied. Judged by the transformers pass's
+argmax instead, a near-tie that pass's kernels break the other way (one token of 240 on the tiny
+target, in bf16 and fp32 alike) flips a chain the engine never saw and shifts the replayed
+schedule after it. The transformers pass gives the draft its context and the `k` greedy tokens
+past the output (vLLM's last verifications reach there).
+
+Two averages come out of those chains: `simulated` replays
 vLLM's schedule (the first chain starts at the first generated token, each next one right after
 the previous verification's bonus token), which is what the served number measures;
 `simulated_uniform` averages over every start position, as the trainer's running metric does.
@@ -64,6 +74,26 @@ def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.Path
     return draft.eval(), head
 
 
+class ServedTokens(TargetHead):
+    """A target head whose verdict at each row is a token id the row carries: `rows(seq)` puts
+    `seq[t + 1]` at row `t`, and `logits` turns rows back into one-hot logits over the vocabulary.
+    Trainers read the target only through `logits`, so they score the draft against `seq`."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(torch.zeros(vocab_size, 1), torch.ones(1), 0.0)
+
+    @staticmethod
+    def rows(seq: list[int]) -> torch.Tensor:
+        """`[L, 1]` float ids (exact below 2**24): the token after each position (the last repeats)."""
+        nxt = torch.tensor(seq[1:] + seq[-1:], dtype=torch.float32)
+        return nxt.unsqueeze(-1)
+
+    @torch.no_grad()
+    def logits(self, last_NH: torch.Tensor, *, prenorm: bool) -> torch.Tensor:
+        ids = last_NH[..., 0].round().long()
+        return torch.nn.functional.one_hot(ids, self.vocab_size).float()
+
+
 def replay_schedule(matches: torch.Tensor, first: int, last: int) -> list[int]:
     """Accepted drafts per verification when chains are visited as vLLM does.
 
@@ -98,19 +128,19 @@ def _served_stats(
     out: list[int],
     seq: list[int],
     aux: torch.Tensor,
-    last: torch.Tensor,
 ) -> tuple[list[int], StepStats] | None:
     """One served request: accepted drafts per replayed verification, and the uniform stats."""
     P, M, L = len(prompt), len(out), len(seq)
     if M < 2:
         return None
-    chains = trainer_cls.served_chains(draft, head, k, P, M, L)
+    verdict = ServedTokens(head.vocab_size)
+    chains = trainer_cls.served_chains(draft, verdict, k, P, M, L)
     context = aux.permute(1, 0, 2).reshape(1, L, -1)
     with torch.no_grad():
         parts = chains.trainer(
             torch.tensor([seq]),
             context,
-            last.unsqueeze(0),
+            verdict.rows(seq).unsqueeze(0),
             chains.loss_mask_BS,
             torch.tensor([L]),
             last_prenorm=True,
@@ -149,8 +179,8 @@ def simulate(
     states = recapture(target_dir, extended, hf_indices, dtype=served_dtype)
     total = None
     replayed: list[int] = []
-    for prompt, out, seq, (aux, last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
-        got = _served_stats(trainer_cls, draft, head, k, prompt, out, seq, aux, last)
+    for prompt, out, seq, (aux, _last) in zip(prompts_token_ids, outputs, extended, states, strict=True):
+        got = _served_stats(trainer_cls, draft, head, k, prompt, out, seq, aux)
         if got is None:
             continue
         replayed += got[0]

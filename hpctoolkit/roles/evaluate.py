@@ -21,7 +21,7 @@ from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_TRAINER
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
-from hpctoolkit.roles.results import finished, merge_summary
+from hpctoolkit.roles.results import finished, merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 
 # What summary.json carries of a chat-set result, with `per_set` (the rest stays under "evaluate").
@@ -32,6 +32,8 @@ MT_BENCH_HEADLINE = (
     "served_acceptance_by_category",
     "served_acceptance_by_turn",
     "simulated_acceptance_length",
+    "served_acceptance_length_replayed_requests",
+    "acceptance_length_gap",
     "convention",
     "num_speculative_tokens",
     "max_tokens",
@@ -111,6 +113,23 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
     return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"per_set": per_set, "evaluate": ev}
 
 
+def _f(x: object) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "-" if x is None else str(x)
+
+
+def figures_line(ev: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    """Every acceptance figure of the run on one line, each with its convention and k: served
+    (vLLM's counters), replayed against served on the same requests, and the trainer's."""
+    k = ev.get("num_speculative_tokens")
+    n = (ev.get("simulated") or {}).get("num_sequences", ev.get("num_prompts"))
+    return (
+        f"served acceptance length {_f(ev.get('served_acceptance_length'))} at k={k} on {ev.get('eval_set')} "
+        f"(vLLM's counters, incl. bonus); replayed {_f(ev.get('simulated_acceptance_length'))} against served "
+        f"{_f(ev.get('served_acceptance_length_replayed_requests'))} on the same {n} requests (gap "
+        f"{_f(ev.get('acceptance_length_gap'))}); " + trainer_line(summary)
+    )
+
+
 def run_evaluate(ctx: NodeContext) -> int:
     if ROLE_TRAINER in dry_now():
         say(f"dry: the trainers are dry, so there is no export to serve (on {ctx.nodename})")
@@ -140,8 +159,7 @@ def run_evaluate(ctx: NodeContext) -> int:
         tok = AutoTokenizer.from_pretrained(target_dir)
         run = _mt_bench if cfg.evaluate.prompts == "mt_bench" else _held_out
         result |= run(ctx, export_dir, target_dir, tok)
-        ev = result["evaluate"]
-        say(f"served acceptance length {ev.get('served_acceptance_length')} ({ev.get('convention', '')})")
+        say(figures_line(result["evaluate"], summary))
     write_json_atomic(ctx.run.evaluate, result, indent=2)
     merge_summary(ctx.run, result)
     finished(ctx.run)

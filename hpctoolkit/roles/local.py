@@ -27,7 +27,7 @@ from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
-from hpctoolkit.roles.results import merge_summary
+from hpctoolkit.roles.results import merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir, local_run_id
 
@@ -223,6 +223,7 @@ def _summarize(run: RunDir, t0: float) -> dict[str, Any]:
     say(
         f"done in {summary['wall_seconds']}s: {summary.get('samples_read')} samples, "
         f"{summary.get('keys_left_in_store')} keys left in the store, served acceptance length "
-        f"{summary.get('served_acceptance_length')} -> {run.summary} (also {run.latest}/summary.json)"
+        f"{summary.get('served_acceptance_length')} at k={summary.get('served_k')} (vLLM, incl. bonus); "
+        f"{trainer_line(summary)} -> {run.summary} (also {run.latest}/summary.json)"
     )
     return summary

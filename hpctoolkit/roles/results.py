@@ -33,3 +33,29 @@ def trainers_are_last(cfg: RecipeConfig) -> bool:
 def finished(run: RunDir) -> None:
     """The run's last role is done: `<output_dir>/latest` points at this run."""
     run.link_latest()
+
+
+TRAINER_KEYS = ("acceptance_length", "acceptance_depth", "acceptance_length_by_k", "acceptance_convention")
+
+
+def trainer_fields(result: dict[str, Any], served_k: int) -> dict[str, Any]:
+    """The trainer's acceptance figures from its summary (`train.metrics.trainer_figures`), with the
+    one at the k vLLM serves (`evaluate.num_speculative_tokens`) named: `acceptance_length` alone is
+    at the draft's own depth, which may exceed the served k (and its ceiling, k + 1)."""
+    by_k = result.get("acceptance_length_by_k") or {}
+    return {key: result.get(key) for key in TRAINER_KEYS} | {
+        "served_k": served_k,
+        "acceptance_length_at_served_k": by_k.get(str(served_k)),
+    }
+
+
+def trainer_line(fields: dict[str, Any]) -> str:
+    """The trainer's figures for the terminal, each with its k."""
+    own, depth = fields.get("acceptance_length"), fields.get("acceptance_depth")
+    if own is None:
+        return "trainer acceptance length -"
+    line = f"trainer acceptance length {own:.3f} at its depth k={depth}"
+    at_k, k = fields.get("acceptance_length_at_served_k"), fields.get("served_k")
+    if k is not None and k != depth:
+        line += f", {at_k:.3f} at the served k={k}" if at_k is not None else f", none at the served k={k}"
+    return line + " (own training batches, every start position, incl. bonus)"

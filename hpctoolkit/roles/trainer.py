@@ -25,7 +25,7 @@ from hpctoolkit.roles.context import (
     store_address,
     trainer_env,
 )
-from hpctoolkit.roles.results import finished, trainers_are_last
+from hpctoolkit.roles.results import finished, trainer_fields, trainer_line, trainers_are_last
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
@@ -64,7 +64,7 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
         if preempt.requested():
             return _preempted(ctx, proc, result)
         if proc.node_rank == 0:
-            _finish(ctx, {"recipe": cfg.name, "run_id": ctx.run_id, **_train_fields(result)})
+            _finish(ctx, {"recipe": cfg.name, "run_id": ctx.run_id, **_train_fields(ctx, result)})
         return 0
     return _train_live(ctx, proc)
 
@@ -87,10 +87,10 @@ def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -
     return ledger.PREEMPTED_EXIT
 
 
-def _train_fields(result: dict[str, Any] | None) -> dict[str, Any]:
+def _train_fields(ctx: NodeContext, result: dict[str, Any] | None) -> dict[str, Any]:
     result = result or {}
-    keys = ("steps_trained", "final_loss", "acceptance_length", "supervised_tokens", "export_dir")
-    return {k: result.get(k) for k in keys}
+    keys = ("steps_trained", "final_loss", "supervised_tokens", "export_dir")
+    return {k: result.get(k) for k in keys} | trainer_fields(result, ctx.cfg.evaluate.num_speculative_tokens)
 
 
 def _hosts(ctx: NodeContext, source: Any) -> dict[str, Any]:
@@ -340,7 +340,7 @@ def _live_summary(
         "samples_read": read,
         "bytes_moved": moved,
         "keys_left_in_store": keys_left,
-        **_train_fields(result),
+        **_train_fields(ctx, result),
         "drained_after_s": round(watch.result["at_s"], 1) if "at_s" in watch.result else None,
         "train_wall_seconds": round(time.monotonic() - t0, 1),
         **_hosts(ctx, source),
@@ -361,5 +361,6 @@ def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
         finished(ctx.run)
     say(
         f"trained {summary.get('steps_trained')} steps on {summary.get('samples_read')} samples; "
-        f"final loss {summary.get('final_loss')}; keys left in store {summary.get('keys_left_in_store')}"
+        f"final loss {summary.get('final_loss')}; keys left in store {summary.get('keys_left_in_store')}; "
+        + trainer_line(summary)
     )

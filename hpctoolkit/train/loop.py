@@ -24,7 +24,7 @@ from hpctoolkit.train.batch import collate
 from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, shard_trainer
-from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window
+from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
 from hpctoolkit.train.step import DeviceFeeder, LaunchedStep, launch
@@ -436,8 +436,7 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
         "steps_this_run": run.steps_this_run,
         "resumed_from_step": run.start_step,
         "final_loss": run.last_stats.loss if run.last_stats else None,
-        "acceptance_length": total.acceptance_length_incl_bonus() if total else None,
-        "acceptance_convention": "acceptance_length includes the +1 bonus token (EAGLE / vLLM convention)",
+        **trainer_figures(total),  # acceptance_length at the draft's depth, and at every k
         "train_tokens_per_s": run.tokens_total / max(wall, 1e-9),
         # Tokens the loss could be computed on (loss mask 1), over every rank, this invocation.
         "supervised_tokens": int(run.supervised_total),

@@ -115,6 +115,32 @@ class Window:
         return out
 
 
+TRAINER_CONVENTION = (
+    "trainer figures: the draft on its own training batches (the last train_window_steps steps), "
+    "a chain from every supervised start position (not vLLM's schedule), incl. the +1 bonus token "
+    "(EAGLE / vLLM convention); acceptance_length is at the draft's own depth (acceptance_depth "
+    "drafts: Eagle3 ttt_length, DFlash block_size - 1), acceptance_length_by_k[k] counts only the "
+    "first k drafts of each chain, acceptance_length_at_served_k is that at evaluate's k (compare it "
+    "with served_acceptance_length)"
+)
+
+
+def trainer_figures(total: StepStats | None) -> dict:
+    """The trainer's acceptance figures for a summary, each at a named depth (`TRAINER_CONVENTION`);
+    the one at the served k is picked from `acceptance_length_by_k` where k is known (`roles`)."""
+    by_k = (
+        {}
+        if total is None
+        else {str(k): total.acceptance_length_incl_bonus(k) for k in range(1, total.num_positions + 1)}
+    )
+    return {
+        "acceptance_length": total.acceptance_length_incl_bonus() if total else None,
+        "acceptance_depth": total.num_positions if total else None,
+        "acceptance_length_by_k": by_k,
+        "acceptance_convention": TRAINER_CONVENTION,
+    }
+
+
 class TensorBoardLog:
     """Scalars per step; only the main rank writes."""
 
