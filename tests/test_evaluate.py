@@ -55,7 +55,9 @@ def test_replay_follows_the_verification_schedule():
 
 
 def test_serving_method_from_the_export(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from hpctoolkit.evaluate import serve
+
+    monkeypatch.setattr(serve, "cuda_visible", lambda: False)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
     assert serving_method(tmp_path) == "dflash"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Eagle3Qwen3ForCausalLM"]}))
@@ -63,7 +65,7 @@ def test_serving_method_from_the_export(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
     with pytest.raises(ConfigError, match=r"cannot serve Qwen3DSparkModel on the CPU: .*Triton"):
         serving_method(tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(serve, "cuda_visible", lambda: True)
     assert serving_method(tmp_path) == "dspark"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Nope"]}))
     with pytest.raises(ConfigError, match=r"no draft registered .*known: "):

@@ -11,11 +11,14 @@ fresh process of its own, on the tiny random Qwen3.
   multiprocess engine. Without `VLLM_WORKER_MULTIPROC_METHOD=spawn` from `engine_env` its forked
   EngineCore dies with "Cannot re-initialize CUDA in forked subprocess" (seen at PP=2 on two H200s,
   2026-12-04; on one GPU the same happens to the EngineCore of a multiprocess PP=1 engine).
-* **CUDA graphs change nothing.** Compiled with graphs is bitwise compiled without them
-  (`compilation_config: {cudagraph_mode: NONE}`); eager differs by rounding only (inductor's fused
-  kernels round differently; measured 2026-12-04 on one H200: max_abs 0.125, cos 0.99989), so it
-  is held to `EAGER_COS_MIN`. The trainer's data comes from the compiled engine with graphs: the
-  same kernels that serve the target, so the draft learns the states the verifier computes.
+* **CUDA graphs change rounding only.** Compiled with graphs against compiled without them
+  (`compilation_config: {cudagraph_mode: NONE}`), on one H200 (2026-12-04): bitwise at 1, 7, 64
+  and 300 tokens; at 63, 65, 129 and 500 tokens max_abs 0.03-0.07, cos >= 0.99998 (a graph pads
+  the step's token count to a captured size, and the padded GEMM may run another kernel), held to
+  `GRAPH_COS_MIN`. Eager against compiled: max_abs 0.09-0.18, cos >= 0.99982 (inductor's fused
+  kernels round differently), held to `EAGER_COS_MIN`. The trainer's data comes from the compiled
+  engine with graphs, as `make run` and production start it: the kernels and padding that serve the
+  target, so the draft learns the states the verifier computes.
 * **No stale rows under graphs.** The publish path copies rows on a side stream after an event on
   the forward's stream; the graphs arm captures the same prompts `REPEATS` times in one engine and
   every repeat must equal the first bit for bit (a row read before the graph replay wrote it would
@@ -31,7 +34,6 @@ exported draft with speculative decoding are the CPU suite's tests, marked `gpu`
 from __future__ import annotations
 
 import importlib.metadata
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,8 @@ from hpctoolkit.engine.env import cuda_visible
 
 REPEATS = 8
 EAGER_COS_MIN = 0.999
+GRAPH_COS_MIN = 0.99995
+BITWISE_SHAPES = (1, 7, 64, 300)
 TP_COS_MIN = 0.9999
 
 
@@ -101,13 +105,12 @@ def arms(tiny, master, tmp_path_factory) -> dict[str, tuple[list[dict], dict[str
         "compiled": {},
         "eager": {},
     }
-    # Side by side: each arm takes a fifth of the GPU (conftest), and three starts cost one.
-    with ThreadPoolExecutor(len(modes)) as pool:
-        futures = {
-            mode: pool.submit(spawn_arm, 1, tiny, master.address, work, prompt_ids=_mixed(), mode=mode, **kw)
-            for mode, kw in modes.items()
-        }
-        out = {mode: f.result() for mode, f in futures.items()}
+    # One after another: vLLM sizes its KV cache from the GPU memory that its own profiling run
+    # freed, and an engine starting or leaving beside it makes that figure wrong (it refuses).
+    out = {
+        mode: spawn_arm(1, tiny, master.address, work, prompt_ids=_mixed(), mode=mode, **kw)
+        for mode, kw in modes.items()
+    }
     for name, (_, timing) in out.items():
         print(f"[measure] {name}: {timing}")
     return out
@@ -124,10 +127,14 @@ def test_a_multiprocess_cuda_engine_starts_after_a_cuda_probe(arms):
     assert len(rows) == REPEATS * len(_mixed())
 
 
-def test_graphs_are_bitwise_compiled_without_graphs(arms):
+def test_graphs_round_as_compiled_without_graphs(arms):
+    """Bitwise at the seed's three shapes and one token; elsewhere within `GRAPH_COS_MIN`: graphs
+    pad a step's token count up to a captured size, and the padded GEMM may take another kernel."""
     table = compare(arms["compiled"][0], _first(arms["graphs"][0]), pp=1)
-    bad = [r for r in table if r["max_abs"] != 0]
+    print("graphs vs compiled:", [(r["tokens"], r["tensor"], r["max_abs"], r["cos"]) for r in table])
+    bad = [r for r in table if r["tokens"] in BITWISE_SHAPES and r["max_abs"] != 0]
     assert not bad, bad
+    assert min(r["cos"] for r in table) >= GRAPH_COS_MIN, table
 
 
 def test_eager_is_within_rounding_of_compiled(arms):
