@@ -54,6 +54,6 @@ def test_the_gpu_default_is_sized_for_a_gpu():
     cpu = load_recipe(str(defaults.RECIPES.parent / defaults.CPU_DEFAULT))
     gpu = load_recipe(str(defaults.RECIPES.parent / defaults.GPU_DEFAULT))
     assert gpu.training.device == "cuda"
-    assert gpu.data.num_samples >= 32 * cpu.data.num_samples  # thousands, not 64
+    assert gpu.data.num_samples >= 16 * cpu.data.num_samples  # a thousand and more, not 64
     # One GPU holds the engine and the trainer at once: the engine must leave room.
     assert gpu.engine.extra_args["gpu_memory_utilization"] <= 0.5
