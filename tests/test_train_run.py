@@ -66,6 +66,10 @@ def test_train_from_offline_shards_writes_everything(shards, tmp_path):
     assert summary["final_loss"] > 0 and summary["acceptance_length"] >= 1.0
     m = summary["train_metrics"]
     assert len(m["per_position_accuracy"]) == 3  # block_size 4 -> 3 drafted slots
+    # The trainer's figure is named at its depth, and given at every shallower k too.
+    assert summary["acceptance_depth"] == 3 and list(summary["acceptance_length_by_k"]) == ["1", "2", "3"]
+    assert summary["acceptance_length_by_k"]["3"] == summary["acceptance_length"]
+    assert "own depth" in summary["acceptance_convention"]
     assert m["acceptance_length_incl_bonus"] == pytest.approx(1 + m["simulated_acc_len_excl_bonus"])
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == [
