@@ -180,3 +180,6 @@ except Exception as err:  # a CPU build of torch has no NCCL
 print(f"install_wheelhouse: torch {torch.__version__}, vllm {vllm.__version__}, cuda {cuda}, "
       f"{count} GPU(s): {names}, NCCL {nccl}")
 PY
+
+# 6. make's set-up stamp: `make run VENV=$venv` (and `make test`) take this venv as set up.
+touch "$venv/.hpctoolkit-setup"
