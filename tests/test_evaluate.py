@@ -261,3 +261,29 @@ def test_the_trainer_figure_is_named_at_its_depth_and_at_the_served_k():
     assert deeper["acceptance_length_at_served_k"] is None
     assert "none at the served k=9" in trainer_line(deeper)
     assert trainer_line(trainer_fields({}, 3)) == "trainer acceptance length -"
+
+
+@pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_eagle3"])
+def test_the_replay_judges_each_draft_by_the_token_vllm_served(recipe):
+    """Greedy speculative decoding is lossless: the served token at each position is the target's
+    argmax there as vLLM computed it. The replay scores drafts against those tokens, whatever a
+    second target pass (here a head that always says token 1) would pick."""
+    from pathlib import Path
+
+    from hpctoolkit.evaluate.simulate import _served_stats
+    from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
+    from hpctoolkit.train.target_head import TargetHead
+
+    config = load_draft_config(Path(__file__).resolve().parents[1] / f"recipes/draft_models/{recipe}.json")
+    torch.manual_seed(0)
+    draft = build_draft_model(config).eval()
+    with torch.no_grad():
+        draft.norm.weight.zero_()  # every logit 0: the draft always drafts token 0
+    lm_head = torch.zeros(config.vocab_size, config.target_hidden_size)
+    lm_head[1] = 1.0
+    says_one = TargetHead(lm_head, torch.ones(config.target_hidden_size), 1e-6)
+    k, prompt, out = 3, [0] * 8, [0] * 12
+    seq = prompt + out + [0] * k  # served (and extended) tokens: all 0, as the draft guesses
+    aux = torch.randn(3, len(seq), config.target_hidden_size)  # both recipes read 3 target layers
+    accepted, _ = _served_stats(trainer_class_for(config), draft, says_one, k, prompt, out, seq, aux)
+    assert accepted == [k] * 3  # chains at output 0, 4, 8: every draft accepted
