@@ -3,6 +3,7 @@ masked, and how the target regenerates their responses. See the README's "Traini
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ FORMATS = ("auto", "messages", "sharegpt", "text", "tokens")
 SYSTEM_PROMPT_POLICIES = ("keep", "drop", "default", "replace")
 LOSS_MASKS = ("assistant", "last_assistant", "all")
 MASK_METHODS = ("auto", "template", "prefix")
+MAX_MAGPIE_TURNS = 8
+MAX_MAGPIE_TOKENS = 4096
+MAX_OVERSAMPLE = 20.0
 
 
 @dataclass
@@ -26,8 +30,63 @@ class DataSource:
 
 
 @dataclass
+class MagpieConfig:
+    """`builtin:magpie`: user turns the target writes itself from its chat template's pre-query
+    text (Magpie), then answers through regeneration (`data.synth`; README "Training data")."""
+
+    # User turns a row has; each but the last is answered while synthesizing (data.regenerate_*).
+    turns: int = 1
+    # Sampling of the user turns.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Bounds of a user turn, in target tokens (shorter or longer ones are dropped).
+    min_tokens: int = 4
+    max_tokens: int = 256
+    # Same seed, same rows (each candidate's requests have seeds of their own).
+    seed: int = 0
+    # At most ceil(rows * oversample) candidates are drawn to fill the pool after filtering.
+    oversample: float = 2.0
+    # Word 5-gram Jaccard at or above which a row is a near-duplicate of an earlier one.
+    near_dup: float = 0.7
+    # Word 5-gram containment at or above which a row is a copy of an evaluation question.
+    eval_overlap: float = 0.5
+
+    def validate(self) -> None:
+        require(
+            1 <= self.turns <= MAX_MAGPIE_TURNS,
+            "magpie.turns",
+            f"must lie in 1..{MAX_MAGPIE_TURNS}",
+            self.turns,
+        )
+        require(
+            0 < self.temperature <= 2,
+            "magpie.temperature",
+            "must lie in (0, 2] (the user turns are sampled; 0 would write one turn over and over)",
+            self.temperature,
+        )
+        require(0 < self.top_p <= 1, "magpie.top_p", "must lie in (0, 1]", self.top_p)
+        require(self.min_tokens >= 1, "magpie.min_tokens", "must be >= 1", self.min_tokens)
+        require(
+            self.min_tokens <= self.max_tokens <= MAX_MAGPIE_TOKENS,
+            "magpie.max_tokens",
+            f"must lie in magpie.min_tokens ({self.min_tokens})..{MAX_MAGPIE_TOKENS}",
+            self.max_tokens,
+        )
+        require(self.seed >= 0, "magpie.seed", "must be >= 0", self.seed)
+        require(
+            1 <= self.oversample <= MAX_OVERSAMPLE,
+            "magpie.oversample",
+            f"must lie in [1, {MAX_OVERSAMPLE}]",
+            self.oversample,
+        )
+        require(0 < self.near_dup <= 1, "magpie.near_dup", "must lie in (0, 1]", self.near_dup)
+        require(0 < self.eval_overlap <= 1, "magpie.eval_overlap", "must lie in (0, 1]", self.eval_overlap)
+
+
+@dataclass
 class DataConfig:
     # "builtin:tiny" (plain text built locally), "builtin:chat" (chat prompts built locally; needs
+    # regenerate_tokens), "builtin:magpie" (user turns the target writes, see `magpie`; needs
     # regenerate_tokens), or one JSON/JSONL/Parquet file of rows:
     # {"messages": [{"role", "content"}, ...]} (OpenAI), {"conversations": [{"from", "value"},
     # ...]} (ShareGPT), {"text": ...}, or {"input_ids": [...], "loss_mask": [...]}.
@@ -71,15 +130,24 @@ class DataConfig:
     # Fail the run when more than this fraction of samples had a turn that came back empty or
     # failed (those turns keep the dataset's own response, or none for plain text).
     regenerate_max_bad_fraction: float = 0.0
+    # builtin:magpie's knobs.
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
 
     def validate(self) -> None:
         positive(self, "num_samples", "max_prompt_tokens", "num_proc")
         non_negative(self, "regenerate_tokens")
         paths = [s.path for s in self.sources] or [self.prompts]
-        if "builtin:chat" in paths and not self.regenerate_tokens:
-            raise ConfigError(
-                "data.prompts: builtin:chat holds prompts without answers; set data.regenerate_tokens "
-                "so that the target answers them"
+        for name in ("builtin:chat", "builtin:magpie"):
+            if name in paths and not self.regenerate_tokens:
+                raise ConfigError(
+                    f"data.prompts: {name} holds prompts without answers; set data.regenerate_tokens "
+                    "so that the target answers them"
+                )
+        require(paths.count("builtin:magpie") <= 1, "sources", "names builtin:magpie twice", paths)
+        self.magpie.validate()
+        if "builtin:magpie" not in paths and self.magpie != MagpieConfig():
+            warnings.warn(
+                "data.magpie is set but no data source is builtin:magpie: it has no effect", stacklevel=2
             )
         one_of(self, "format", FORMATS)
         one_of(self, "system_prompt_policy", SYSTEM_PROMPT_POLICIES)

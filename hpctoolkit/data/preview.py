@@ -7,13 +7,18 @@ HF tokenizer directory) and the recipe's `data` settings, and prints the text wi
 spans (loss mask 1) marked: highlighted on a terminal, between `[[` and `]]` otherwise. `--json`
 prints one object per sample, `{"origin", "text", "input_ids", "loss_mask"}`. Regeneration is not
 run: with `data.regenerate_tokens` set the responses shown are the rows' own, which the target's
-replace before capture.
+replace before capture. Except with a `builtin:magpie` source (`data.synth`), whose user turns only
+the target can write: then the target runs here (vLLM on this machine's device), writes the first
+N rows' pool and answers every row, as an engine leader would; its counts go to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
@@ -34,6 +39,38 @@ def marked_text(tok: Any, ids: list[int], mask: list[int], *, color: bool) -> st
     return "".join(out)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _answered(cfg: Any, target: str, n: int) -> list[Any]:
+    """The first `n` rows, `builtin:magpie`'s written and every row answered by the target here."""
+    import dataclasses
+
+    from hpctoolkit.data.prompts import Encoded, chat_spec, load_rows, regenerate_sampling
+    from hpctoolkit.data.synth import report_line
+    from hpctoolkit.engine.regenerate import regenerate
+
+    d = cfg.data
+    rows = load_rows(d, n)
+    spec = dataclasses.asdict(chat_spec(d))
+    with _stdout_to_stderr():  # vLLM logs to stdout, which holds the samples
+        out = regenerate(
+            target, rows, spec, regenerate_sampling(d), d.max_prompt_tokens, cfg.engine.max_model_len
+        )
+    print(report_line(out["synthesized"]), file=sys.stderr)
+    return [Encoded(list(s["input_ids"]), list(s["loss_mask"]), s["origin"]) for s in out["samples"]]
+
+
 def main(argv: list[str]) -> int:
     ap = parser("hpctoolkit.data.preview", __doc__)
     ap.add_argument("recipe")
@@ -48,7 +85,8 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from hpctoolkit.config.load import compose
-    from hpctoolkit.data.prompts import load_samples
+    from hpctoolkit.data.prompts import load_samples, sources_of
+    from hpctoolkit.data.synth import SOURCE
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = compose(args.recipe, args.overrides)
@@ -56,8 +94,10 @@ def main(argv: list[str]) -> int:
     if not target.is_dir():
         raise ConfigError(f"paths.target_model: {target} is not a directory")
     tok = AutoTokenizer.from_pretrained(str(target))
-    samples = load_samples(cfg.data, tok, min(args.n, cfg.data.num_samples))
-    if cfg.data.regenerate_tokens and not args.json:
+    n = min(args.n, cfg.data.num_samples)
+    answered = any(src.path == SOURCE for src in sources_of(cfg.data))
+    samples = _answered(cfg, str(target), n) if answered else load_samples(cfg.data, tok, n)
+    if cfg.data.regenerate_tokens and not args.json and not answered:
         print(
             "note: data.regenerate_tokens is set; the target's responses replace these before capture",
             file=sys.stderr,

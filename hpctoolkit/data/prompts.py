@@ -4,7 +4,8 @@
 into `{"input_ids", "loss_mask"}`; `load_samples` does both (tokenization runs as a `datasets`
 map over the file, so it is cached and runs on `data.num_proc` processes). A builtin set
 (`builtin:tiny`) is plain text built locally; `builtin:chat` (`data.builtin_chat`) is chat prompts
-built locally, which the target answers (regeneration).
+built locally, which the target answers (regeneration); `builtin:magpie` (`data.synth`) is placeholder
+rows whose user turns the target writes itself in the regeneration child.
 
 Mixing: source `i` of weight `w_i` contributes `round(num * w_i / sum(w))` rows (largest
 remainder, ties to the earlier source), its first ones; a source with fewer rows is an error.
@@ -23,7 +24,7 @@ from hpctoolkit.data.template import ChatSpec, encode_chat, prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.testing.tiny_target import CORPUS
 
-BUILTINS = ("builtin:tiny", "builtin:chat")
+BUILTINS = ("builtin:tiny", "builtin:chat", "builtin:magpie")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,16 @@ def chat_spec(cfg: DataConfig) -> ChatSpec:
     )
 
 
+def regenerate_sampling(cfg: DataConfig) -> dict[str, Any]:
+    """`engine.regenerate.Sampling`'s fields from the recipe's `data.regenerate_*`."""
+    return {
+        "max_new_tokens": cfg.regenerate_tokens,
+        "temperature": cfg.regenerate_temperature,
+        "top_p": cfg.regenerate_top_p,
+        "seed": cfg.regenerate_seed,
+    }
+
+
 def sources_of(cfg: DataConfig) -> list[DataSource]:
     if cfg.sources:
         return list(cfg.sources)
@@ -87,6 +98,11 @@ def _source_rows(src: DataSource, n: int, cfg: DataConfig, seed: int) -> Any:
             from hpctoolkit.data.builtin_chat import chat_rows
 
             return chat_rows(n, seed)
+        if src.path == "builtin:magpie":
+            from hpctoolkit.data.synth import placeholder_rows
+
+            # Its seed is its own (data.magpie.seed); a pool of this source's share.
+            return placeholder_rows(n, cfg.magpie)
         return [
             {
                 "kind": "text",
@@ -128,10 +144,19 @@ def _clean(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
+def _refuse_unsynthesized(row: dict[str, Any]) -> None:
+    if row["kind"] == "synth":
+        raise ConfigError(
+            f"data: {row.get('origin', '')}: the target writes this row while regenerating; it has "
+            "no text before (set data.regenerate_tokens; evaluate with evaluate.prompts=mt_bench)"
+        )
+
+
 def encode_row(row: dict[str, Any], tok: Any, spec: ChatSpec, max_tokens: int) -> Encoded:
     """One normalised row -> ids and mask, cut to `max_tokens`. Raises naming the row."""
     origin = row.get("origin", "")
     kind = row["kind"]
+    _refuse_unsynthesized(row)
     if kind == "chat":
         msgs = _clean(row["messages"])
         try:
@@ -198,6 +223,7 @@ def load_samples(cfg: DataConfig, tok: Any, num: int, *, offset: int = 0, seed: 
 def row_prompt_ids(row: dict[str, Any], tok: Any, spec: ChatSpec, max_tokens: int) -> list[int]:
     """What the target should answer for a row: the history before its last assistant turn (or the
     whole conversation) with the generation prompt; a text row as it is."""
+    _refuse_unsynthesized(row)
     if row["kind"] == "chat":
         msgs = _clean(row["messages"])
         last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))

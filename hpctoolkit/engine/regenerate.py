@@ -3,7 +3,8 @@
 A draft is judged on the target's own outputs, so it should be trained on them. For a chat row
 every assistant turn is replaced, in order, by the target's response to the regenerated history
 (`render(messages[:i], add_generation_prompt=True)`); a row that ends in a user turn gets one
-more assistant turn. A plain-text row becomes `prompt + continuation`, supervised on the
+more assistant turn (a row's first `answered` assistant turns, already the target's own
+(`data.synth`), are kept). A plain-text row becomes `prompt + continuation`, supervised on the
 continuation only. Pre-tokenized rows are captured as given.
 
 Turns are generated in rounds (round `r`: the `r`-th assistant turn of every row that has one),
@@ -124,7 +125,11 @@ def regenerate_rows(
         note(n, got, _content(tok, body, eot))
         text_out[n] = body
     # Chats: round r regenerates the r-th assistant turn of every conversation that has one.
-    turn_index = {n: [i for i, m in enumerate(msgs) if m["role"] == "assistant"] for n, msgs in convs.items()}
+    # A row's first `answered` assistant turns are the target's own already (`data.synth`).
+    turn_index = {
+        n: [i for i, m in enumerate(msgs) if m["role"] == "assistant"][int(rows[n].get("answered") or 0) :]
+        for n, msgs in convs.items()
+    }
     for r in range(max((len(v) for v in turn_index.values()), default=0)):
         jobs = [
             (n, r, prompt_ids(tok, convs[n][: idx[r]], spec)) for n, idx in turn_index.items() if r < len(idx)
@@ -326,13 +331,24 @@ def vllm_generator(
 
     llm = LLM(**generator_llm_kwargs(target_dir, sampling.seed, max_model_len, llm_kwargs))
 
-    def generate(prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Generated]:
+    def generate(
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        seeds: list[int],
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[Generated]:
+        # The overrides are the synthesized user turns' sampling (`data.synth`).
+        temp = sampling.temperature if temperature is None else temperature
         params = [
             SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
+                temperature=temp,
+                top_p=sampling.top_p if top_p is None else top_p,
                 max_tokens=m,
-                seed=s if sampling.temperature > 0 else None,
+                seed=s if temp > 0 else None,
+                stop_token_ids=stop_token_ids,
                 detokenize=False,
             )
             for m, s in zip(max_tokens, seeds, strict=True)
@@ -384,16 +400,20 @@ def regenerate(
     llm_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Child-process entry: `{"samples": [...], "report": {...}}` (JSON-native)."""
+    """Child-process entry: `{"samples": [...], "report": {...}, "synthesized": {...} | None}`
+    (JSON-native); `builtin:magpie` rows are written by the target first (`data.synth`)."""
     from transformers import AutoTokenizer
 
+    from hpctoolkit.data.synth import Limits, fill_rows
     from hpctoolkit.data.template import ChatSpec
 
     chat = ChatSpec(**{**spec, "end_of_turn_tokens": tuple(spec.get("end_of_turn_tokens", ()))})
     samp = Sampling(**sampling)
     tok = AutoTokenizer.from_pretrained(target_dir)
     gen = vllm_generator(target_dir, samp, max_model_len, llm_kwargs, env)
+    limits = Limits(samp.max_new_tokens, max_prompt_tokens, max_model_len)
+    rows, synthesized = fill_rows(rows, tok, chat, gen, limits)  # type: ignore[arg-type]
     samples, report = regenerate_rows(
         rows, tok, chat, gen, samp, max_prompt_tokens=max_prompt_tokens, max_model_len=max_model_len
     )
-    return {"samples": samples, "report": report.to_dict()}
+    return {"samples": samples, "report": report.to_dict(), "synthesized": synthesized}

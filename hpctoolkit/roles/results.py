@@ -25,6 +25,19 @@ def merge_summary(run: RunDir, fields: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def synthesized_fields(run: RunDir) -> dict[str, Any]:
+    """`{"data": {"synthesized": ...}}` when the engines wrote `builtin:magpie` rows (their
+    `logs/synth-engine<i>.json`: every engine synthesizes the same pool, so engine 0's counts,
+    with `engines_agree` false should another engine's differ), else nothing."""
+    found = [read_json(p) for p in sorted(run.logs.glob("synth-engine*.json"))]
+    reports: list[dict[str, Any]] = [r for r in found if isinstance(r, dict)]
+    if not reports:
+        return {}
+    keys = ("rows", "candidates", "kept", "dropped")
+    agree = all({k: r.get(k) for k in keys} == {k: reports[0].get(k) for k in keys} for r in reports)
+    return {"data": {"synthesized": {**reports[0], "engines_agree": agree}}}
+
+
 def trainers_are_last(cfg: RecipeConfig) -> bool:
     """Whether trainer rank 0 is the run's last role (no evaluate role follows it)."""
     return not cfg.evaluate.enabled

@@ -25,7 +25,13 @@ from hpctoolkit.roles.context import (
     store_address,
     trainer_env,
 )
-from hpctoolkit.roles.results import finished, trainer_fields, trainer_line, trainers_are_last
+from hpctoolkit.roles.results import (
+    finished,
+    synthesized_fields,
+    trainer_fields,
+    trainer_line,
+    trainers_are_last,
+)
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
@@ -344,6 +350,7 @@ def _live_summary(
         "drained_after_s": round(watch.result["at_s"], 1) if "at_s" in watch.result else None,
         "train_wall_seconds": round(time.monotonic() - t0, 1),
         **_hosts(ctx, source),
+        **synthesized_fields(ctx.run),
     }
     if published is None or read != published:
         # Not an error (training.steps may end before one pass), but never silent.
