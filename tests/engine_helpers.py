@@ -178,7 +178,40 @@ def scenario_master_killed(args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {"capture": scenario_capture, "master_killed": scenario_master_killed}
+def scenario_abort(args: dict[str, Any]) -> dict[str, Any]:
+    """A request aborted part-way through its prefill, then an ordinary capture: the store's keys.
+
+    The long prompt is added to vLLM's engine directly and stepped once (its first prefill chunk
+    runs, so the connector has rows of it), then aborted; the engine steps on until it has nothing
+    left. The capture after it proves the engine still works and names the only sample that may be
+    in the store."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hpctoolkit.store.mooncake import list_keys_via_master
+
+    eng = _engine(args)
+    engine = eng._llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    long, short = args["prompts"]
+    engine.add_request("aborted-request", TokensPrompt(prompt_token_ids=long), params)
+    steps = 0
+    for _ in range(args.get("steps_before_abort", 1)):
+        engine.step()
+        steps += 1
+    engine.abort_request(["aborted-request"])
+    while engine.has_unfinished_requests() and steps < 50:
+        engine.step()
+        steps += 1
+    (m,) = eng.capture([short])
+    time.sleep(args.get("settle_s", 2.0))  # a late publish would land by now
+    keys = list_keys_via_master(args["metrics_address"])
+    eng.shutdown()
+    named = sorted([m.input_ids.key, *(f.key for f in m.fragments)])
+    return {"keys": keys, "captured_keys": named, "steps": steps}
+
+
+SCENARIOS = {"capture": scenario_capture, "master_killed": scenario_master_killed, "abort": scenario_abort}
 
 
 def main() -> int:

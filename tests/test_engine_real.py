@@ -256,3 +256,25 @@ def test_master_killed_mid_run_raises_store_error_promptly(tiny_qwen3, tmp_path,
     assert "StoreError" in result["error_mro"], result
     assert "EngineDeadError" not in result["message"] and "timed out" not in result["message"]
     assert result["seconds_after_kill"] < 30, result
+
+
+@pytest.mark.slow
+@pytest.mark.gpu  # and in the GPU tier, on a CUDA engine
+@pytest.mark.timeout(300)
+def test_a_request_aborted_mid_prefill_leaves_no_fragment(tiny_qwen3, tmp_path):
+    """Aborted after its first 64-token prefill chunk of 300: nothing of it reaches the store, and
+    the engine captures the next prompt as usual (its sample is all the store holds)."""
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.master import launch_master
+
+    with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
+        args = _engine_args(tiny_qwen3, master.address, tmp_path, dtype="bfloat16")
+        args["prompts"] = random_prompts([300, 20], 4321)
+        args["metrics_address"] = master.metrics_address
+        log = tmp_path / "engine.log"
+        result = finish(spawn("abort", args, log), tmp_path / "result.json", log, timeout_s=280)
+    print(f"\n[measure] abort mid-prefill: {json.dumps(result)}")
+    assert "crashed" not in result, (result.get("traceback"), tail(log))
+    assert result["keys"], "the capture after the abort published nothing"
+    strays = sorted(set(result["keys"]) - set(result["captured_keys"]))
+    assert strays == [], strays
