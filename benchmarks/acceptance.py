@@ -1,9 +1,19 @@
 """Served acceptance on MT-Bench against training tokens, DFlash and Eagle3, on the embedded default.
 
     .venv/bin/python benchmarks/acceptance.py                       # the default sweep (hours on 2 cores)
+    python benchmarks/acceptance.py --ladder                        # the GPU ladder (one CUDA GPU)
+    python benchmarks/acceptance.py --ladder --points 4096:3000 --families dflash   # one rung
     .venv/bin/python benchmarks/acceptance.py --points 128:400,512:1600 --families dflash
     .venv/bin/python benchmarks/acceptance.py --out runs/acceptance --plot acceptance.png
     .venv/bin/python benchmarks/acceptance.py --no-run                  # table and plot of what ran
+
+`--ladder` is the acceptance ladder on one GPU: the GPU default (`recipes/local_gpu.yaml`) on
+conversations the target writes itself (`data.prompts=builtin:magpie`, one user turn sampled from
+its template's pre-query text, then answered greedy), rungs `LADDER_POINTS` (1k to 32k
+conversations), served at k=3 on MT-Bench and HumanEval. Per rung it adds the trainer's wall time
+and the GPU-seconds (the job's wall time on its one GPU), and the plot gets a line per family and
+set. Not run yet: the GPU time of 2026-12-04 went to the pipeline's first run (`make run` on one
+H200: 1024 `builtin:chat` conversations x 1000 steps served 1.27 on MT-Bench, 1.29 on HumanEval).
 
 Each point is one whole `make run` job (`python -m hpctoolkit.submit recipes/local.yaml`): the
 target (SmolLM2-135M-Instruct) answers `N` locally built chat prompts, the draft trains `S`
@@ -95,6 +105,20 @@ FAMILIES = {
     "eagle3": ("recipes/draft_models/smollm2_eagle3.json", ["training.init_layers_from_target=[]"]),
 }
 DEFAULT_POINTS = "64:200,128:400,256:800,512:1600,1024:3200"
+# The GPU ladder: conversations x steps (batch 16). Rungs past 8k conversations train one pass:
+# more replays the first pass from a local spool bounded by the longest samples (16384 of up to
+# 4.5 MiB is 72 GiB, more than the H200 machine's 64 GiB disk).
+LADDER_POINTS = "1024:1000,4096:2048,16384:1024,32768:2048"
+LADDER_OVERRIDES = [
+    "data.prompts=builtin:magpie",
+    "data.regenerate_tokens=512",
+    "data.max_prompt_tokens=512",
+    "engine.max_model_len=1280",
+    # Every sample of a rung in the segment (about 2400 of the longest in 8 GB): capture never waits.
+    "store.global_segment_size=64GB",
+    "evaluate.sets=[mt_bench,human_eval]",
+    "training.spool_max_size=40GB",
+]
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -107,14 +131,16 @@ def parse_points(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_point(family: str, samples: int, steps: int, out: Path, extra: list[str]) -> dict[str, Any]:
+def run_point(
+    family: str, samples: int, steps: int, out: Path, extra: list[str], recipe: str = "recipes/local.yaml"
+) -> dict[str, Any]:
     """One job; its summary (read back when an earlier sweep ran it already)."""
     root = out / f"{family}-{samples}x{steps}"
     done = root / "latest" / "summary.json"
     if done.is_file():
         return json.loads(done.read_text())
     cmd = [
-        sys.executable, "-m", "hpctoolkit.submit", "recipes/local.yaml",
+        sys.executable, "-m", "hpctoolkit.submit", recipe,
         f"paths.output_dir={root}", f"draft.config={FAMILIES[family][0]}", *FAMILIES[family][1],
         f"data.num_samples={samples}", f"training.steps={steps}",
         f"training.checkpoint_every={max(steps // 2, 1)}", *extra,
@@ -139,21 +165,30 @@ def row(family: str, samples: int, steps: int, s: dict[str, Any]) -> dict[str, A
         "supervised_tokens": s.get("supervised_tokens"),
         "served": s.get("served_acceptance_length"),
         "by_category": s.get("served_acceptance_by_category") or {},
-        "simulated_by_trainer": s.get("acceptance_length"),
+        "simulated_by_trainer": s.get("acceptance_length_at_served_k", s.get("acceptance_length")),
         "wall_s": s.get("wall_seconds"),
+        "train_s": s.get("train_wall_seconds"),
+        # One GPU holds the whole job (the GPU default), so its GPU-seconds are its wall time.
+        "gpu_s": s.get("wall_seconds") if s.get("recipe") == "local_gpu" else None,
+        "per_set": {k: v.get("served_acceptance_length") for k, v in (s.get("per_set") or {}).items()},
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "family  samples  steps  sup.tokens  served  min-max by category  trainer-sim  wall s"
+    head = (
+        "family  samples  steps  sup.tokens  served  min-max by category  trainer-sim  human_eval"
+        "  train s  gpu s  wall s"
+    )
     lines = [head]
     for r in rows:
         cats = list(r["by_category"].values())
         spread = f"{min(cats):.2f}-{max(cats):.2f}" if cats else "-"
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        he = (r.get("per_set") or {}).get("human_eval")
         lines.append(
             f"{r['family']:<7} {r['samples']:>7} {r['steps']:>6} {r['supervised_tokens'] or 0:>11} "
-            f"{fmt(r['served']):>7} {spread:>20} {fmt(r['simulated_by_trainer']):>12} {r['wall_s'] or 0:>7}"
+            f"{fmt(r['served']):>7} {spread:>20} {fmt(r['simulated_by_trainer']):>12} {fmt(he):>11} "
+            f"{r.get('train_s') or '-':>8} {r.get('gpu_s') or '-':>6} {r['wall_s'] or 0:>7}"
         )
     return "\n".join(lines)
 
@@ -165,16 +200,21 @@ def plot(rows: list[dict[str, Any]], path: Path, k: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    sets = sorted({name for r in rows for name in r.get("per_set") or {}}) or ["mt_bench"]
     for family in FAMILIES:
-        pts = sorted(
-            (r["supervised_tokens"], r["served"]) for r in rows if r["family"] == family and r["served"]
-        )
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
+        for name in sets:
+            pts = sorted(
+                (r["supervised_tokens"], (r.get("per_set") or {}).get(name, r["served"]))
+                for r in rows
+                if r["family"] == family and r["served"]
+            )
+            if pts:
+                label = family if len(sets) == 1 else f"{family}, {name}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("supervised tokens trained on, over all steps (the target's own answers)")
-    ax.set_ylabel(f"served acceptance length on MT-Bench (incl. bonus, k={k})")
-    ax.set_title("SmolLM2-135M-Instruct drafts, vLLM-CPU, 80 questions x 2 turns")
+    ax.set_ylabel(f"served acceptance length (incl. bonus, k={k})")
+    ax.set_title("SmolLM2-135M-Instruct drafts served by vLLM")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -183,7 +223,16 @@ def plot(rows: list[dict[str, Any]], path: Path, k: str) -> None:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--points", default=DEFAULT_POINTS, help="SAMPLES:STEPS,... (default %(default)s)")
+    ap.add_argument(
+        "--points",
+        default=None,
+        help=f"SAMPLES:STEPS,... (default {DEFAULT_POINTS}; --ladder: {LADDER_POINTS})",
+    )
+    ap.add_argument(
+        "--ladder",
+        action="store_true",
+        help="the GPU ladder: recipes/local_gpu.yaml on builtin:magpie conversations, MT-Bench and HumanEval",
+    )
     ap.add_argument("--families", default="dflash,eagle3", help="of " + ",".join(FAMILIES))
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "acceptance")
     ap.add_argument("--plot", type=Path, default=None, help="default: OUT/acceptance.png")
@@ -194,13 +243,16 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every point (key=value)")
     args = ap.parse_args(argv)
+    points = args.points or (LADDER_POINTS if args.ladder else DEFAULT_POINTS)
+    recipe = "recipes/local_gpu.yaml" if args.ladder else "recipes/local.yaml"
+    overrides = (LADDER_OVERRIDES if args.ladder else []) + list(args.overrides)
     families = args.families.split(",")
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}; known: {sorted(FAMILIES)}")
     rows = []
     for family in families:
-        for samples, steps in parse_points(args.points):
+        for samples, steps in parse_points(points):
             if (
                 args.no_run
                 and not (args.out / f"{family}-{samples}x{steps}" / "latest" / "summary.json").is_file()
@@ -211,14 +263,12 @@ def main(argv: list[str]) -> int:
                 continue
             print(f"[acceptance] {family} {samples} samples x {steps} steps ...", flush=True)
             rows.append(
-                row(family, samples, steps, run_point(family, samples, steps, args.out, args.overrides))
+                row(family, samples, steps, run_point(family, samples, steps, args.out, overrides, recipe))
             )
             print(table(rows[-1:]).splitlines()[1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance.json").write_text(json.dumps(rows, indent=2) + "\n")
-    k = next(
-        (o.split("=", 1)[1] for o in args.overrides if o.startswith("evaluate.num_speculative_tokens=")), "3"
-    )
+    k = next((o.split("=", 1)[1] for o in overrides if o.startswith("evaluate.num_speculative_tokens=")), "3")
     path = args.plot or args.out / "acceptance.png"
     plot(rows, path, k)
     print(table(rows))
