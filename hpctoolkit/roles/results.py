@@ -10,6 +10,7 @@ evaluate. A run whose evaluation failed or never ran keeps its summary but does 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from hpctoolkit.config.schema import RecipeConfig
@@ -62,7 +63,7 @@ def trainer_fields(result: dict[str, Any], served_k: int) -> dict[str, Any]:
     }
 
 
-def trainer_line(fields: dict[str, Any]) -> str:
+def trainer_line(fields: Mapping[str, Any]) -> str:
     """The trainer's figures for the terminal, each with its k."""
     own, depth = fields.get("acceptance_length"), fields.get("acceptance_depth")
     if own is None:
