@@ -39,7 +39,6 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
-from hpctoolkit.slurm.render import render_sbatch
 from hpctoolkit.slurm.tasks import tasks_per_node
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
@@ -72,16 +71,6 @@ def submit_sbatch(
     if not m:
         raise RuntimeError(f"sbatch printed no job id: {out!r}")
     return m.group(1)
-
-
-def submit_batch_script(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> str:
-    """The shell path: render the run's batch script, keep a copy in the output folder, submit it
-    from here with `sbatch`; return the job id."""
-    text = render_sbatch(cfg, plan, recipe_path=recipe_path, overrides=overrides)
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "job.sbatch").write_text(text)
-    return submit_sbatch(text, Path.cwd())
 
 
 # From the trainers' end record to the job's end: the engines' shutdown (vLLM's own, then ours, at
