@@ -85,6 +85,28 @@ Five times the samples and steps: +0.10 served, +0.76 on the training data. The 
 rises about 0.04 a doubling of supervised tokens on this machine's curve, in line with the AVX2
 points above; the first speculative position's acceptance doubles (8.5 % -> 17.2 %) while the
 second stays under 2 %.
+
+Why the second position (2026-12-04, issue 32 item 4; AMX, bf16, `make run`'s 64 x 200 data, the
+same 64 regenerated rows for both drafts; served on MT-Bench's first two questions of each category,
+both turns, 32 requests, 64 tokens, k = 3, then each request replayed by our trainer's code):
+
+| DFlash draft      | trainer, own data: accuracy / chains reaching (%) | served per position (%) | replayed (%)       | served / replayed |
+|-------------------|----------------------------------------------------|-------------------------|--------------------|-------------------|
+| 1 layer (before)  | 25.1, 21.0, 14.0 / 25.1, 3.5, 0.3 (1.29)           | 8.86, 0.40, 0.06        | 8.73, 0.34, 0.06   | 1.093 / 1.091     |
+| 2 layers (now)    | 35.3, 23.6, 18.5 / 35.3, 8.8, 3.0 (1.47)           | 11.22, 0.58, 0.00       | 11.16, 0.64, 0.00  | 1.118 / 1.118     |
+
+Not a train/serve mismatch: vLLM and the replay agree at every position (within 0.13 points),
+and vLLM's `qwen3_dflash.py` / `v1/spec_decode/dflash.py` lay the block out as
+`models/dflash/layout.py` does (the bonus token then k mask tokens at positions P .. P+k,
+non-causal within the block; context K/V from `hidden_norm(fc(target states))` at positions < P,
+the states of `target_layer_ids + 1`, before the final norm; k_norm and RoPE at the context
+positions). The recipe was the limit: with one decoder layer a block's slots read only each other's
+inputs (the same mask embedding at other positions), never each other's predictions, so slot 2
+guesses token a+2 without knowing slot 1's guess. On its own training data the one-layer draft's
+slot 2 is right 21 % of the time but on the same chains as slot 1 only 3.5 % (5.3 % if they were
+independent); with two layers 8.8 % (8.3 % independent), and 1.29 -> 1.47 at k = 3 on the same data
+and steps; served 1.093 -> 1.118. On MT-Bench slot 2 alone is right 7.4-7.7 % of the time with
+either draft (every start position), so what remains is data: 64 narrow conversations.
 """
 
 from __future__ import annotations
