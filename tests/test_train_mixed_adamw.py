@@ -105,7 +105,10 @@ def test_the_one_rank_step_with_mixed_adamw_is_the_plain_one(ctx):
     _, opt_p, losses_p, norms_p, _ = _steps(ctx, batches, mixed=False)
     _, opt_m, losses_m, norms_m, _ = _steps(ctx, batches, mixed=True)
     assert losses_m[0] == losses_p[0]
-    assert losses_m == pytest.approx(losses_p, rel=1e-3) and norms_m == pytest.approx(norms_p, rel=1e-3)
+    # Later steps differ by bf16 roundings (the twins of weights one fp32 rounding apart may round
+    # differently): a few bf16 ulps (2^-8 = 3.9e-3). Measured on a 2-core EPYC with AVX512-BF16
+    # (2026-12-04): the third gradient norm 3.3e-3 apart, the losses within 1e-3.
+    assert losses_m == pytest.approx(losses_p, rel=1e-3) and norms_m == pytest.approx(norms_p, rel=1e-2)
     sd_p, sd_m = opt_p.state_dict(), opt_m.state_dict()
     assert sd_m["state"].keys() == sd_p["state"].keys()
     for k, s in sd_p["state"].items():
