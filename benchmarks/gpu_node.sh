@@ -30,11 +30,13 @@ stage_install() {
 }
 
 stage_tier() {
+  # Only the modules that hold gpu-marked tests: collecting the others imports them all, and a
+  # vLLM-CPU module's import-time settings would reach every CUDA engine of the run.
+  local files
+  mapfile -t files < <(grep -l 'mark\.gpu' tests/test_*.py)
   # One test at a time: vLLM refuses to start while another engine frees memory beside it.
   timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
-    --junitxml "$res/tier.xml" tests/test_gpu_vllm.py tests/test_real_target_fidelity.py \
-    tests/test_backpressure.py tests/test_evaluate.py tests/test_publish_gpu.py tests/test_train_gpu.py \
-    tests/test_models_gpu.py
+    --junitxml "$res/tier.xml" "${files[@]}"
 }
 
 stage_run() {
