@@ -31,6 +31,7 @@ from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
+from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, client_store_config, engine_node_args, store_address
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, term_event, wait_reachable
 from hpctoolkit.rundir import ledger
@@ -49,8 +50,7 @@ REGENERATE_LINGER_S = 20.0
 REGENERATED_TIMEOUT_S = 600.0
 
 
-def say(msg: str) -> None:
-    print(f"[hpctoolkit.engine] {msg}", flush=True)
+say = speaker("engine")
 
 
 def _regenerate(

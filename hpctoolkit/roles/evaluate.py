@@ -19,6 +19,7 @@ from typing import Any
 
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_TRAINER
+from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
 from hpctoolkit.roles.results import finished, merge_summary, trainer_line
@@ -40,8 +41,7 @@ MT_BENCH_HEADLINE = (
 )
 
 
-def say(msg: str) -> None:
-    print(f"[hpctoolkit.evaluate] {msg}", flush=True)
+say = speaker("evaluate")
 
 
 def not_served_reason(draft_config: str) -> str | None:

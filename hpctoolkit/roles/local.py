@@ -27,6 +27,7 @@ from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
+from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.results import merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir, local_run_id
@@ -38,8 +39,7 @@ SERVICE_EXIT_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 
 
-def say(msg: str) -> None:
-    print(f"[hpctoolkit] {msg}", flush=True)
+say = speaker()
 
 
 class RoleProcess:

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import Process
+from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
 from hpctoolkit.rundir import ledger
@@ -28,8 +29,7 @@ from hpctoolkit.store.master import resolve_master
 END_POLL_S = 0.5
 
 
-def say(msg: str) -> None:
-    print(f"[hpctoolkit.master] {msg}", flush=True)
+say = speaker("master")
 
 
 def _run_over(ctx: NodeContext) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.plan.placement import Process
+from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import (
     NodeContext,
     client_store_config,
@@ -45,8 +46,7 @@ READ_RECORDS_TIMEOUT_S = 300.0
 PREEMPT_RECORD_WAIT_S = 30.0
 
 
-def say(msg: str) -> None:
-    print(f"[hpctoolkit.trainer] {msg}", flush=True)
+say = speaker("trainer")
 
 
 def engine_share(num_samples: int, num_engines: int, engine: int) -> int:
