@@ -22,3 +22,8 @@ def speaker(role: str | None = None) -> Callable[[str], None]:
         print(f"{prefix} {msg}", flush=True)
 
     return say
+
+
+def echo(name: str, line: str) -> None:
+    """A role's progress line, copied from its log to the launcher's console as `name | line`."""
+    print(f"{name:>9} | {line.rstrip()}", flush=True)

@@ -27,6 +27,7 @@ from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
+from hpctoolkit.roles import console
 from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.results import merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_text_atomic
@@ -61,7 +62,7 @@ class RoleProcess:
             self._log.write(line)
             self._log.flush()
             if line.startswith("[hpctoolkit"):
-                print(f"{self.name:>9} | {line.rstrip()}", flush=True)
+                console.echo(self.name, line)
 
     def poll(self) -> int | None:
         return self.proc.poll()
