@@ -64,6 +64,8 @@ class EvaluateConfig:
     # category, both turns (the replay reruns the target in transformers: minutes on a CPU).
     simulate_per_category: int = 10
     max_tokens: int = 48
+    # Seconds between the `[hpctoolkit.evaluate] questions k/n` lines and `progress/evaluate.json`.
+    progress_every_s: float = 10.0
 
     def validate(self) -> None:
         one_of(self, "prompts", ("held_out", "mt_bench"))
@@ -81,6 +83,7 @@ class EvaluateConfig:
             "max_tokens",
             "questions_per_category",
             "simulate_per_category",
+            "progress_every_s",
         )
         require(
             self.questions_per_category <= 10,

@@ -19,6 +19,7 @@ from hpctoolkit.data.prompts import load_prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.compare import evaluate
 from hpctoolkit.evaluate.sets import set_lines
+from hpctoolkit.figures import figure
 from hpctoolkit.rundir.atomic import write_text_atomic
 from hpctoolkit.targets.resolve import resolve_target
 
@@ -85,12 +86,12 @@ def main(argv: list[str]) -> int:
     if args.out:
         write_text_atomic(args.out, text + "\n")
     print(
-        f"served acceptance length {result['served_acceptance_length']:.3f}, simulated "
-        f"{result['simulated_acceptance_length']:.3f} (both incl. bonus; k={args.num_speculative_tokens})"
+        f"served acceptance length {figure(result['served_acceptance_length'])}, simulated "
+        f"{figure(result['simulated_acceptance_length'])} (both incl. bonus; k={args.num_speculative_tokens})"
     )
     print(text)
     for category, value in (result.get("served_acceptance_by_category") or {}).items():
-        print(f"  {category:<11} {value:.3f}")
+        print(f"  {category:<11} {figure(value)}")
     for line in set_lines(result.get("per_set") or {}):
         print(f"  {line}")
     return 0

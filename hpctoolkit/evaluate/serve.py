@@ -12,18 +12,25 @@ draft is set to NaN before loading and checked after the engine is up (after vLL
 embedding and head it shares from the target): a parameter still NaN was never loaded, and
 evaluation fails with its name.
 
+While `reporting(on_done)` is active, every `generate` call tells `on_done(n)` as its requests
+finish (vLLM's progress-bar hook), so the evaluate role can count questions served however the
+calls nest (`evaluate`, `serve_chats`) without a callback in each signature.
+
 A family whose record names a `cpu_unservable` reason (DSpark: vLLM 0.32 serves it only in its
 V2 model runner, which needs Triton) is refused when no GPU is present.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import gc
 import importlib
+import io
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,36 @@ from hpctoolkit.config.precision import auto_engine_dtype
 from hpctoolkit.engine.env import cuda_visible, detect_backend, gpu_memory_share
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.models.families import serving_for
+
+_ON_DONE: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
+    "hpctoolkit_serve_on_done", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting(on_done: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, `ServingSession.generate` calls `on_done(n)` as `n` requests finish."""
+    token = _ON_DONE.set(on_done)
+    try:
+        yield
+    finally:
+        _ON_DONE.reset(token)
+
+
+def _counting_bar(on_done: Callable[[int], None]) -> Callable[..., Any]:
+    """A tqdm class for `LLM.generate(use_tqdm=...)` that draws nothing and counts into `on_done`."""
+    from tqdm import tqdm
+
+    class CountingBar(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "file": io.StringIO(), "mininterval": 3600.0})
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            on_done(int(n or 0))
+            return shown
+
+    return CountingBar
 
 
 def serving_method(export_dir: str | os.PathLike) -> str:
@@ -300,7 +337,9 @@ class ServingSession:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         t0 = time.monotonic()
         outs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts_token_ids],
+            params,
+            use_tqdm=False if (on_done := _ON_DONE.get()) is None else _counting_bar(on_done),
         )
         generate_s = time.monotonic() - t0
         now = self.counters()

@@ -12,6 +12,7 @@ from typing import Any
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate import human_eval, mt_bench
 from hpctoolkit.evaluate.mt_bench import Question
+from hpctoolkit.figures import figure
 
 
 def _mt_bench(questions_per_category: int) -> list[Question]:
@@ -46,6 +47,5 @@ def set_lines(per_set: Mapping[str, Mapping[str, Any]]) -> list[str]:
     lines = []
     for name, s in per_set.items():
         v = s["served_acceptance_length"]
-        figure = "-" if v is None else f"{v:.3f}"
-        lines.append(f"{name} ({s['num_questions']} questions): served acceptance length {figure}")
+        lines.append(f"{name} ({s['num_questions']} questions): served acceptance length {figure(v)}")
     return lines

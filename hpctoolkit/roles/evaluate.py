@@ -13,17 +13,20 @@ merges the same figures into `summary.json` and, as the run's last role, points 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
 from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
 from hpctoolkit.roles.results import finished, merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+from hpctoolkit.rundir.progress import Ticker, count_line, write_progress
 
 # What summary.json carries of a chat-set result, with `per_set` (the rest stays under "evaluate").
 MT_BENCH_HEADLINE = (
@@ -52,9 +55,31 @@ def not_served_reason(draft_config: str) -> str | None:
     return None if cuda_visible() else serving_for(draft_config).cpu_unservable
 
 
+class _Served:
+    """`on_done(n)` for `evaluate.serve.reporting`: questions served, reported at a steady interval
+    (`evaluate.progress_every_s`, and at the last) as a line and `progress/evaluate.json`."""
+
+    def __init__(self, ctx: NodeContext, total: int, what: str):
+        self.ctx, self.total, self.what, self.done = ctx, total, what, 0
+        self.ticker = Ticker(ctx.cfg.evaluate.progress_every_s)
+        self.ticker.due()  # the first report after one interval
+        self.t0 = time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if not self.ticker.due(last=self.done >= self.total):
+            return
+        per_s = self.done / max(time.monotonic() - self.t0, 1e-9)
+        eta = (self.total - self.done) / per_s if per_s > 0 else None
+        record = {"role": "evaluate", "what": self.what, "done": self.done, "total": self.total, "eta_s": eta}
+        say(count_line(record))
+        write_progress(self.ctx.run.progress("evaluate"), record)
+
+
 def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
     from hpctoolkit.data.prompts import load_prompt_ids
     from hpctoolkit.evaluate import evaluate
+    from hpctoolkit.evaluate.serve import reporting
 
     cfg = ctx.cfg
     prompts = load_prompt_ids(
@@ -67,14 +92,15 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
     if list(cfg.evaluate.sets) != ["mt_bench"]:
         say(f"warning: evaluate.sets={list(cfg.evaluate.sets)} has no effect with evaluate.prompts=held_out")
     say(f"serving the exported draft with the target in vLLM on {len(prompts)} held-out prompts ...")
-    ev = evaluate(
-        export_dir,
-        target_dir,
-        prompts,
-        num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
-        max_tokens=cfg.evaluate.max_tokens,
-        dtype=cfg.engine.dtype,
-    )
+    with reporting(_Served(ctx, len(prompts), "questions")):
+        ev = evaluate(
+            export_dir,
+            target_dir,
+            prompts,
+            num_speculative_tokens=cfg.evaluate.num_speculative_tokens,
+            max_tokens=cfg.evaluate.max_tokens,
+            dtype=cfg.engine.dtype,
+        )
     return {
         "eval_set": "held_out",
         "served_acceptance_length": ev.get("served_acceptance_length"),
@@ -84,6 +110,8 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
 
 def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
     from hpctoolkit.evaluate import compare
+    from hpctoolkit.evaluate.chat import num_turns
+    from hpctoolkit.evaluate.serve import reporting
     from hpctoolkit.evaluate.sets import load_sets, set_lines
 
     cfg = ctx.cfg
@@ -96,25 +124,22 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         "simulate_per_category": cfg.evaluate.simulate_per_category,
         "dtype": cfg.engine.dtype,
     }
-    if "mt_bench" in sets:  # the headline, as before evaluate.sets
-        mt = sets.pop("mt_bench")
-        if sets:
-            kw["more_sets"] = sets
-        ev = compare.evaluate_mt_bench(export_dir, target_dir, mt, tok, **kw)
-    else:
-        ev = compare.evaluate_sets(export_dir, target_dir, sets, tok, **kw)
-    by_category = ", ".join(
-        f"{c} {v:.2f}" if v is not None else f"{c} -" for c, v in ev["served_acceptance_by_category"].items()
-    )
-    say(f"by category: {by_category}; by turn: {ev['served_acceptance_by_turn']}")
+    turns = sum(len(qs) * num_turns(name, qs) for name, qs in sets.items())
+    with reporting(_Served(ctx, turns, "question turns")):
+        if "mt_bench" in sets:  # the headline, as before evaluate.sets
+            mt = sets.pop("mt_bench")
+            if sets:
+                kw["more_sets"] = sets
+            ev = compare.evaluate_mt_bench(export_dir, target_dir, mt, tok, **kw)
+        else:
+            ev = compare.evaluate_sets(export_dir, target_dir, sets, tok, **kw)
+    by_category = ", ".join(f"{c} {figure(v)}" for c, v in ev["served_acceptance_by_category"].items())
+    by_turn = ", ".join(f"{t} {figure(v)}" for t, v in ev["served_acceptance_by_turn"].items())
+    say(f"by category: {by_category}; by turn: {by_turn}")
     per_set = ev.get("per_set", {})  # every set's served figure, the headline's too
     for line in set_lines(per_set):
         say(line)
     return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"per_set": per_set, "evaluate": ev}
-
-
-def _f(x: object) -> str:
-    return f"{x:.3f}" if isinstance(x, (int, float)) else "-" if x is None else str(x)
 
 
 def figures_line(ev: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
@@ -123,10 +148,10 @@ def figures_line(ev: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     k = ev.get("num_speculative_tokens")
     n = (ev.get("simulated") or {}).get("num_sequences", ev.get("num_prompts"))
     return (
-        f"served acceptance length {_f(ev.get('served_acceptance_length'))} at k={k} on {ev.get('eval_set')} "
-        f"(vLLM's counters, incl. bonus); replayed {_f(ev.get('simulated_acceptance_length'))} against served "
-        f"{_f(ev.get('served_acceptance_length_replayed_requests'))} on the same {n} requests (gap "
-        f"{_f(ev.get('acceptance_length_gap'))}); " + trainer_line(summary)
+        f"served acceptance length {figure(ev.get('served_acceptance_length'))} at k={k} on {ev.get('eval_set')} "
+        f"(vLLM's counters, incl. bonus); replayed {figure(ev.get('simulated_acceptance_length'))} against served "
+        f"{figure(ev.get('served_acceptance_length_replayed_requests'))} on the same {n} requests (gap "
+        f"{figure(ev.get('acceptance_length_gap'))}); " + trainer_line(summary)
     )
 
 

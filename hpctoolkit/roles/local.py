@@ -220,11 +220,13 @@ def _start_roles(cfg: RecipeConfig, plan: Plan, group: RoleGroup) -> None:
 def _summarize(run: RunDir, t0: float) -> dict[str, Any]:
     # The roles wrote the summary (evaluate merged its figures in) and set `latest`
     # (`roles.results`); the launcher adds only its own figure, the whole run's wall time.
+    from hpctoolkit.figures import figure, seconds
+
     summary = merge_summary(run, {"wall_seconds": round(time.monotonic() - t0, 1)})
     say(
-        f"done in {summary['wall_seconds']}s: {summary.get('samples_read')} samples, "
+        f"done in {seconds(summary['wall_seconds'])}: {summary.get('samples_read')} samples, "
         f"{summary.get('keys_left_in_store')} keys left in the store, served acceptance length "
-        f"{summary.get('served_acceptance_length')} at k={summary.get('served_k')} (vLLM, incl. bonus); "
+        f"{figure(summary.get('served_acceptance_length'))} at k={summary.get('served_k')} (vLLM, incl. bonus); "
         f"{trainer_line(summary)} -> {run.summary} (also {run.latest}/summary.json)"
     )
     return summary

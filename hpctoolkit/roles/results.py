@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.figures import figure
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
 
@@ -68,8 +69,8 @@ def trainer_line(fields: Mapping[str, Any]) -> str:
     own, depth = fields.get("acceptance_length"), fields.get("acceptance_depth")
     if own is None:
         return "trainer acceptance length -"
-    line = f"trainer acceptance length {own:.3f} at its depth k={depth}"
+    line = f"trainer acceptance length {figure(own)} at its depth k={depth}"
     at_k, k = fields.get("acceptance_length_at_served_k"), fields.get("served_k")
     if k is not None and k != depth:
-        line += f", {at_k:.3f} at the served k={k}" if at_k is not None else f", none at the served k={k}"
+        line += f", {figure(at_k)} at the served k={k}" if at_k is not None else f", none at the served k={k}"
     return line + " (own training batches, every start position, incl. bonus)"

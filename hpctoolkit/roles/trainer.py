@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.figures import figure
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import (
@@ -66,7 +67,7 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
     if cfg.training.data_source == "offline":
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
-        result = train(cfg, cfg.data.offline_dir, ctx.run.train)
+        result = train(cfg, cfg.data.offline_dir, ctx.run.train, progress_file=ctx.run.progress("trainer"))
         if preempt.requested():
             return _preempted(ctx, proc, result)
         if proc.node_rank == 0:
@@ -238,7 +239,7 @@ def _train_live(ctx: NodeContext, proc: Process) -> int:
     if rank0:
         watch.thread.start()
     try:
-        result = train(cfg, source, ctx.run.train)
+        result = train(cfg, source, ctx.run.train, progress_file=ctx.run.progress("trainer"))
     except BaseException as err:
         if rank0:
             write_json_atomic(ctx.run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
@@ -368,6 +369,6 @@ def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
         finished(ctx.run)
     say(
         f"trained {summary.get('steps_trained')} steps on {summary.get('samples_read')} samples; "
-        f"final loss {summary.get('final_loss')}; keys left in store {summary.get('keys_left_in_store')}; "
+        f"final loss {figure(summary.get('final_loss'))}; keys left in store {summary.get('keys_left_in_store')}; "
         + trainer_line(summary)
     )

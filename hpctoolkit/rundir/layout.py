@@ -32,6 +32,9 @@ Inside a run directory (every node of a Slurm job shares it):
                                  on up to step N (`rundir.ledger`; complete with the checkpoint)
     evaluate.json                served vs simulated acceptance (the evaluate role)
     summary.json                 the run's summary (written last)
+    progress/<role>.json         a role's progress while it runs (trainer rank 0: step, loss, rates,
+                                 ETA; evaluate: questions done), rewritten at a steady interval
+                                 (`rundir.progress`; read by `python -m hpctoolkit.status`)
     ended.json                   {"ok": bool, ...}: the trainers are done; once every engine
                                  is closed too, the master stops
     logs/<role>.log              each role's output (local backend; Slurm: its own log)
@@ -226,6 +229,14 @@ class RunDir:
     @property
     def ended(self) -> Path:
         return self.root / "ended.json"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.root / "progress"
+
+    def progress(self, role: str) -> Path:
+        """A role's progress record (`rundir.progress`)."""
+        return self.progress_dir / f"{role}.json"
 
     @property
     def logs(self) -> Path:

@@ -171,6 +171,8 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
     done = complete_checkpoints(run.checkpoints)
     record["resume_step"] = int(done[-1].name.split("-")[1]) if done else None
     stale = [run.master_record, run.ended, run.summary, run.drained]
+    if run.progress_dir.is_dir():
+        stale += sorted(run.progress_dir.glob("*.json"))  # an earlier attempt's progress
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
         stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))

@@ -36,6 +36,9 @@ class TrainingConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 1
+    # Seconds between rank 0's progress lines (`[hpctoolkit.trainer] step ...`) and records
+    # (`progress/trainer.json`); the last step is always reported.
+    progress_every_s: float = 10.0
     seed: int = 0
     # Passes over the published samples (hpctoolkit.plan.sizing.check_counts): 0 derives it from
     # steps x batch_size x world_size and data.num_samples. One pass reads the store only; more
@@ -82,6 +85,7 @@ class TrainingConfig:
             "checkpoint_every",
             "keep_checkpoints",
             "log_every",
+            "progress_every_s",
         )
         non_negative(self, "weight_decay", "warmup_steps", "grad_clip", "min_loss_tokens", "seed")
         non_negative(self, "epochs")

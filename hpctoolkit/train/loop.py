@@ -26,6 +26,7 @@ from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
+from hpctoolkit.train.progress import TrainProgress
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
 from hpctoolkit.train.step import DeviceFeeder, LaunchedStep, launch
 from hpctoolkit.train.trainers.base import FamilyTrainer
@@ -48,6 +49,8 @@ class TrainJob:
     resume: bool = True
     init_method: str = ""
     show_progress: bool = True
+    # Rank 0's progress record (`rundir.progress`): "" writes none (the lines are printed anyway).
+    progress_file: str = ""
     # Stop after this many steps of this invocation (tests interrupt a run to resume it).
     stop_after: int | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
@@ -268,14 +271,14 @@ def _report(run: _Run, step: int, stats: StepStats, scalars: dict[str, float], t
     if step % run.cfg.log_every == 0 or step == run.cfg.steps:
         tb.log(step, stats, scalars)
     if bar is not None:
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{stats.loss:.3f}",
-            acc0=f"{stats.pos_accuracy()[0]:.2f}",
-            tau=f"{stats.acceptance_length_incl_bonus():.2f}",
-            gn=f"{scalars['grad_norm']:.2f}",
-            tok_s=f"{scalars['tokens_per_s']:.0f}",
-        )
+        postfix = {
+            "loss": f"{stats.loss:.3f}",
+            "acc0": f"{stats.pos_accuracy()[0]:.2f}",
+            "tau": f"{stats.acceptance_length_incl_bonus():.2f}",
+            "gn": f"{scalars['grad_norm']:.2f}",
+            "tok_s": f"{scalars['tokens_per_s']:.0f}",
+        }
+        bar.step(step, stats.loss, run.tokens_total, postfix)
 
 
 def _train_steps(run: _Run) -> None:
@@ -287,11 +290,16 @@ def _train_steps(run: _Run) -> None:
     cfg, ctx, job = run.cfg, run.ctx, run.job
     tb = TensorBoardLog(run.files.tensorboard, enabled=ctx.is_main)
     bar = None
-    if ctx.is_main and job.show_progress:
-        from tqdm import tqdm
-
-        desc = f"train {run.trainer.family}"
-        bar = tqdm(total=cfg.steps, initial=run.start_step, desc=desc, dynamic_ncols=True)
+    if ctx.is_main:
+        bar = TrainProgress(
+            family=run.trainer.family,
+            total=cfg.steps,
+            start_step=run.start_step,
+            samples_per_step=cfg.batch_size * ctx.world_size,
+            every_s=cfg.progress_every_s,
+            record=job.progress_file,
+            bar=job.show_progress,
+        )
     order_path = run.files.order_log(ctx.rank)
     order_path.parent.mkdir(parents=True, exist_ok=True)
     _truncate_order(order_path, run.start_step)

@@ -63,14 +63,20 @@ def launch(job: TrainJob, world_size: int) -> dict[str, Any] | None:
 
 
 def train(
-    cfg, samples_source: SamplesSource, out_dir: str | os.PathLike, *, resume: bool = True
+    cfg,
+    samples_source: SamplesSource,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = True,
+    progress_file: str | os.PathLike = "",
 ) -> dict[str, Any]:
     """Train the draft of `cfg` (a `RecipeConfig`) for `cfg.training.steps` and export it.
 
     Resumes from the newest complete checkpoint in `out_dir/checkpoints` when `resume`. Returns
     the summary (`steps_trained`, `final_loss`, `acceptance_length` incl. the bonus token,
     per-position metrics under `train_metrics`, `export_dir`, ...), also written to
-    `out_dir/train_summary.json`.
+    `out_dir/train_summary.json`. Rank 0 reports its progress (`train.progress`), also to
+    `progress_file` when given (a run directory's `progress/trainer.json`).
     """
     from hpctoolkit.targets.resolve import resolve_target
 
@@ -84,6 +90,7 @@ def train(
         samples_source=samples_source,
         out_dir=str(out),
         resume=resume,
+        progress_file=str(progress_file or ""),
         draft_vocab=str(getattr(getattr(cfg, "data", None), "draft_vocab", "") or ""),
     )
     summary = launch(job, cfg.training.world_size)

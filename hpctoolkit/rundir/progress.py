@@ -1,0 +1,64 @@
+"""A role's progress while it runs: a line for people and a small record in the run directory, at a
+steady interval.
+
+`Ticker(every_s)` says when to report: at the first chance, then at most once per `every_s` of
+wall time, and always at the last unit of work; a fast run gets a handful of lines, a run of hours
+one every `every_s`, whatever its step rate. `write_progress` writes the record (`RunDir.progress`,
+`progress/<role>.json`) atomically, with the wall-clock `time` it was written, so a reader on any
+node sees a whole record and can tell how old it is (`python -m hpctoolkit.status`).
+
+Records are metadata only, full precision; the line rounds (`hpctoolkit.figures`).
+Pure standard library: the training loop uses it on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpctoolkit.figures import duration, figure, rate
+from hpctoolkit.rundir.atomic import write_json_atomic
+
+# Seconds between two progress reports unless the recipe says otherwise.
+DEFAULT_EVERY_S = 10.0
+
+
+class Ticker:
+    """`due(last=...)`: whether to report now (see the module docstring); `clock` is for tests."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self._next: float | None = None
+
+    def due(self, *, last: bool = False) -> bool:
+        now = self.clock()
+        if not last and self._next is not None and now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
+
+
+def write_progress(path: str | os.PathLike, record: Mapping[str, Any], now: float | None = None) -> None:
+    """`record` plus `time` (seconds since the epoch), written atomically to `path`."""
+    write_json_atomic(path, {**record, "time": time.time() if now is None else now})
+
+
+def trainer_line(r: Mapping[str, Any]) -> str:
+    """A trainer record for people: `step 40/800 (5%), loss 3.642, 12.3 samples/s, 1234 tokens/s,
+    ETA 1m35s` (`train.progress` writes the record, `hpctoolkit.status` reads it back)."""
+    step, total = r.get("step"), r.get("total")
+    pct = f" ({100 * step // total}%)" if isinstance(step, int) and isinstance(total, int) and total else ""
+    return (
+        f"step {step}/{total}{pct}, loss {figure(r.get('loss'))}, {rate(r.get('samples_per_s'))} samples/s, "
+        f"{rate(r.get('tokens_per_s'))} tokens/s, ETA {duration(r.get('eta_s'))}"
+    )
+
+
+def count_line(r: Mapping[str, Any]) -> str:
+    """A count record for people (evaluate's): `questions 12/80 (15%), ETA 2m10s`."""
+    done, total = r.get("done"), r.get("total")
+    pct = f" ({100 * done // total}%)" if isinstance(done, int) and isinstance(total, int) and total else ""
+    eta = f", ETA {duration(r['eta_s'])}" if r.get("eta_s") is not None else ""
+    return f"{r.get('what', 'done')} {done}/{total}{pct}{eta}"

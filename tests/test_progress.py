@@ -1,0 +1,183 @@
+"""A run you can watch: figures rounded on human lines, progress reported at a steady interval (the
+trainer's lines and record, on a real tiny CPU training run), and the launcher's live line on a
+terminal only."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import re
+
+import pytest
+
+from hpctoolkit.figures import duration, figure, rate, seconds
+from hpctoolkit.roles.console import Console, is_progress
+from hpctoolkit.roles.results import trainer_line
+from hpctoolkit.rundir.progress import Ticker, count_line, write_progress
+from hpctoolkit.rundir.progress import trainer_line as progress_trainer_line
+
+
+@pytest.mark.parametrize(
+    ("x", "want"),
+    [
+        (3.642005169251695, "3.642"),
+        (1.0980891719745223, "1.098"),
+        (2, "2"),
+        (None, "-"),
+        (True, "True"),
+        ("n/a", "n/a"),
+        (math.nan, "nan"),
+        (-0.0004, "-0.000"),
+    ],
+)
+def test_a_figure_has_three_decimals_and_an_int_none(x, want):
+    assert figure(x) == want
+
+
+def test_seconds_rates_and_durations_read_as_people_compare_them():
+    assert seconds(100.04) == "100.0s" and seconds(0.06) == "0.1s" and seconds(None) == "-"
+    assert rate(12.345) == "12.3" and rate(1234.5) == "1234" and rate(0.01234) == "0.0123"
+    assert rate(None) == "-" and rate(math.inf) == "inf"
+    assert [duration(x) for x in (0, 41.6, 60, 185, 3599, 7620, -3)] == [
+        "0s",
+        "42s",
+        "1m00s",
+        "3m05s",
+        "59m59s",
+        "2h07m",
+        "0s",
+    ]
+    assert duration(None) == "-"
+
+
+def test_trainer_line_rounds_through_the_one_helper():
+    line = trainer_line(
+        {
+            "acceptance_length": 5.0199999,
+            "acceptance_depth": 7,
+            "acceptance_length_at_served_k": 3.4,
+            "served_k": 3,
+        }
+    )
+    assert line.startswith("trainer acceptance length 5.020 at its depth k=7, 3.400 at the served k=3")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_ticker_reports_once_per_interval_and_always_at_the_last():
+    clock = Clock()
+    t = Ticker(10.0, clock)
+    assert t.due()  # the first chance
+    fired = []
+    for step in range(1, 101):  # 100 steps, 0.5 s each: a report every 10 s, and the last
+        clock.t += 0.5
+        if t.due(last=step == 100):
+            fired.append(step)
+    assert fired == [20, 40, 60, 80, 100]
+    # A fast run (every step within the interval) reports only its last step.
+    fast = Ticker(10.0, clock)
+    fast.due()
+    assert [s for s in range(1, 1001) if fast.due(last=s == 1000)] == [1000]
+
+
+def test_progress_lines_and_records(tmp_path):
+    r = {
+        "step": 40,
+        "total": 800,
+        "loss": 3.6420051,
+        "samples_per_s": 12.34,
+        "tokens_per_s": 1234.5,
+        "eta_s": 95,
+    }
+    assert (
+        progress_trainer_line(r) == "step 40/800 (5%), loss 3.642, 12.3 samples/s, 1234 tokens/s, ETA 1m35s"
+    )
+    assert progress_trainer_line({}) == "step None/None, loss -, - samples/s, - tokens/s, ETA -"
+    assert (
+        count_line({"what": "questions", "done": 3, "total": 8, "eta_s": 12.2})
+        == "questions 3/8 (37%), ETA 12s"
+    )
+    assert count_line({"what": "questions", "done": 3, "total": 8, "eta_s": None}) == "questions 3/8 (37%)"
+    path = tmp_path / "progress" / "trainer.json"
+    write_progress(path, r, now=1234.5)
+    assert json.loads(path.read_text()) == {**r, "time": 1234.5}  # full precision in the record
+
+
+def test_progress_lines_are_known_by_their_count():
+    assert is_progress("[hpctoolkit.trainer] step 40/800 (5%), loss 3.642")
+    assert is_progress("[hpctoolkit.evaluate] question turns 12/160 (7%)")
+    for line in (
+        "[hpctoolkit.trainer] trained 20 steps on 12 samples; final loss 3.642",
+        "[hpctoolkit.engine0] engine 0 node_rank 0 up in 3.1s",
+        "[hpctoolkit] run tiny-1 in /runs/tiny-1",
+        "step 4/8 without a tag",
+    ):
+        assert not is_progress(line), line
+
+
+def test_the_console_redraws_progress_on_a_terminal_only():
+    term = io.StringIO()
+    c = Console(term, live=True)
+    c.line("  trainer0 | [hpctoolkit.trainer] step 1/4", progress=True)
+    c.line("  trainer0 | [hpctoolkit.trainer] step 2/4", progress=True)
+    c.line("  trainer0 | [hpctoolkit.trainer] trained 4 steps")
+    c.line("  evaluate | [hpctoolkit.evaluate] questions 1/2", progress=True)
+    assert term.getvalue() == (
+        "\r\x1b[2K  trainer0 | [hpctoolkit.trainer] step 1/4"
+        "\r\x1b[2K  trainer0 | [hpctoolkit.trainer] step 2/4"
+        "\n  trainer0 | [hpctoolkit.trainer] trained 4 steps\n"
+        "\r\x1b[2K  evaluate | [hpctoolkit.evaluate] questions 1/2"
+    )
+    pipe = io.StringIO()  # not a TTY: plain lines, every one
+    c = Console(pipe)
+    c.line("a", progress=True)
+    c.line("b", progress=True)
+    c.line("c")
+    assert pipe.getvalue() == "a\nb\nc\n"
+
+
+STEP_LINE = re.compile(
+    r"^\[hpctoolkit\.trainer\] step (\d+)/(\d+) \(\d+%\), loss \d+\.\d{3}, .* samples/s, .* tokens/s, ETA "
+)
+
+
+def _train(tmp_path, monkeypatch, capsys, *, steps: int, every_s: float, min_step_s: float):
+    from test_train_run import _recipe
+
+    from hpctoolkit.train.run import train
+    from hpctoolkit.train.synthetic import SyntheticSamples
+
+    monkeypatch.setenv("HPCTOOLKIT_MIN_STEP_S", str(min_step_s))
+    cfg = _recipe("tiny_dflash", tmp_path, steps=steps, progress_every_s=every_s, checkpoint_every=steps)
+    cfg.training.export = False
+    src = SyntheticSamples(num_samples=8, vocab_size=512, hidden_size=128, num_aux=3, seed=2)
+    record = tmp_path / "progress" / "trainer.json"
+    capsys.readouterr()
+    train(cfg, src, tmp_path / "out", progress_file=record)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[hpctoolkit.trainer] step")]
+    return lines, json.loads(record.read_text())
+
+
+@pytest.mark.timeout(240)
+def test_the_trainer_reports_at_its_interval_and_at_the_last_step(tmp_path, monkeypatch, capsys):
+    # Paced at 0.25 s a step, a report every 0.6 s: about every third step, and step 10.
+    lines, record = _train(tmp_path / "paced", monkeypatch, capsys, steps=10, every_s=0.6, min_step_s=0.25)
+    steps = [int(m.group(1)) for m in map(STEP_LINE.match, lines) if m]
+    assert len(steps) == len(lines), lines
+    assert steps[-1] == 10 and steps == sorted(set(steps)), lines
+    assert 2 <= len(steps) <= 6 and all(b - a >= 2 for a, b in itertools.pairwise(steps[:-1])), lines
+    assert record["step"] == 10 and record["total"] == 10 and record["role"] == "trainer"
+    assert record["loss"] > 0 and record["samples_per_s"] > 0 and record["eta_s"] == 0
+    assert record["time"] > 0
+    # A fast run within one interval: its last step only, no flood.
+    lines, record = _train(tmp_path / "fast", monkeypatch, capsys, steps=6, every_s=1000, min_step_s=0)
+    assert [STEP_LINE.match(x).group(1) for x in lines] == ["6"], lines  # type: ignore[union-attr]
+    assert record["step"] == 6
