@@ -130,8 +130,9 @@ def _trainer_line(r: Records, now: float) -> str | None:
     total = _section(r.config, "training").get("steps")
     if p is None:
         return f"step {r.steps_logged}/{total} (no progress record yet)" if r.steps_logged else None
-    age = now - float(p.get("time", now))
-    return f"{trainer_line(p)}; reported {duration(age)} ago"
+    if r.ended is not None:
+        return trainer_line(p)
+    return f"{trainer_line(p)}; reported {duration(now - float(p.get('time', now)))} ago"
 
 
 def _engine_line(r: Records) -> str | None:

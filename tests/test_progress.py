@@ -96,11 +96,13 @@ def test_progress_lines_and_records(tmp_path):
         "samples_per_s": 12.34,
         "tokens_per_s": 1234.5,
         "eta_s": 95,
+        "tau": 1.94,
     }
     assert (
-        progress_trainer_line(r) == "step 40/800 (5%), loss 3.642, 12.3 samples/s, 1234 tokens/s, ETA 1m35s"
+        progress_trainer_line(r)
+        == "step 40/800 (5%), loss 3.642, tau 1.940, 12.3 samples/s, 1234 tokens/s, ETA 1m35s"
     )
-    assert progress_trainer_line({}) == "step None/None, loss -, - samples/s, - tokens/s, ETA -"
+    assert progress_trainer_line({}) == "step None/None, loss -, tau -, - samples/s, - tokens/s, ETA -"
     assert (
         count_line({"what": "questions", "done": 3, "total": 8, "eta_s": 12.2})
         == "questions 3/8 (37%), ETA 12s"
@@ -145,7 +147,7 @@ def test_the_console_redraws_progress_on_a_terminal_only():
 
 
 STEP_LINE = re.compile(
-    r"^\[hpctoolkit\.trainer\] step (\d+)/(\d+) \(\d+%\), loss \d+\.\d{3}, .* samples/s, .* tokens/s, ETA "
+    r"^\[hpctoolkit\.trainer\] step (\d+)/(\d+) \(\d+%\), loss \d+\.\d{3}, tau \d\.\d{3}, .* samples/s, .* tokens/s, ETA "
 )
 
 

@@ -55,7 +55,14 @@ def master_up(run: RunDir) -> None:
 def training(run: RunDir, step: int = 8) -> None:
     master_up(run)
     put(run.queue(0), text="".join(json.dumps({"sample_key": f"k{i}"}) + "\n" for i in range(5)))
-    record = {"role": "trainer", "step": step, "total": 20, "loss": 3.6420051, "samples_per_s": 1.5}
+    record = {
+        "role": "trainer",
+        "step": step,
+        "total": 20,
+        "loss": 3.6420051,
+        "tau": 2.0,
+        "samples_per_s": 1.5,
+    }
     put(run.progress("trainer"), {**record, "tokens_per_s": 321.4, "eta_s": 8.1, "time": NOW - 4})
 
 
@@ -111,7 +118,7 @@ def test_the_trainers_phase_shows_step_loss_rates_eta_and_the_records_age(tmp_pa
     rep = status(run)
     assert (rep.phase, rep.state) == ("trainers", RUNNING)
     assert line(rep, "trainer") == (
-        "trainer  step 8/20 (40%), loss 3.642, 1.5 samples/s, 321 tokens/s, ETA 8s; reported 4s ago"
+        "trainer  step 8/20 (40%), loss 3.642, tau 2.000, 1.5 samples/s, 321 tokens/s, ETA 8s; reported 4s ago"
     )
     assert line(rep, "engines") == "engines  5 of 12 samples published; 0/1 engine(s) done capturing"
     assert "[trainers]" in line(rep, "phases")

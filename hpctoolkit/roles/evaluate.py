@@ -74,6 +74,8 @@ class _Served:
         record = {"role": "evaluate", "what": self.what, "done": self.done, "total": self.total, "eta_s": eta}
         say(count_line(record))
         write_progress(self.ctx.run.progress("evaluate"), record)
+        if self.done >= self.total:
+            say("served; replaying the served requests in transformers for the simulated figure ...")
 
 
 def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:

@@ -46,12 +46,13 @@ def write_progress(path: str | os.PathLike, record: Mapping[str, Any], now: floa
 
 
 def trainer_line(r: Mapping[str, Any]) -> str:
-    """A trainer record for people: `step 40/800 (5%), loss 3.642, 12.3 samples/s, 1234 tokens/s,
-    ETA 1m35s` (`train.progress` writes the record, `hpctoolkit.status` reads it back)."""
+    """A trainer record for people: `step 40/800 (5%), loss 3.642, tau 1.940, 12.3 samples/s, 1234
+    tokens/s, ETA 1m35s` (`train.progress` writes the record, `hpctoolkit.status` reads it back)."""
     step, total = r.get("step"), r.get("total")
     pct = f" ({100 * step // total}%)" if isinstance(step, int) and isinstance(total, int) and total else ""
     return (
-        f"step {step}/{total}{pct}, loss {figure(r.get('loss'))}, {rate(r.get('samples_per_s'))} samples/s, "
+        f"step {step}/{total}{pct}, loss {figure(r.get('loss'))}, tau {figure(r.get('tau'))}, "
+        f"{rate(r.get('samples_per_s'))} samples/s, "
         f"{rate(r.get('tokens_per_s'))} tokens/s, ETA {duration(r.get('eta_s'))}"
     )
 

@@ -271,14 +271,7 @@ def _report(run: _Run, step: int, stats: StepStats, scalars: dict[str, float], t
     if step % run.cfg.log_every == 0 or step == run.cfg.steps:
         tb.log(step, stats, scalars)
     if bar is not None:
-        postfix = {
-            "loss": f"{stats.loss:.3f}",
-            "acc0": f"{stats.pos_accuracy()[0]:.2f}",
-            "tau": f"{stats.acceptance_length_incl_bonus():.2f}",
-            "gn": f"{scalars['grad_norm']:.2f}",
-            "tok_s": f"{scalars['tokens_per_s']:.0f}",
-        }
-        bar.step(step, stats.loss, run.tokens_total, postfix)
+        bar.step(step, stats, scalars, run.tokens_total, run.window)
 
 
 def _train_steps(run: _Run) -> None:

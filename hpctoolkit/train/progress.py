@@ -1,14 +1,20 @@
-"""Rank 0's progress while it trains: the tqdm bar (the role's log), and at a steady interval
-(`training.progress_every_s`, and at the last step) one `[hpctoolkit.trainer]` line, which the
-launcher copies to the console, and the record `progress/trainer.json` of a run directory, which
-`python -m hpctoolkit.status` reads (`rundir.progress`).
+"""Rank 0's progress while it trains: at a steady interval (`training.progress_every_s`, and at
+the last step) one `[hpctoolkit.trainer] step k/n, loss, tau, samples/s, tokens/s, ETA` line, which
+the launcher copies to its console, and the record `progress/trainer.json` of a run directory,
+which `python -m hpctoolkit.status` reads (`rundir.progress`).
+
+On a terminal (`python -m hpctoolkit.train` by hand) a tqdm bar also shows every step, and the
+lines are written around it. Elsewhere (a role's log, a Slurm log) there is no bar: its carriage
+returns would run into the lines and bury them.
 
 The rates are over the steps since the previous report (the first: since training started), so
-the ETA follows the current pace rather than one slowed by the first steps' compilation.
+the ETA follows the current pace rather than one slowed by the first steps' compilation; tau is
+the acceptance length (incl. bonus) over the loop's recent window of steps.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -34,37 +40,55 @@ class TrainProgress:
     ):
         self.total, self.samples_per_step, self.record = total, samples_per_step, record
         self.ticker = Ticker(every_s)
-        self.ticker.due()  # the first report comes after one interval, or at the last step
+        self.ticker.due()  # the first report after one interval, or at the last step
         self._mark = (time.monotonic(), start_step, 0.0)  # (time, step, tokens) at the last report
         self.bar: Any = None
-        if bar:
+        if bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start_step, desc=f"train {family}", dynamic_ncols=True)
 
-    def step(self, step: int, loss: float, tokens_total: float, postfix: dict[str, str]) -> None:
+    def step(
+        self, step: int, stats: Any, scalars: dict[str, float], tokens_total: float, window: Any
+    ) -> None:
+        """After step `step` (`stats`: its `StepStats`; `window`: the loop's recent steps)."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(**postfix)
+            self.bar.set_postfix(
+                loss=f"{stats.loss:.3f}",
+                acc0=f"{stats.pos_accuracy()[0]:.2f}",
+                tau=f"{stats.acceptance_length_incl_bonus():.2f}",
+                gn=f"{scalars['grad_norm']:.2f}",
+                tok_s=f"{scalars['tokens_per_s']:.0f}",
+            )
         if not self.ticker.due(last=step >= self.total):
             return
         now = time.monotonic()
         t, s, tok = self._mark
         dt = max(now - t, 1e-9)
         steps_per_s = (step - s) / dt
+        recent = window.total()
         record = {
             "role": "trainer",
             "step": step,
             "total": self.total,
-            "loss": loss,
+            "loss": stats.loss,
+            "tau": recent.acceptance_length_incl_bonus() if recent is not None else None,
             "samples_per_s": steps_per_s * self.samples_per_step,
             "tokens_per_s": (tokens_total - tok) / dt,
             "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else None,
         }
         self._mark = (now, step, tokens_total)
-        say(trainer_line(record))
+        self._say(trainer_line(record))
         if self.record:
             write_progress(self.record, record)
+
+    def _say(self, line: str) -> None:
+        if self.bar is None:
+            say(line)
+            return
+        with self.bar.external_write_mode():  # the bar steps aside for the line
+            say(line)
 
     def close(self) -> None:
         if self.bar is not None:
