@@ -63,13 +63,15 @@ class _Served:
         self.ctx, self.total, self.what, self.done = ctx, total, what, 0
         self.ticker = Ticker(ctx.cfg.evaluate.progress_every_s)
         self.ticker.due()  # the first report after one interval
-        self.t0 = time.monotonic()
+        self.first: tuple[float, int] | None = None  # the first answer (the engine's start is before it)
 
     def __call__(self, n: int) -> None:
         self.done += n
+        now = time.monotonic()
+        self.first = self.first or (now, self.done)
         if not self.ticker.due(last=self.done >= self.total):
             return
-        per_s = self.done / max(time.monotonic() - self.t0, 1e-9)
+        per_s = (self.done - self.first[1]) / max(now - self.first[0], 1e-9)
         eta = (self.total - self.done) / per_s if per_s > 0 else None
         record = {"role": "evaluate", "what": self.what, "done": self.done, "total": self.total, "eta_s": eta}
         say(count_line(record))

@@ -7,9 +7,9 @@ On a terminal (`python -m hpctoolkit.train` by hand) a tqdm bar also shows every
 lines are written around it. Elsewhere (a role's log, a Slurm log) there is no bar: its carriage
 returns would run into the lines and bury them.
 
-The rates are over the steps since the previous report (the first: since training started), so
-the ETA follows the current pace rather than one slowed by the first steps' compilation; tau is
-the acceptance length (incl. bonus) over the loop's recent window of steps.
+The rates are the average since the first step of this run finished, so neither the start (the
+first samples' wait, the first step's compilation) nor one short interval skews them or the ETA;
+tau is the acceptance length (incl. bonus) over the loop's recent window of steps.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ class TrainProgress:
     ):
         self.total, self.samples_per_step, self.record = total, samples_per_step, record
         self.ticker = Ticker(every_s)
-        self.ticker.due()  # the first report after one interval, or at the last step
-        self._mark = (time.monotonic(), start_step, 0.0)  # (time, step, tokens) at the last report
+        self._first: tuple[float, int, float] | None = None  # (time, step, tokens) of the first step
         self.bar: Any = None
         if bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -61,10 +60,13 @@ class TrainProgress:
                 gn=f"{scalars['grad_norm']:.2f}",
                 tok_s=f"{scalars['tokens_per_s']:.0f}",
             )
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (now, step, tokens_total)
+            self.ticker.due()  # the first report one interval after the first step, or at the last
         if not self.ticker.due(last=step >= self.total):
             return
-        now = time.monotonic()
-        t, s, tok = self._mark
+        t, s, tok = self._first
         dt = max(now - t, 1e-9)
         steps_per_s = (step - s) / dt
         recent = window.total()
@@ -74,11 +76,10 @@ class TrainProgress:
             "total": self.total,
             "loss": stats.loss,
             "tau": recent.acceptance_length_incl_bonus() if recent is not None else None,
-            "samples_per_s": steps_per_s * self.samples_per_step,
-            "tokens_per_s": (tokens_total - tok) / dt,
+            "samples_per_s": steps_per_s * self.samples_per_step if step > s else None,
+            "tokens_per_s": (tokens_total - tok) / dt if step > s else None,
             "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else None,
         }
-        self._mark = (now, step, tokens_total)
         self._say(trainer_line(record))
         if self.record:
             write_progress(self.record, record)
