@@ -137,13 +137,20 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
             ev = compare.evaluate_mt_bench(export_dir, target_dir, mt, tok, **kw)
         else:
             ev = compare.evaluate_sets(export_dir, target_dir, sets, tok, **kw)
-    by_category = ", ".join(f"{c} {figure(v)}" for c, v in ev["served_acceptance_by_category"].items())
-    by_turn = ", ".join(f"{t} {figure(v)}" for t, v in ev["served_acceptance_by_turn"].items())
-    say(f"by category: {by_category}; by turn: {by_turn}")
+    say(
+        f"by category: {_by(ev['served_acceptance_by_category'])}; by turn: {_by(ev['served_acceptance_by_turn'])}"
+    )
     per_set = ev.get("per_set", {})  # every set's served figure, the headline's too
     for line in set_lines(per_set):
         say(line)
     return {k: ev[k] for k in MT_BENCH_HEADLINE} | {"per_set": per_set, "evaluate": ev}
+
+
+def _by(groups: object) -> str:
+    """`writing 1.500, roleplay 1.250`: a figure per group, rounded."""
+    if not isinstance(groups, Mapping):
+        return figure(groups)
+    return ", ".join(f"{g} {figure(v)}" for g, v in groups.items())
 
 
 def figures_line(ev: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
