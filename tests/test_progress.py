@@ -15,7 +15,7 @@ import pytest
 from hpctoolkit.figures import duration, figure, rate, seconds
 from hpctoolkit.roles.console import Console, is_progress
 from hpctoolkit.roles.results import trainer_line
-from hpctoolkit.rundir.progress import Ticker, count_line, write_progress
+from hpctoolkit.rundir.progress import Counted, Ticker, count_line, write_progress
 from hpctoolkit.rundir.progress import trainer_line as progress_trainer_line
 
 
@@ -183,3 +183,18 @@ def test_the_trainer_reports_at_its_interval_and_at_the_last_step(tmp_path, monk
     lines, record = _train(tmp_path / "fast", monkeypatch, capsys, steps=6, every_s=1000, min_step_s=0)
     assert [STEP_LINE.match(x).group(1) for x in lines] == ["6"], lines  # type: ignore[union-attr]
     assert record["step"] == 6
+
+
+def test_a_count_reports_at_its_interval_with_an_eta_from_the_first_unit():
+    clock = Clock()
+    got: list[dict] = []
+    counted = Counted("evaluate", "questions", 8, 10.0, got.append, clock)
+    clock.t = 60.0  # the engine's start: no work yet, and not counted against the ETA
+    for _ in range(8):
+        counted(1)
+        clock.t += 4.0
+    # The first answer (after the start), then one interval later each time, and the last.
+    assert [r["done"] for r in got] == [1, 4, 7, 8]
+    assert got[0] == {"role": "evaluate", "what": "questions", "done": 1, "total": 8, "eta_s": None}
+    assert got[1]["eta_s"] == 16.0  # 3 answers in 12 s since the first: 4 more take 16 s
+    assert got[-1]["eta_s"] == 0

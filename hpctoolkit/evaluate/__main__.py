@@ -4,13 +4,16 @@ Prompts come from `--prompts`: `mt_bench` (the chat sets of `--sets`, through th
 template: MT-Bench's 80 questions, both turns, per-category figures; `human_eval`'s 164 problems;
 each set's figure), or `builtin:tiny` or a JSONL file, skipping
 `--prompt-offset` of them (e.g. the training ones). Prints the two acceptance lengths, then the result JSON (also written
-to `--out`); `--plot` writes a served-vs-simulated PNG.
+to `--out`); `--plot` writes a served-vs-simulated PNG. The questions served so far go to stderr
+every 10 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -18,9 +21,11 @@ from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.data.prompts import load_prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.compare import evaluate
+from hpctoolkit.evaluate.serve import reporting
 from hpctoolkit.evaluate.sets import set_lines
 from hpctoolkit.figures import figure
 from hpctoolkit.rundir.atomic import write_text_atomic
+from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, Counted, count_line
 from hpctoolkit.targets.resolve import resolve_target
 
 
@@ -48,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _counted(total: int, what: str) -> Counted:
+    def emit(record: dict[str, Any]) -> None:
+        print(count_line(record), file=sys.stderr, flush=True)
+
+    return Counted("evaluate", what, total, DEFAULT_EVERY_S, emit)
+
+
 def main(argv: list[str]) -> int:
     args = parse(build_parser(), argv)
     if args.num_speculative_tokens < 1 or args.max_tokens < 1 or args.num_prompts < 1:
@@ -55,33 +67,37 @@ def main(argv: list[str]) -> int:
     target = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(str(target))
     if args.prompts == "mt_bench":
+        from hpctoolkit.evaluate.chat import num_turns
         from hpctoolkit.evaluate.compare import evaluate_sets
         from hpctoolkit.evaluate.sets import load_sets
 
         sets = load_sets([s.strip() for s in args.sets.split(",")])
         if "mt_bench" in sets:  # the headline set, as in the evaluate role
             sets = {"mt_bench": sets.pop("mt_bench"), **sets}
-        result = evaluate_sets(
-            args.export_dir,
-            target,
-            sets,
-            tok,
-            num_speculative_tokens=args.num_speculative_tokens,
-            max_tokens=args.max_tokens,
-            plot_path=args.plot,
-        )
+        turns = sum(len(qs) * num_turns(name, qs) for name, qs in sets.items())
+        with reporting(_counted(turns, "question turns")):
+            result = evaluate_sets(
+                args.export_dir,
+                target,
+                sets,
+                tok,
+                num_speculative_tokens=args.num_speculative_tokens,
+                max_tokens=args.max_tokens,
+                plot_path=args.plot,
+            )
     else:
         prompts = load_prompt_ids(
             args.prompts, tok, args.num_prompts, args.max_prompt_tokens, offset=args.prompt_offset
         )
-        result = evaluate(
-            args.export_dir,
-            target,
-            prompts,
-            num_speculative_tokens=args.num_speculative_tokens,
-            max_tokens=args.max_tokens,
-            plot_path=args.plot,
-        )
+        with reporting(_counted(len(prompts), "questions")):
+            result = evaluate(
+                args.export_dir,
+                target,
+                prompts,
+                num_speculative_tokens=args.num_speculative_tokens,
+                max_tokens=args.max_tokens,
+                plot_path=args.plot,
+            )
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         write_text_atomic(args.out, text + "\n")

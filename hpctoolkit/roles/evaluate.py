@@ -13,7 +13,6 @@ merges the same figures into `summary.json` and, as the run's last role, points 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
 from hpctoolkit.roles.results import finished, merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
-from hpctoolkit.rundir.progress import Ticker, count_line, write_progress
+from hpctoolkit.rundir.progress import Counted, count_line, write_progress
 
 # What summary.json carries of a chat-set result, with `per_set` (the rest stays under "evaluate").
 MT_BENCH_HEADLINE = (
@@ -55,29 +54,17 @@ def not_served_reason(draft_config: str) -> str | None:
     return None if cuda_visible() else serving_for(draft_config).cpu_unservable
 
 
-class _Served:
+def _served(ctx: NodeContext, total: int, what: str) -> Counted:
     """`on_done(n)` for `evaluate.serve.reporting`: questions served, reported at a steady interval
     (`evaluate.progress_every_s`, and at the last) as a line and `progress/evaluate.json`."""
 
-    def __init__(self, ctx: NodeContext, total: int, what: str):
-        self.ctx, self.total, self.what, self.done = ctx, total, what, 0
-        self.ticker = Ticker(ctx.cfg.evaluate.progress_every_s)
-        self.ticker.due()  # the first report after one interval
-        self.first: tuple[float, int] | None = None  # the first answer (the engine's start is before it)
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        self.first = self.first or (now, self.done)
-        if not self.ticker.due(last=self.done >= self.total):
-            return
-        per_s = (self.done - self.first[1]) / max(now - self.first[0], 1e-9)
-        eta = (self.total - self.done) / per_s if per_s > 0 else None
-        record = {"role": "evaluate", "what": self.what, "done": self.done, "total": self.total, "eta_s": eta}
+    def emit(record: dict[str, Any]) -> None:
         say(count_line(record))
-        write_progress(self.ctx.run.progress("evaluate"), record)
-        if self.done >= self.total:
+        write_progress(ctx.run.progress("evaluate"), record)
+        if record["done"] >= record["total"]:
             say("served; replaying the served requests in transformers for the simulated figure ...")
+
+    return Counted("evaluate", what, total, ctx.cfg.evaluate.progress_every_s, emit)
 
 
 def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> dict[str, Any]:
@@ -96,7 +83,7 @@ def _held_out(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
     if list(cfg.evaluate.sets) != ["mt_bench"]:
         say(f"warning: evaluate.sets={list(cfg.evaluate.sets)} has no effect with evaluate.prompts=held_out")
     say(f"serving the exported draft with the target in vLLM on {len(prompts)} held-out prompts ...")
-    with reporting(_Served(ctx, len(prompts), "questions")):
+    with reporting(_served(ctx, len(prompts), "questions")):
         ev = evaluate(
             export_dir,
             target_dir,
@@ -129,7 +116,7 @@ def _mt_bench(ctx: NodeContext, export_dir: str, target_dir: Path, tok: Any) -> 
         "dtype": cfg.engine.dtype,
     }
     turns = sum(len(qs) * num_turns(name, qs) for name, qs in sets.items())
-    with reporting(_Served(ctx, turns, "question turns")):
+    with reporting(_served(ctx, turns, "question turns")):
         if "mt_bench" in sets:  # the headline, as before evaluate.sets
             mt = sets.pop("mt_bench")
             if sets:

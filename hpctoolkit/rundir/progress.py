@@ -40,6 +40,40 @@ class Ticker:
         return True
 
 
+class Counted:
+    """`counted(n)`: `n` more of `total` done; at the interval (and at the last) `emit(record)`
+    with `{"role", "what", "done", "total", "eta_s"}`. The ETA runs from the first unit done, so
+    a start-up before it (an engine loading) does not count as work."""
+
+    def __init__(
+        self,
+        role: str,
+        what: str,
+        total: int,
+        every_s: float,
+        emit: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.role, self.what, self.total, self.emit, self.clock = role, what, total, emit, clock
+        self.done = 0
+        self.ticker = Ticker(every_s, clock)
+        self.ticker.due()  # the first report after one interval, or at the last
+        self._first: tuple[float, int] | None = None
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = self.clock()
+        self._first = self._first or (now, self.done)
+        if not self.ticker.due(last=self.done >= self.total):
+            return
+        t, d = self._first
+        per_s = (self.done - d) / max(now - t, 1e-9)
+        eta = (self.total - self.done) / per_s if per_s > 0 else None
+        self.emit(
+            {"role": self.role, "what": self.what, "done": self.done, "total": self.total, "eta_s": eta}
+        )
+
+
 def write_progress(path: str | os.PathLike, record: Mapping[str, Any], now: float | None = None) -> None:
     """`record` plus `time` (seconds since the epoch), written atomically to `path`."""
     write_json_atomic(path, {**record, "time": time.time() if now is None else now})
