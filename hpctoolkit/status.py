@@ -35,11 +35,11 @@ from hpctoolkit.figures import duration, figure, seconds
 from hpctoolkit.plan.lifecycle import PHASE_NAMES
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import LATEST, RunDir
-from hpctoolkit.rundir.progress import count_line, trainer_line
+from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, count_line, trainer_line
 
 RUNNING, DONE, FAILED, PREEMPTED = "running", "done", "failed", "preempted"
-# The role whose failure ends each phase, when no record names one.
-ROLE_OF_PHASE = {"master": "master", "engines": "engine0", "trainers": "trainer0", "evaluate": "evaluate"}
+# A trainer silent for this many of its reporting intervals may be gone (a killed job leaves no record).
+SILENT_INTERVALS = 10
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,12 @@ def _trainer_line(r: Records, now: float) -> str | None:
         return f"step {r.steps_logged}/{total} (no progress record yet)" if r.steps_logged else None
     if r.ended is not None:
         return trainer_line(p)
-    return f"{trainer_line(p)}; reported {duration(now - float(p.get('time', now)))} ago"
+    age = now - float(p.get("time", now))
+    line = f"{trainer_line(p)}; reported {duration(age)} ago"
+    every = _section(r.config, "training").get("progress_every_s") or DEFAULT_EVERY_S
+    if age > SILENT_INTERVALS * float(every):
+        line += f" (nothing for {SILENT_INTERVALS} intervals of {seconds(every)}: is the job still running?)"
+    return line
 
 
 def _engine_line(r: Records) -> str | None:

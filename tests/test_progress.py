@@ -132,11 +132,12 @@ def test_the_console_redraws_progress_on_a_terminal_only():
     c.line("  trainer0 | [hpctoolkit.trainer] step 2/4", progress=True)
     c.line("  trainer0 | [hpctoolkit.trainer] trained 4 steps")
     c.line("  evaluate | [hpctoolkit.evaluate] questions 1/2", progress=True)
+    up = "\x1b[1A\x1b[2K"  # over the live line above
     assert term.getvalue() == (
-        "\r\x1b[2K  trainer0 | [hpctoolkit.trainer] step 1/4"
-        "\r\x1b[2K  trainer0 | [hpctoolkit.trainer] step 2/4"
-        "\n  trainer0 | [hpctoolkit.trainer] trained 4 steps\n"
-        "\r\x1b[2K  evaluate | [hpctoolkit.evaluate] questions 1/2"
+        "  trainer0 | [hpctoolkit.trainer] step 1/4\n"
+        f"{up}  trainer0 | [hpctoolkit.trainer] step 2/4\n"
+        "  trainer0 | [hpctoolkit.trainer] trained 4 steps\n"
+        "  evaluate | [hpctoolkit.evaluate] questions 1/2\n"
     )
     pipe = io.StringIO()  # not a TTY: plain lines, every one
     c = Console(pipe)

@@ -122,6 +122,10 @@ def test_the_trainers_phase_shows_step_loss_rates_eta_and_the_records_age(tmp_pa
     )
     assert line(rep, "engines") == "engines  5 of 12 samples published; 0/1 engine(s) done capturing"
     assert "[trainers]" in line(rep, "phases")
+    later = report(read_records(run), NOW + 100)  # ten intervals of the default 10 s, and more
+    assert line(later, "trainer").endswith(
+        "reported 1m44s ago (nothing for 10 intervals of 10.0s: is the job still running?)"
+    )
 
 
 def test_steps_show_before_the_first_progress_record(tmp_path):

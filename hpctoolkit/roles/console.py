@@ -7,6 +7,9 @@ A progress line is one whose message starts with a count, `<what> k/n` (the trai
 `step 40/800, loss ...`, evaluate's `questions 3/8`; `rundir.progress` forms them). On a terminal
 the launcher redraws the latest one in place, so each phase keeps one live status line, and any
 other line ends it where it stands; elsewhere (a Slurm log, CI, a pipe) every line is a plain line.
+The live line is written whole, newline included, and the next one first moves up over it: the
+cursor is always at a line's start, so whatever else reaches the terminal (an error on stderr at
+the end) starts on a line of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Console:
         self._out = out
         self._live = live
         self._lock = threading.Lock()
-        self._pending = False  # a live line is on screen without its newline
+        self._pending = False  # the line above the cursor is a live line
 
     @property
     def out(self) -> TextIO:
@@ -55,11 +58,11 @@ class Console:
     def line(self, text: str, *, progress: bool = False) -> None:
         with self._lock:
             if progress and self.live():
-                self.out.write(f"\r\x1b[2K{text}")
+                self.out.write(("\x1b[1A\x1b[2K" if self._pending else "") + text + "\n")
                 self._pending = True
             else:
-                # A live line stays as the phase's last word; the new line starts below it.
-                self.out.write(("\n" if self._pending else "") + text + "\n")
+                # A live line stays as the phase's last word; the new line goes below it.
+                self.out.write(text + "\n")
                 self._pending = False
             self.out.flush()
 
