@@ -3,7 +3,8 @@ steady interval.
 
 `Ticker(every_s)` says when to report: at the first chance, then at most once per `every_s` of
 wall time, and always at the last unit of work; a fast run gets a handful of lines, a run of hours
-one every `every_s`, whatever its step rate. `write_progress` writes the record (`RunDir.progress`,
+one every `every_s`, whatever its step rate. `Counted` is a Ticker over a count of `total` units
+(evaluate's questions) with its ETA. `write_progress` writes the record (`RunDir.progress`,
 `progress/<role>.json`) atomically, with the wall-clock `time` it was written, so a reader on any
 node sees a whole record and can tell how old it is (`python -m hpctoolkit.status`).
 
