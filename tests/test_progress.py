@@ -12,8 +12,8 @@ import re
 
 import pytest
 
+from hpctoolkit.console import Console, is_progress
 from hpctoolkit.figures import duration, figure, rate, seconds
-from hpctoolkit.roles.console import Console, is_progress
 from hpctoolkit.roles.results import trainer_line
 from hpctoolkit.rundir.progress import Counted, Ticker, count_line, write_progress
 from hpctoolkit.rundir.progress import trainer_line as progress_trainer_line

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
-from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, client_store_config, engine_node_args, store_address
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, term_event, wait_reachable
 from hpctoolkit.rundir import ledger

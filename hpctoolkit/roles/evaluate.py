@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
-from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
 from hpctoolkit.roles.results import finished, merge_summary, trainer_line

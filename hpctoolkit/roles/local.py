@@ -22,13 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hpctoolkit import envs, errors
+from hpctoolkit import console, envs, errors
 from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
-from hpctoolkit.roles import console
-from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.results import merge_summary, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir, local_run_id

@@ -15,9 +15,9 @@ import signal
 import time
 from dataclasses import replace
 
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import Process
-from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
 from hpctoolkit.rundir import ledger

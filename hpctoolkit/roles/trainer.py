@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.figures import figure
 from hpctoolkit.plan.placement import Process
-from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.context import (
     NodeContext,
     client_store_config,

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from hpctoolkit.roles.console import speaker
+from hpctoolkit.console import speaker
 from hpctoolkit.rundir.progress import Ticker, trainer_line, write_progress
 
 say = speaker("trainer")
