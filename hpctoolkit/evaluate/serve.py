@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hpctoolkit.config.precision import auto_engine_dtype
+from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.engine.env import cuda_visible, detect_backend, gpu_memory_share
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.models.families import serving_for
@@ -220,7 +220,7 @@ class ServingSession:
         self.export_dir, self.target_dir = Path(export_dir), Path(target_dir)
         # `engine.dtype`; auto as there (`config/precision.py`): vLLM's own auto would take the
         # checkpoint's bf16 and emulate it on a CPU without bf16 instructions (1-2 tokens/s).
-        self.dtype = dtype if dtype != "auto" else auto_engine_dtype()
+        self.dtype = engine_dtype(dtype)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
