@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ import torch
 from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.engine.env import cuda_visible, detect_backend, gpu_memory_share
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.models.families import serving_for
+from hpctoolkit.models.families import read_config_json, serving_for
 
 
 def serving_method(export_dir: str | os.PathLike) -> str:
@@ -42,7 +41,7 @@ def serving_method(export_dir: str | os.PathLike) -> str:
         raise ConfigError(
             f"{export_dir} holds no config.json; expected a directory written by hpctoolkit.models.export"
         )
-    raw = json.loads(cfg_path.read_text())
+    raw = read_config_json(cfg_path)
     serving = serving_for(raw)
     if serving.cpu_unservable and not cuda_visible():
         arch = (raw.get("architectures") or [serving.served_architecture])[0]
@@ -131,7 +130,7 @@ def _unused_by_design(model: torch.nn.Module, name: str) -> bool:
 def _draft_class(export_dir: Path) -> type:
     from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
 
-    arch = json.loads((export_dir / "config.json").read_text())["architectures"][0]
+    arch = read_config_json(export_dir)["architectures"][0]
     module, cls = _SPECULATIVE_DECODING_MODELS[arch]
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
 

@@ -11,6 +11,7 @@ The target's config is read here and nowhere else: the text model's part of `con
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json_object(Path(model_dir) / "config.json", "paths.target_model")
 
 
-def num_hidden_layers(text: dict[str, Any]) -> int:
+def num_hidden_layers(text: Mapping[str, Any]) -> int:
     """The decoder layer count of a text config; `ConfigError` unless a positive int."""
     n = text.get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
