@@ -75,6 +75,7 @@ def builtin_config(name: str) -> dict[str, Any]:
 
 
 def tiny_tokenizer():
+    """The builtin targets' tokenizer (byte-level BPE trained on `CORPUS`, deterministic), without a build."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
