@@ -128,7 +128,8 @@ def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
     import os
 
     from hpctoolkit.engine.config import EngineConfig
-    from hpctoolkit.engine.engine import CaptureEngine, CaptureSink, engine_llm_kwargs
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.regenerate import CAPTURE_ONLY_KEYS
     from hpctoolkit.store.config import StoreConfig
 

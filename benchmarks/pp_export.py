@@ -152,7 +152,7 @@ def engine_config(pp: int, chunk: int, max_len: int):
 
 
 def run_arm(a: dict[str, Any]) -> None:
-    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
+    from hpctoolkit.engine.kwargs import CaptureSink, build_llm_kwargs
     from hpctoolkit.store.config import StoreConfig
 
     pp, mode = int(a["pp"]), a["mode"]

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.config.couplings import store_sizing
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
-from hpctoolkit.plan.sizing import StoreSizing, check_node_memory, size_store
+from hpctoolkit.plan.sizing import StoreSizing, check_node_memory
 
 
 def check_files(cfg: RecipeConfig) -> None:
@@ -43,12 +44,6 @@ def check_files(cfg: RecipeConfig) -> None:
         if not ok:
             what = "a model directory with config.json" if kind == "dir" else "a file"
             raise ConfigError(f"{key}={path} is not {what}")
-
-
-def sizing(cfg: RecipeConfig, plan: Plan) -> StoreSizing:
-    from hpctoolkit.config.couplings import target_hf_config
-
-    return size_store(cfg, target_hf_config(cfg.paths.target_model), plan)
 
 
 def check_memory(cfg: RecipeConfig, sized: StoreSizing) -> int | None:
@@ -96,12 +91,8 @@ def plan_json(cfg: RecipeConfig, plan: Plan, sized: StoreSizing, node_memory: in
     }
 
 
-def describe(cfg: RecipeConfig, plan: Plan | None) -> str:
-    from hpctoolkit.capture import capture_ids_for
-    from hpctoolkit.config.couplings import target_hf_config
-
-    num_layers = target_hf_config(cfg.paths.target_model)["num_hidden_layers"]
-    capture = capture_ids_for(cfg.engine.target_layer_ids, num_layers)
+def describe(cfg: RecipeConfig, plan: Plan | None, sized: StoreSizing) -> str:
+    num_layers, capture = sized.num_layers, list(sized.capture_ids)
     e, s, t = cfg.engine, cfg.store, cfg.training
     where = s.bind_host if cfg.cluster.backend == "local" else "the planned node's address"
     master = f"connect to {s.master_address}" if s.master_address else f"launch our own on {where}"
@@ -151,7 +142,7 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
     plan = make_plan(cfg)
-    sized = sizing(cfg, plan)
+    sized = store_sizing(cfg, plan)
     check_files(cfg)
     node_memory = check_memory(cfg, sized)
     if args.json:
@@ -159,13 +150,13 @@ def main(argv: list[str]) -> int:
         return 0
     if chosen is not None:
         print(chosen.describe())
-    print(describe(cfg, plan))
+    print(describe(cfg, plan, sized))
     print(sized.describe())
     if args.dry_run:
         print("\ndry run: recipe is valid; nothing was started.")
         return 0
     if cfg.cluster.backend == "slurm":
-        from hpctoolkit.slurm.submit import submit_job
+        from hpctoolkit.slurm.handoff import submit_job
 
         # Through submitit; `sbatch` of the rendered script (--render-sbatch) is the shell path.
         _, told = submit_job(cfg, plan, recipe_path=args.recipe, overrides=args.overrides)

@@ -191,9 +191,9 @@ class _StandInEngine:
 
     def __init__(self, engine_cfg: Any, target_dir: str, address: str, store_cfg: Any, run_id: str, **_: Any):
         from hpctoolkit.capture.layout import capture_ids_for
-        from hpctoolkit.config.couplings import target_hf_config
-        from hpctoolkit.engine.engine import run_prefix
+        from hpctoolkit.engine.kwargs import run_prefix
         from hpctoolkit.store.mooncake import MooncakeStore
+        from hpctoolkit.targets.resolve import target_hf_config
 
         target = target_hf_config(target_dir)
         self.layers = int(target["num_hidden_layers"])
@@ -225,11 +225,11 @@ class _StandInEngine:
 
 def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> dict[str, Any]:
     """The engine leader's loop against a slow trainer on a real master; what happened."""
-    from hpctoolkit.config.couplings import target_hf_config
+    from hpctoolkit.config.couplings import store_sizing
     from hpctoolkit.config.load import load_recipe
     from hpctoolkit.engine import engine as engine_mod
+    from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.plan.placement import make_plan
-    from hpctoolkit.plan.sizing import size_store
     from hpctoolkit.roles import engines
     from hpctoolkit.roles.context import NodeContext
     from hpctoolkit.rundir.atomic import write_json_atomic
@@ -258,7 +258,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
     ]
     cfg = load_recipe("recipes/tiny.yaml", overrides)  # the sizing at load accepts it
     plan = make_plan(cfg)
-    sized = size_store(cfg, target_hf_config(cfg.paths.target_model))
+    sized = store_sizing(cfg)
     sample_bytes = sized.longest_sample_bytes
     assert NUM * sample_bytes > 2 * cfg.store.segment_bytes
     run = RunDir.of(tmp_path, "bp-run")
@@ -278,7 +278,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         monkeypatch.setattr(engine_mod, "CaptureEngine", _StandInEngine)
         monkeypatch.setattr(target_resolve, "resolve_target", lambda t: t)
 
-        prefix = engine_mod.run_prefix(ctx.run_id, 0)
+        prefix = run_prefix(ctx.run_id, 0)
         read: list[list[int]] = []
         failures: list[BaseException] = []
 

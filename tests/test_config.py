@@ -236,3 +236,15 @@ def test_pp_stage_with_nothing_to_capture(capsys, recipe, draft_json):
         [recipe(draft={"config": d}, engine={"target_layer_ids": [0], "gpus_per_node": 3, "pp_size": 3})],
     )
     assert "leave PP stage(s) [1]" in line
+
+
+def test_store_sizing_reads_the_target_once_for_load_and_plan(recipe):
+    # One home for sizing the store against the target: the couplings at load, and the plan's
+    # printout and memory check in `python -m hpctoolkit.submit`.
+    from hpctoolkit.config.couplings import store_sizing
+    from hpctoolkit.plan.placement import make_plan
+
+    cfg = load_recipe(recipe(), [])
+    sized = store_sizing(cfg, make_plan(cfg))
+    assert (sized.num_layers, list(sized.capture_ids), sized.hidden_size) == (6, [1, 3, 5, 6], 128)
+    assert sized.nodes == ()  # per-node memory only for a Slurm plan

@@ -3,7 +3,7 @@
 import pytest
 
 from hpctoolkit.config.load import compose, load_recipe
-from hpctoolkit.config.precision import HostFacts, host_facts, resolve_precision
+from hpctoolkit.config.precision import HostFacts, engine_dtype, host_facts, resolve_precision
 from hpctoolkit.errors import ConfigError
 
 AVX2 = frozenset({"avx2", "fma"})
@@ -31,6 +31,13 @@ def test_auto_follows_the_hardware(facts, device, engine, training):
 def test_a_named_precision_is_kept_whatever_the_host():
     cfg = compose("recipes/local.yaml", ["engine.dtype=bfloat16", "training.mixed_precision=bf16"])
     assert resolve_precision(cfg, HostFacts(False, AVX2)) is cfg
+
+
+def test_engine_dtype_decides_auto_and_keeps_a_name():
+    assert engine_dtype("auto", HostFacts(False, AVX2)) == "float32"
+    assert engine_dtype("auto", HostFacts(False, SAPPHIRE)) == "bfloat16"
+    assert engine_dtype("auto", HostFacts(True, AVX2)) == "bfloat16"
+    assert engine_dtype("float16", HostFacts(False, AVX2)) == "float16"
 
 
 def test_host_facts_read_the_cpu_flags_and_the_driver_s_gpus(tmp_path, monkeypatch):

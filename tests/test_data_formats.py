@@ -13,14 +13,14 @@ import pytest
 from hpctoolkit.data.config import DataConfig, DataSource
 from hpctoolkit.data.prompts import load_prompt_ids, load_rows, load_samples, shares
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.testing.tiny_target import _tokenizer
+from hpctoolkit.targets.builtin import tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return _tokenizer()
+    return tiny_tokenizer()
 
 
 @pytest.fixture(autouse=True)

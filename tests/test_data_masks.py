@@ -7,7 +7,7 @@ import pytest
 
 from hpctoolkit.data.template import ChatSpec, encode_chat
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.testing.tiny_target import _tokenizer
+from hpctoolkit.targets.builtin import tiny_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -54,7 +54,7 @@ CONV = [
 
 @pytest.fixture(scope="module")
 def base_tok():
-    return _tokenizer()
+    return tiny_tokenizer()
 
 
 def tok_with(base, template: str, extra_specials=()):

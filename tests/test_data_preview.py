@@ -53,9 +53,9 @@ def test_json_on_the_tiny_target(data_file):
 
 
 def test_marked_text_and_a_tokenizer_directory(data_file, tmp_path):
-    from hpctoolkit.testing.tiny_target import _tokenizer
+    from hpctoolkit.targets.builtin import tiny_tokenizer
 
-    tok = _tokenizer()
+    tok = tiny_tokenizer()
     tok.chat_template = (
         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endfor %}"
         "{% if add_generation_prompt %}[assistant] {% endif %}"

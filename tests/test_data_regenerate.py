@@ -14,12 +14,12 @@ from hpctoolkit.engine.regenerate import RegenReport, Sampling, regenerate_rows
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.store.fragments import LossMasks
 from hpctoolkit.store.memory import MemoryStore
-from hpctoolkit.testing.tiny_target import _tokenizer
+from hpctoolkit.targets.builtin import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return _tokenizer()
+    return tiny_tokenizer()
 
 
 def chat(*turns):

@@ -34,7 +34,7 @@ from hpctoolkit.data.synth_filter import (
 from hpctoolkit.data.template import ChatSpec
 from hpctoolkit.engine.regenerate import Sampling, regenerate_rows
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.testing.tiny_target import _tokenizer
+from hpctoolkit.targets.builtin import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ChatSpec()
@@ -42,7 +42,7 @@ SPEC = ChatSpec()
 
 @pytest.fixture(scope="module")
 def tok():
-    return _tokenizer()
+    return tiny_tokenizer()
 
 
 # --- the pure filters ---------------------------------------------------------------------------

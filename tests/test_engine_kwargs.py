@@ -11,15 +11,14 @@ from hpctoolkit import envs
 from hpctoolkit.capture import capture_ids_for, sanitize_key
 from hpctoolkit.engine import env as engine_env_mod
 from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
-from hpctoolkit.engine.engine import (
+from hpctoolkit.engine.connector_api import EXTRA_CONFIG_KEY
+from hpctoolkit.engine.kwargs import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
-    EXTRA_CONFIG_KEY,
     CaptureSink,
     NodeArgs,
     build_llm_kwargs,
     run_prefix,
-    target_num_layers,
 )
 from hpctoolkit.engine.rows import gather_heads, head_index_of, sample_key_for, slot_mapping
 from hpctoolkit.errors import ConfigError, DataIntegrityError
@@ -240,16 +239,6 @@ def test_store_config_object_accepted():
     extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"][EXTRA_CONFIG_KEY]
     assert extra["connect_timeout_s"] == 4.0
     assert extra["store_config"]["connect_timeout_s"] == 4.0
-
-
-def test_target_num_layers(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
-    assert target_num_layers(tmp_path) == 6
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
-    assert target_num_layers(tmp_path) == 4
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="num_hidden_layers"):
-        target_num_layers(tmp_path)
 
 
 def test_slot_mapping_follows_block_table():

@@ -96,13 +96,13 @@ def _leader_config(kwargs: dict[str, Any], monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     pytest.importorskip("vllm", reason="builds vLLM configs")
-    from hpctoolkit.testing.tiny_target import build
+    from hpctoolkit.targets.builtin import build
 
     return str(build("tiny-qwen3", tmp_path_factory.mktemp("tiny") / "tiny-qwen3"))
 
 
 def _production_kwargs(model_dir: str, **extra: Any) -> dict[str, Any]:
-    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
+    from hpctoolkit.engine.kwargs import CaptureSink, build_llm_kwargs
 
     sink = CaptureSink(None, None, "follower-test", fault_dir="/nonexistent")
     kwargs, _ = build_llm_kwargs(_engine_cfg(2), model_dir, [1, 3, 5, 6], sink, backend="cpu")
@@ -164,8 +164,8 @@ def test_usage_context_is_llms(tiny_target, monkeypatch):
 def test_follower_runs_the_gates_before_spawning_workers(tiny_target):
     import psutil
 
-    from hpctoolkit.engine.engine import CaptureSink, build_llm_kwargs
     from hpctoolkit.engine.follower import HeadlessFollower
+    from hpctoolkit.engine.kwargs import CaptureSink, build_llm_kwargs
     from hpctoolkit.errors import ConfigError
 
     # Capture ids that stop short of the target's 6 layers: the leader's preflight would refuse
@@ -346,9 +346,9 @@ def _worker_children() -> list[str]:
 
 def node_follower(args: dict[str, Any]) -> dict[str, Any]:
     """node_rank 1: the headless follower, with the kwargs and environment the leader used."""
-    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.env import detect_backend
     from hpctoolkit.engine.follower import NODE_KEYS, HeadlessFollower
+    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
     from hpctoolkit.store.config import StoreConfig
 
     work = Path(args["work"])

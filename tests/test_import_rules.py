@@ -7,6 +7,7 @@ functions too) and by importing with the heavy parts blocked.
   script rendering, the run-directory layout) reach no torch.distributed, vllm, mooncake or
   subprocess, directly or through another module of ours.
 * `models` and `train` (what the GPU machine runs) import with vllm and mooncake blocked.
+* Production code imports no test helper: nothing outside `hpctoolkit.testing` imports it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PURE_ROOMS = (
     "hpctoolkit.rundir.layout",
 )
 GPU_ROOMS = ("hpctoolkit.models", "hpctoolkit.train")
+TEST_HELPERS = "hpctoolkit.testing"
 
 
 def _modules() -> dict[str, Path]:
@@ -147,6 +149,29 @@ def _reach(name: str) -> set[str]:
                 seen.add(m)
                 todo.append(m)
     return seen
+
+
+def _test_helper_imports(modules: dict[str, set[str]]) -> list[str]:
+    """`a imports b` for each module `a` outside the test helpers that imports one of them."""
+
+    def helper(m: str) -> bool:
+        return m == TEST_HELPERS or m.startswith(TEST_HELPERS + ".")
+
+    return sorted(
+        f"{a} imports {b}" for a, imps in modules.items() if not helper(a) for b in imps if helper(b)
+    )
+
+
+def test_production_code_imports_no_test_helper():
+    assert _test_helper_imports({m: _imports(m) for m in MODULES}) == []
+
+
+def test_the_test_helper_rule_sees_an_import():
+    found = {
+        "hpctoolkit.data.prompts": {"hpctoolkit.testing.tiny_target"},
+        "hpctoolkit.testing.a": {TEST_HELPERS},
+    }
+    assert _test_helper_imports(found) == ["hpctoolkit.data.prompts imports hpctoolkit.testing.tiny_target"]
 
 
 @pytest.mark.parametrize("room", PURE_ROOMS)

@@ -9,7 +9,7 @@ from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models.common.attention import GQAAttention, causal_mask
+from hpctoolkit.models.common.attention import GQAAttention, causal_mask, check_gqa_heads
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy, reference_cross_entropy
 from hpctoolkit.models.common.mla import MLAAttention
 from hpctoolkit.models.common.norm import RMSNorm
@@ -21,6 +21,7 @@ from hpctoolkit.models.common.rope import (
     rotate_interleaved,
     yarn_get_mscale,
 )
+from hpctoolkit.models.dflash.config import DFlashConfig
 from hpctoolkit.models.dflash.layout import block_attention_mask
 from hpctoolkit.models.registry import load_draft_config
 
@@ -253,3 +254,19 @@ def test_the_block_mask_built_in_bands_is_create_block_masks(shape, monkeypatch)
         ):
             assert torch.equal(a.expand_as(b), b)
         torch.testing.assert_close(got.to_dense(), ref.to_dense(), rtol=0, atol=0)
+
+
+def test_query_heads_must_share_the_kv_heads_evenly():
+    check_gqa_heads(8, 2)
+    check_gqa_heads(4, 4)
+    for heads, kv in [(6, 4), (4, 0), (4, 8)]:
+        with pytest.raises(
+            ConfigError,
+            match=rf"^num_attention_heads={heads} must be a multiple of num_key_value_heads={kv}$",
+        ):
+            check_gqa_heads(heads, kv)
+    # Both homes of the rule ask it: the config at load, the layer when built directly.
+    with pytest.raises(ConfigError, match="must be a multiple"):
+        GQAAttention(hidden_size=48, num_heads=6, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-6)
+    with pytest.raises(ConfigError, match="must be a multiple"):
+        DFlashConfig(num_attention_heads=6, num_key_value_heads=4)

@@ -163,6 +163,7 @@ def test_serving_records_import_nothing_heavy():
             "hpctoolkit.models.serving",
             "hpctoolkit.models.dflash",
             "hpctoolkit.models.dspark",
+            "hpctoolkit.rundir.atomic",  # standard library only: the one JSON-object reader
         }
         allowed |= {f"hpctoolkit.models.{f}.serving" for f in families()}
         configs = {m for m in modules if m.endswith(".config")}  # TYPE_CHECKING only
@@ -294,13 +295,13 @@ def test_export_takes_flags_in_any_order(tmp_path):
     assert json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == "float16"
 
 
-def test_tiny_target_takes_flags_in_any_order(monkeypatch, capsys):
-    from hpctoolkit.testing import tiny_target
+def test_builtin_target_takes_flags_in_any_order(monkeypatch, capsys):
+    from hpctoolkit.targets import builtin
 
     built = []
-    monkeypatch.setattr(tiny_target, "build", lambda name, out: built.append((name, out)) or Path(out))
-    assert tiny_target.main(["--arch", "llama", "out1"]) == 0
-    assert tiny_target.main(["out2", "--arch", "llama"]) == 0
+    monkeypatch.setattr(builtin, "build", lambda name, out: built.append((name, out)) or Path(out))
+    assert builtin.main(["--arch", "llama", "out1"]) == 0
+    assert builtin.main(["out2", "--arch", "llama"]) == 0
     assert built == [("tiny-llama", "out1"), ("tiny-llama", "out2")]
 
 
@@ -315,13 +316,13 @@ def test_evaluate_takes_flags_in_any_order():
 
 def _entry_points():
     from hpctoolkit.evaluate.__main__ import main as evaluate_main
-    from hpctoolkit.testing.tiny_target import main as tiny_main
+    from hpctoolkit.targets.builtin import main as tiny_main
 
     return {
         "hpctoolkit.models.export": (export_main, ["ckpt", "out"]),
         "hpctoolkit.models.inspect": (inspect_main, ["config.json"]),
         "hpctoolkit.evaluate": (evaluate_main, ["export", "--target", "t"]),
-        "hpctoolkit.testing.tiny_target": (tiny_main, ["out"]),
+        "hpctoolkit.targets.builtin": (tiny_main, ["out"]),
     }
 
 
@@ -331,7 +332,7 @@ def _entry_points():
         "hpctoolkit.models.export",
         "hpctoolkit.models.inspect",
         "hpctoolkit.evaluate",
-        "hpctoolkit.testing.tiny_target",
+        "hpctoolkit.targets.builtin",
     ],
 )
 def test_a_bad_flag_is_exit_2_with_one_line(prog, capsys):
@@ -351,7 +352,7 @@ def test_a_bad_flag_is_exit_2_with_one_line(prog, capsys):
     assert capsys.readouterr().out.startswith(f"usage: python -m {prog}")
 
 
-@pytest.mark.parametrize("prog", ["hpctoolkit.models.export", "hpctoolkit.testing.tiny_target"])
+@pytest.mark.parametrize("prog", ["hpctoolkit.models.export", "hpctoolkit.targets.builtin"])
 def test_python_m_reports_a_bad_flag_in_one_line(prog):
     import subprocess
     import sys

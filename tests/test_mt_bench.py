@@ -385,3 +385,11 @@ if __name__ == "__main__":
     import sys
 
     check_two_turns(Path(sys.argv[1]))
+
+
+def test_the_context_limit_is_the_text_models(tmp_path):
+    from hpctoolkit.evaluate.chat import _context_limit
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    assert _context_limit(tmp_path) == 4096
+    assert _context_limit(tmp_path / "missing") is None

@@ -24,8 +24,8 @@ from conftest import emulated_hosts, free_port, job_processes, wait_done, why_no
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
+from hpctoolkit.slurm.handoff import submit_sbatch
 from hpctoolkit.slurm.render import render_sbatch
-from hpctoolkit.slurm.submit import submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "tests/recipes/multihost_k3.yaml"

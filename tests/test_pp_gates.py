@@ -186,7 +186,7 @@ def test_layout_against_vllm_count():
 
 def test_layout_reads_vllms_own_model_config(tmp_path):
     model_mod = pytest.importorskip("vllm.config", reason="reads vLLM's ModelConfig")
-    from hpctoolkit.testing.tiny_target import build
+    from hpctoolkit.targets.builtin import build
 
     model_dir = build("tiny-qwen3", tmp_path / "tiny")
     mc = model_mod.ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=128)
@@ -331,7 +331,7 @@ def test_preflight_rejects_incapable_target_and_bad_layout(vllm_registry, tmp_pa
 
 
 def test_preflight_on_a_real_target(vllm_registry, tmp_path):
-    from hpctoolkit.testing.tiny_target import build
+    from hpctoolkit.targets.builtin import build
 
     model_dir = build("tiny-qwen3", tmp_path / "tiny")
     mc = preflight(_pp2(), model_dir, [1, 3, 5, 6])

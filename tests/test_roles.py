@@ -173,8 +173,8 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     """Both engine roles call `engine_llm_kwargs` with `engine_node_args`: only the node keys differ."""
     import json
 
-    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.follower import NODE_KEYS, check_node_invariant
+    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
     built = {}

@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 
 from hpctoolkit.config.load import load_recipe
-from hpctoolkit.engine.engine import run_prefix
+from hpctoolkit.engine.kwargs import run_prefix
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.roles import engines

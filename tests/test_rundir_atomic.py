@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.rundir.atomic import (
     atomic_path,
     read_json,
+    read_json_object,
     write_bytes_atomic,
     write_json_atomic,
     write_text_atomic,
@@ -101,3 +103,26 @@ def test_begin_attempt_moves_each_queue_whole_onto_its_stale_list(tmp_path):
     assert begin_attempt(run, "1", 1)
     assert run.stale_queue(0).read_text().splitlines() == ['{"a": 0}', '{"a": 1}', '{"a": 2}']
     assert sorted(p.name for p in run.manifests.iterdir()) == ["engine0.stale.jsonl"]
+
+
+def test_read_json_object_fails_in_one_line_naming_the_file(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text('{"a": 1}')
+    assert read_json_object(good, "draft.config") == {"a": 1}
+    cases = {
+        "nope.json": None,
+        "broken.json": "{",
+        "list.json": "[1]",
+    }
+    wants = {
+        "nope.json": "does not exist",
+        "broken.json": "is not valid JSON",
+        "list.json": "must hold a JSON object",
+    }
+    for name, text in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as info:
+            read_json_object(tmp_path / name, "draft.config")
+        msg = str(info.value)
+        assert msg.startswith(f"draft.config: {tmp_path / name} {wants[name]}") and "\n" not in msg, msg

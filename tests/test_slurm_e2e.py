@@ -26,8 +26,8 @@ from conftest import free_port, wait_done
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
+from hpctoolkit.slurm.handoff import submit_sbatch
 from hpctoolkit.slurm.render import render_sbatch
-from hpctoolkit.slurm.submit import submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_NODES = 3  # the stretch case's trainer node + two engine nodes

@@ -25,8 +25,8 @@ from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm import shell
+from hpctoolkit.slurm.handoff import submit_sbatch
 from hpctoolkit.slurm.render import render_sbatch
-from hpctoolkit.slurm.submit import submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "tests/recipes/slurm_preempt.yaml"
@@ -266,7 +266,7 @@ def test_a_new_job_on_an_earlier_jobs_run_directory_resumes_it(tmp_path):
     """Resume by hand: `HPCTOOLKIT_RUN_ID=<name>-j<old job>` names the dead job's run directory;
     the new job's first attempt resumes from its newest complete checkpoint, under keys of its own."""
     from hpctoolkit.roles.context import run_id_for
-    from hpctoolkit.slurm.submit import describe_submission
+    from hpctoolkit.slurm.handoff import describe_submission
 
     cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}"])
     run = RunDir.of(tmp_path, slurm_run_id(cfg.name, "7"))
@@ -453,7 +453,7 @@ def _submit_through_submitit(
 def _usr2_through_submitit(env: dict[str, str], tmp_path: Path, extra: list[str] | None = None) -> dict:
     """Submit through `python -m hpctoolkit.submit`, send USR2 after step 5, let the requeued
     attempt train to the end; what happened, measured."""
-    from hpctoolkit.slurm.submit import RELEASE_BOUND_S
+    from hpctoolkit.slurm.handoff import RELEASE_BOUND_S
 
     cfg = load_recipe(ROOT / RECIPE, [f"paths.output_dir={tmp_path}", *(extra or [])])
     t0 = time.monotonic()

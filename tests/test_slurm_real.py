@@ -18,8 +18,8 @@ from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import ROLE_TRAINER, Plan, make_plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import expand_hostlist
+from hpctoolkit.slurm.handoff import submit_sbatch, submit_submitit
 from hpctoolkit.slurm.render import render_sbatch
-from hpctoolkit.slurm.submit import submit_sbatch, submit_submitit
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_NODES = 8

@@ -1,5 +1,6 @@
 """Targets by recipe name: the packaged real model (pypi:SmolLM2-135M-Instruct), its checksum, its
-one conversion into the cache, and the one-line errors when its wheel is missing or altered."""
+one conversion into the cache, and the one-line errors when its wheel is missing or altered; the one
+reader of a target's config (its text config, its layer count)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.targets import packaged
-from hpctoolkit.targets.resolve import display_name, resolve_target
+from hpctoolkit.targets.resolve import (
+    display_name,
+    num_hidden_layers,
+    resolve_target,
+    target_hf_config,
+    target_num_layers,
+    text_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL = packaged.PACKAGED["SmolLM2-135M-Instruct"]
@@ -43,6 +51,43 @@ def test_names():
     assert display_name("builtin:tiny-qwen3") == "tiny-qwen3"
     assert display_name("/models/Qwen3-8B") == "Qwen3-8B"
     assert resolve_target("/models/Qwen3-8B") == Path("/models/Qwen3-8B")
+
+
+def test_the_text_config_is_the_nested_one_where_there_is_one():
+    assert text_config({"num_hidden_layers": 6}) == {"num_hidden_layers": 6}
+    assert text_config({"text_config": {"num_hidden_layers": 4}, "vision_config": {}}) == {
+        "num_hidden_layers": 4
+    }
+
+
+@pytest.mark.parametrize("bad", [None, 0, -1, "6", True, 6.0])
+def test_a_layer_count_must_be_a_positive_int(bad):
+    with pytest.raises(
+        ConfigError, match=rf"^paths.target_model: config has no usable num_hidden_layers \({bad!r}\)$"
+    ):
+        num_hidden_layers({"num_hidden_layers": bad})
+
+
+def test_target_num_layers_reads_the_checkpoints_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    assert target_num_layers(tmp_path) == 6
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    assert target_num_layers(tmp_path) == 4
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        target_num_layers(tmp_path)
+    with pytest.raises(
+        ConfigError, match=rf"^paths.target_model: {tmp_path / 'nope'}/config.json does not exist$"
+    ):
+        target_num_layers(tmp_path / "nope")
+
+
+def test_target_hf_config_builds_no_builtin_and_reads_a_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCTOOLKIT_CACHE", str(tmp_path))
+    assert num_hidden_layers(target_hf_config("builtin:tiny-qwen3")) == 6
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "config.json").write_text('{"text_config": {"hidden_size": 8}}')
+    assert target_hf_config(str(tmp_path)) == {"hidden_size": 8}
 
 
 def test_unknown_packaged_target_is_one_line():

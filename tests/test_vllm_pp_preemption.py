@@ -53,7 +53,8 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.engine.connector import MANIFEST_PARAM
-    from hpctoolkit.engine.engine import PUBLISH_WAIT_S, CaptureEngine
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.engine.kwargs import PUBLISH_WAIT_S
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.mooncake import MooncakeStore
 

@@ -6,41 +6,18 @@ They read the target's `config.json` and the draft config JSON (small files); no
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.families import serving_for
-from hpctoolkit.plan.sizing import size_store
+from hpctoolkit.plan.sizing import StoreSizing, size_store
+from hpctoolkit.rundir.atomic import read_json_object
+from hpctoolkit.targets.resolve import num_hidden_layers, target_hf_config
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
-
-
-def read_json(path: str | Path, key: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{key}: {p} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{key}: {p} is not valid JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: {p} must hold a JSON object")
-    return data
-
-
-def target_hf_config(target_model: str) -> dict[str, Any]:
-    """The target's HF config dict (the text config for multimodal targets)."""
-    from hpctoolkit.targets.resolve import resolve_target, target_config_source
-
-    cfg = target_config_source(target_model)
-    if cfg is None:
-        # A packaged target is converted here on first use (once, into the cache).
-        cfg = read_json(resolve_target(target_model) / "config.json", "paths.target_model")
-    return cfg.get("text_config") or cfg
+    from hpctoolkit.plan.placement import Plan
 
 
 def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
@@ -75,7 +52,7 @@ def fill_from_draft(cfg: RecipeConfig) -> RecipeConfig:
     becomes the draft's (a new config; `cfg` is not changed)."""
     if cfg.engine.target_layer_ids:
         return cfg
-    draft_ids = draft_target_layer_ids(read_json(cfg.draft.config, "draft.config"))
+    draft_ids = draft_target_layer_ids(read_json_object(cfg.draft.config, "draft.config"))
     if draft_ids is None:
         raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, target_layer_ids=list(draft_ids)))
@@ -102,18 +79,22 @@ def _check_sample_lengths(cfg: RecipeConfig) -> None:
         )
 
 
+def store_sizing(cfg: RecipeConfig, plan: Plan | None = None) -> StoreSizing:
+    """The store, spool and memory figures of `cfg` against its target (`plan.sizing.size_store`;
+    with a Slurm `plan`, each node's memory too); raises `ConfigError` where they do not fit."""
+    return size_store(cfg, target_hf_config(cfg.paths.target_model), plan)
+
+
 def check_couplings(cfg: RecipeConfig) -> None:
     """The rules across sections (they read the target's and the draft's configs). Pure: raises
     `ConfigError` naming the key, changes nothing."""
     target = target_hf_config(cfg.paths.target_model)
-    num_layers = target.get("num_hidden_layers")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ConfigError(f"paths.target_model: config has no usable num_hidden_layers ({num_layers!r})")
+    num_layers = num_hidden_layers(target)
     e = cfg.engine
     if e.pp_size > num_layers:
         raise ConfigError(f"engine.pp_size={e.pp_size} exceeds the target's {num_layers} layers")
 
-    draft = read_json(cfg.draft.config, "draft.config")
+    draft = read_json_object(cfg.draft.config, "draft.config")
     draft_ids = draft_target_layer_ids(draft)
     if draft_ids is None:
         raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")
@@ -138,4 +119,4 @@ def check_couplings(cfg: RecipeConfig) -> None:
     _check_sample_lengths(cfg)
     _check_family_rules(cfg, draft)
     # The store must hold what the engines may have in flight; counts must agree (plan.sizing).
-    size_store(cfg, target)
+    store_sizing(cfg)

@@ -62,6 +62,13 @@ def auto_engine_dtype(facts: HostFacts | None = None) -> str:
     return "bfloat16" if bf16_native("cuda" if facts.cuda else "cpu", facts) else "float32"
 
 
+def engine_dtype(dtype: str, facts: HostFacts | None = None) -> str:
+    """`engine.dtype` as the engine runs it: `auto` decided for `facts` (this host's when None,
+    read only then; `auto_engine_dtype`), any other name as given. The recipe's is decided at load
+    (`resolve_precision`); a tool given the dtype directly decides it here too."""
+    return auto_engine_dtype(facts) if dtype == "auto" else dtype
+
+
 def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
     """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
     if a precision is `auto`); a new config, `cfg` unchanged.
@@ -73,7 +80,7 @@ def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> Reci
         return cfg
     facts = facts if facts is not None else host_facts()
     if engine.dtype == "auto":
-        engine = dataclasses.replace(engine, dtype=auto_engine_dtype(facts))
+        engine = dataclasses.replace(engine, dtype=engine_dtype(engine.dtype, facts))
     if training.mixed_precision == "auto":
         native = bf16_native(training.device, facts)
         training = dataclasses.replace(training, mixed_precision="bf16" if native else "fp32")

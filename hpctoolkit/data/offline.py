@@ -27,6 +27,7 @@ import torch
 
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
+from hpctoolkit.dtypes import safetensors_code
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
 from hpctoolkit.store.api import MissingKeysError
@@ -34,15 +35,6 @@ from hpctoolkit.store.api import MissingKeysError
 INDEX_NAME = "index.json"
 FORMAT = "hpctoolkit-hidden-states-v1"
 MANIFESTS_META = "hpctoolkit.manifests"
-_ST_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-}
 
 
 def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
@@ -54,7 +46,7 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
     for name, t in tensors:
         n = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
+            "dtype": safetensors_code(t.dtype),
             "shape": list(t.shape),
             "data_offsets": [offset, offset + n],
         }

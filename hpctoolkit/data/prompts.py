@@ -22,7 +22,7 @@ from typing import Any
 from hpctoolkit.data.config import DataConfig, DataSource
 from hpctoolkit.data.template import ChatSpec, encode_chat, prompt_ids
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.testing.tiny_target import CORPUS
+from hpctoolkit.targets.builtin import CORPUS
 
 BUILTINS = ("builtin:tiny", "builtin:chat", "builtin:magpie")
 

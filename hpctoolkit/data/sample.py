@@ -16,29 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpctoolkit import dtypes
 from hpctoolkit.capture.manifest import Manifest
-from hpctoolkit.errors import DataIntegrityError
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise DataIntegrityError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from hpctoolkit.errors import ConfigError, DataIntegrityError
 
 
 class BufferPool:
@@ -122,7 +102,10 @@ class Sample:
                 f"manifest of sample {manifest.sample_key!r}: field 'fragments' mixes dtypes "
                 f"{sorted(hidden_dtypes)}; one sample buffer needs one hidden-state dtype"
             )
-        dtype = torch_dtype(hidden_dtypes.pop())
+        try:
+            dtype = dtypes.torch_dtype(hidden_dtypes.pop())
+        except ConfigError as err:
+            raise DataIntegrityError(f"manifest of sample {manifest.sample_key!r}: {err}") from None
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
         ids_bytes = t * 8
         elem = torch.empty((), dtype=dtype).element_size()

@@ -96,6 +96,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
+from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the connector's public names
     EXTRA_CONFIG_KEY,
     MANIFEST_PARAM,
@@ -155,7 +156,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         # The layout the engine was asked for must be the one the manifest describes.
         check_layer_layout(self._capture_ids, self._num_layers)
         self._hidden_size = int(model_config.get_hidden_size())
-        self._dtype = str(model_config.dtype).removeprefix("torch.")
+        self._dtype = dtype_name(model_config.dtype)
         parallel = vllm_config.parallel_config
         self._pp_size = int(parallel.pipeline_parallel_size)
         # ExampleHiddenStatesConnector's helpers find the hidden-state KV group by its spec type

@@ -22,29 +22,18 @@ from typing import Any
 
 from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout
 from hpctoolkit.engine.config import EngineConfig
-from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the engine's public names live here too
-    DEFAULT_REACHABILITY_CHECK,
-    EXTRA_CONFIG_KEY,
-    MANIFEST_PARAM,
-    load_spec,
-    read_faults,
-)
+from hpctoolkit.engine.connector_api import DEFAULT_REACHABILITY_CHECK, MANIFEST_PARAM, load_spec, read_faults
 from hpctoolkit.engine.env import detect_backend
-from hpctoolkit.engine.kwargs import (  # noqa: F401 -- the engine's public names live here too
-    CONNECTOR_CLASS,
-    CONNECTOR_MODULE,
+from hpctoolkit.engine.kwargs import (
     ONE_NODE,
     PUBLISH_WAIT_S,
-    WORKER_EXTENSION,
     CaptureSink,
     NodeArgs,
-    build_llm_kwargs,
     engine_llm_kwargs,
-    run_prefix,
     store_cfg_dict,
-    target_num_layers,
 )
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+from hpctoolkit.targets.resolve import target_num_layers
 
 
 class CaptureEngine:

@@ -10,11 +10,9 @@ what one node of a multi-node engine adds (`NodeArgs`, from `roles.context.engin
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hpctoolkit.capture import capture_ids_for, check_layer_layout, sanitize_key
@@ -22,26 +20,13 @@ from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.engine.connector_api import EXTRA_CONFIG_KEY
 from hpctoolkit.engine.env import engine_env, gpu_memory_share
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.targets.resolve import target_num_layers
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"
 CONNECTOR_MODULE = "hpctoolkit.engine.connector"
 WORKER_EXTENSION = "hpctoolkit.engine.worker_ext.CaptureWorkerExtension"
 # How long `capture` waits for the connector to publish a finished request.
 PUBLISH_WAIT_S = 120.0
-
-
-def target_num_layers(model_dir: str | os.PathLike) -> int:
-    """The target's decoder layer count, from its HF `config.json` (text config if nested)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the target config {path}: {err}") from err
-    text = cfg.get("text_config") or cfg
-    n = text.get("num_hidden_layers")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{path} has no positive num_hidden_layers (got {n!r})")
-    return n
 
 
 def run_prefix(run_id: str, engine_index: int) -> str:

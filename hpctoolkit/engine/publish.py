@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.capture import Manifest
+from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.rows import gather_heads, slot_mapping
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.store.fragments import publish_stage
@@ -131,7 +132,7 @@ class StageRows:
         ready: torch.cuda.Event | None = None,
     ) -> int:
         """Put this stage's objects of one sample (stage 0 adds `input_ids`); bytes published."""
-        if str(self.kv_cache.dtype).removeprefix("torch.") != manifest.last.dtype:
+        if dtype_name(self.kv_cache.dtype) != manifest.last.dtype:
             raise DataIntegrityError(
                 f"sample {manifest.sample_key}: cache dtype {self.kv_cache.dtype} differs from the "
                 f"manifest's {manifest.last.dtype}"

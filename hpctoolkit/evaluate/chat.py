@@ -13,7 +13,6 @@ and the requests' counters must add up to what the engine counted (checked in `c
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.mt_bench import Question
 from hpctoolkit.evaluate.serve import ServingSession, add_counters, counter_delta, model_len
+from hpctoolkit.targets.resolve import read_config, text_config
 
 # Questions served at once: all 80 of a turn in two waves, within the CPU KV cache.
 MAX_NUM_SEQS = 40
@@ -87,10 +87,10 @@ def acceptance_by_group(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _context_limit(target_dir: Path) -> int | None:
     try:
-        raw = json.loads((target_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        text = text_config(read_config(target_dir))
+    except ConfigError:
         return None
-    limit = raw.get("max_position_embeddings")
+    limit = text.get("max_position_embeddings")
     return int(limit) if isinstance(limit, int) else None
 
 

@@ -27,7 +27,6 @@ import contextvars
 import gc
 import importlib
 import io
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -36,10 +35,10 @@ from typing import Any
 
 import torch
 
-from hpctoolkit.config.precision import auto_engine_dtype
+from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.engine.env import cuda_visible, detect_backend, gpu_memory_share
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.models.families import serving_for
+from hpctoolkit.models.families import read_config_json, serving_for
 
 _ON_DONE: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
     "hpctoolkit_serve_on_done", default=None
@@ -79,7 +78,7 @@ def serving_method(export_dir: str | os.PathLike) -> str:
         raise ConfigError(
             f"{export_dir} holds no config.json; expected a directory written by hpctoolkit.models.export"
         )
-    raw = json.loads(cfg_path.read_text())
+    raw = read_config_json(cfg_path)
     serving = serving_for(raw)
     if serving.cpu_unservable and not cuda_visible():
         arch = (raw.get("architectures") or [serving.served_architecture])[0]
@@ -168,7 +167,7 @@ def _unused_by_design(model: torch.nn.Module, name: str) -> bool:
 def _draft_class(export_dir: Path) -> type:
     from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
 
-    arch = json.loads((export_dir / "config.json").read_text())["architectures"][0]
+    arch = read_config_json(export_dir)["architectures"][0]
     module, cls = _SPECULATIVE_DECODING_MODELS[arch]
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
 
@@ -257,7 +256,7 @@ class ServingSession:
         self.export_dir, self.target_dir = Path(export_dir), Path(target_dir)
         # `engine.dtype`; auto as there (`config/precision.py`): vLLM's own auto would take the
         # checkpoint's bf16 and emulate it on a CPU without bf16 instructions (1-2 tokens/s).
-        self.dtype = dtype if dtype != "auto" else auto_engine_dtype()
+        self.dtype = engine_dtype(dtype)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs

@@ -26,7 +26,6 @@ token and easy ones once per `k + 1` tokens.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,11 @@ import torch
 from safetensors.torch import load_file
 
 from hpctoolkit.config.couplings import draft_target_layer_ids
-from hpctoolkit.config.precision import auto_engine_dtype
-from hpctoolkit.data.sample import torch_dtype
+from hpctoolkit.config.precision import engine_dtype
+from hpctoolkit.dtypes import torch_dtype
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.families import read_config_json
 from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
@@ -166,13 +166,13 @@ def simulate(
     k = num_speculative_tokens
     draft, head = load_exported_draft(export_dir, target_dir)
     trainer_cls = trainer_class_for(load_draft_config(export_dir))
-    layer_ids = draft_target_layer_ids(json.loads((Path(export_dir) / "config.json").read_text()))
+    layer_ids = draft_target_layer_ids(read_config_json(export_dir))
     if layer_ids is None:
         raise DataIntegrityError(f"export {export_dir} names no target layers in its config.json")
     hf_indices = [i + 1 for i in layer_ids]
     sequences = [p + o for p, o in zip(prompts_token_ids, outputs, strict=True)]
     # Both passes below run the target in the precision it was served in.
-    served_dtype = torch_dtype(auto_engine_dtype() if dtype == "auto" else dtype)
+    served_dtype = torch_dtype(engine_dtype(dtype))
     # vLLM keeps verifying until the request holds max_tokens, so its last chains reach up to k
     # tokens past the output; extend each sequence greedily by k so those chains are defined.
     extended = greedy_sequences(target_dir, sequences, k, dtype=served_dtype)

@@ -31,14 +31,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.dtypes import WEIGHT_DTYPES, dtype_name, torch_dtype
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.checkpoint import load_state_dict
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.families import serving_for
 from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def unsupported_features(config: DraftConfig) -> list[str]:
@@ -120,7 +119,7 @@ def export_draft(
     """
     tensors = export_tensors(model_or_state_dict, config, dtype)
     cfg = serving_config(config)
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg["torch_dtype"] = dtype_name(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "model.safetensors") as tmp:
@@ -133,10 +132,10 @@ def main(argv: list[str]) -> int:
     ap = parser("hpctoolkit.models.export", __doc__)
     ap.add_argument("checkpoint", help="directory with config.json + model.safetensors (save_draft)")
     ap.add_argument("out_dir")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bfloat16")
     args = parse(ap, argv)
     config = load_draft_config(args.checkpoint)
-    out = export_draft(load_state_dict(args.checkpoint), config, args.out_dir, dtype=DTYPES[args.dtype])
+    out = export_draft(load_state_dict(args.checkpoint), config, args.out_dir, dtype=torch_dtype(args.dtype))
     print(f"exported {type(config).__name__} to {out}")
     return 0
 

@@ -10,7 +10,6 @@ a config class or instance by its own `model_type`. Duplicates raise; a miss lis
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +21,7 @@ from hpctoolkit.models.dspark.serving import SERVING as DSPARK
 from hpctoolkit.models.eagle3.serving import SERVING as EAGLE3
 from hpctoolkit.models.k3_dspark.serving import SERVING as K3_DSPARK
 from hpctoolkit.models.serving import Serving
+from hpctoolkit.rundir.atomic import read_json_object
 
 _BY_FAMILY: dict[str, Serving] = {}
 _BY_NAME: dict[str, Serving] = {}
@@ -51,17 +51,7 @@ def known_names() -> list[str]:
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """A draft `config.json` (or a directory holding one) as a dict."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"draft config {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"draft config {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"draft config {path} must hold a JSON object")
-    return data
+    return read_json_object(path / "config.json" if path.is_dir() else path, "draft config")
 
 
 def serving_for(config: Any) -> Serving:

@@ -45,6 +45,7 @@ from hpctoolkit.capture.layout import capture_ids_for, owned_layers, pp_partitio
 from hpctoolkit.capture.manifest import DTYPE_BYTES
 from hpctoolkit.config.fields import parse_size
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.targets.resolve import num_hidden_layers
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
@@ -274,7 +275,7 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
     `ConfigError` (numbers and the key to change) when the segments cannot hold what is in flight
     or the spool would pass its bound."""
     e, s, t = cfg.engine, cfg.store, cfg.training
-    num_layers = int(target["num_hidden_layers"])
+    num_layers = num_hidden_layers(target)
     hidden = target.get("hidden_size")
     if not isinstance(hidden, int) or hidden < 1:
         raise ConfigError(f"paths.target_model: config has no usable hidden_size ({hidden!r})")

@@ -232,7 +232,8 @@ def _objects(manifest: dict) -> list[dict]:
 
 
 def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
-    from hpctoolkit.engine.engine import CaptureEngine, run_prefix
+    from hpctoolkit.engine.engine import CaptureEngine
+    from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = ctx.cfg
@@ -341,9 +342,9 @@ def _cores() -> list[int]:
 
 
 def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
-    from hpctoolkit.engine.engine import CaptureSink, engine_llm_kwargs
     from hpctoolkit.engine.env import detect_backend
     from hpctoolkit.engine.follower import HeadlessFollower
+    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = ctx.cfg
@@ -393,7 +394,7 @@ def _follow_generation(ctx: NodeContext, proc: Process, target_dir: str, stop: t
     node's workers of it (a headless follower in a process of its own, as the leader's engine is)
     until it leaves, then the leader's `regenerated` record (bounded). The leader failing, or this
     step being ended, stops it at once."""
-    from hpctoolkit.engine.engine import run_prefix
+    from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.engine.regenerate import follow_generation, generation_kwargs, generator_llm_kwargs
 
     cfg = ctx.cfg

@@ -217,7 +217,7 @@ def _count_keys(metrics: str | None) -> int | None:
 
 
 def _train_live(ctx: NodeContext, proc: Process) -> int:
-    from hpctoolkit.engine.engine import run_prefix
+    from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.train.run import train
 
     t0 = time.monotonic()

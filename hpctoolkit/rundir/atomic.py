@@ -5,7 +5,9 @@ concurrent writers never share one), is flushed to disk, then `os.replace`d over
 any failure the temporary file is removed and the target is left as it was. Every JSON record,
 index, marker and weights file of a run is written through here: text with `write_text_atomic` /
 `write_json_atomic`, bytes with `write_bytes_atomic`, and anything a library writes to a path
-(safetensors, a hand-rolled shard) through `atomic_path`.
+(safetensors, a hand-rolled shard) through `atomic_path`. Read back, a record is `read_json` (None
+until it exists); a JSON file the user names (a config) is `read_json_object`, which fails in one
+`ConfigError` line naming the file.
 
 Pure standard library: `models` and `train` use it on machines without vllm or mooncake.
 """
@@ -19,6 +21,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from hpctoolkit.errors import ConfigError
 
 
 def _tmp_name(target: Path) -> Path:
@@ -76,3 +80,21 @@ def read_json(path: str | os.PathLike) -> Any | None:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The JSON object in the file at `path`, a file the user named (`what`: the key or kind that
+    named it). Raises `ConfigError`, one line naming `what` and the file, when it is missing, not
+    JSON, or not an object."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: {p} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"{what}: cannot read {p} ({err.strerror or err})") from None
+    except ValueError as err:
+        raise ConfigError(f"{what}: {p} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {p} must hold a JSON object")
+    return data

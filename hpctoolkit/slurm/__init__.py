@@ -1,3 +1,3 @@
 """Slurm: the typed job environment (`env`), the batch-script renderer (`render`, pure), submission
-through sbatch or submitit (`submit`), and the package's one runner of one-shot commands (`shell`).
+through sbatch or submitit (`handoff`), and the package's one runner of one-shot commands (`shell`).
 The per-node role entry point is `hpctoolkit.roles`."""

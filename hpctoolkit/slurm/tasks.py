@@ -6,7 +6,7 @@ engine leaders) replaces it. So task 0 runs a process that leaves SIGUSR2 to sub
 master where the plan places it first on node 0, else (an external master, `store.master_address`)
 a **watcher** in the master's slot (`roles.master.run_watcher`), which waits for the run's end.
 
-Both the submitting side (`slurm.submit`, for the task count) and every task (`roles.dispatch`, for
+Both the submitting side (`slurm.handoff`, for the task count) and every task (`roles.dispatch`, for
 its own process) read the layout from here, so neither imports the other.
 """
 

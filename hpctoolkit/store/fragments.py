@@ -40,7 +40,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hpctoolkit.capture.manifest import FragmentSpec, Manifest
-from hpctoolkit.data.sample import BufferPool, Sample, dtype_name
+from hpctoolkit.data.sample import BufferPool, Sample
+from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store.api import MissingKeysError, ObjectStore
 from hpctoolkit.store.mooncake import StoreUnavailableError, TransientStoreError

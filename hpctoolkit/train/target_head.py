@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.targets.resolve import read_config, text_config
 
 _LM_HEAD = "lm_head.weight"
 _EMBED = "embed_tokens.weight"
@@ -118,11 +119,8 @@ def load_head_tensors(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torc
     embedding as the head.
     """
     target = Path(target_dir)
-    cfg_path = target / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"paths.target_model: {cfg_path} does not exist")
-    cfg = json.loads(cfg_path.read_text())
-    text_cfg = cfg.get("text_config") or cfg
+    cfg = read_config(target)
+    text_cfg = text_config(cfg)
     eps = float(text_cfg.get("rms_norm_eps", 1e-6))
     names = _checkpoint_files(target)
     head_name = (

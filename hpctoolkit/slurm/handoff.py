@@ -1,5 +1,7 @@
 """Hand a run to Slurm: the role dispatch through submitit, or a rendered batch script through `sbatch`.
 
+The Slurm half of `python -m hpctoolkit.submit` (which validates, plans and sizes first).
+
 Both take their topology from the `Plan`, never from numbers typed twice. `sbatch` runs through
 `hpctoolkit.slurm.shell.run`, the package's one place for one-shot commands.
 
