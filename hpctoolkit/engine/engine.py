@@ -29,6 +29,7 @@ from hpctoolkit.engine.kwargs import (
     PUBLISH_WAIT_S,
     CaptureSink,
     NodeArgs,
+    StoreCfg,
     engine_llm_kwargs,
     store_cfg_dict,
 )
@@ -58,7 +59,7 @@ class CaptureEngine:
         cfg: EngineConfig,
         model_dir: str | os.PathLike,
         store_address: str | None,
-        store_cfg: Any,
+        store_cfg: StoreCfg,
         run_id: str,
         *,
         engine_index: int = 0,

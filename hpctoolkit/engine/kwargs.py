@@ -20,7 +20,11 @@ from hpctoolkit.engine.config import PROTECTED_ENGINE_KEYS, EngineConfig
 from hpctoolkit.engine.connector_api import EXTRA_CONFIG_KEY
 from hpctoolkit.engine.env import engine_env, gpu_memory_share
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.store.config import StoreConfig
 from hpctoolkit.targets.resolve import target_num_layers
+
+# A store's settings as the config has them, or their dict (a worker's JSON).
+StoreCfg = StoreConfig | Mapping[str, Any] | None
 
 CONNECTOR_CLASS = "HpcHiddenStatesConnector"
 CONNECTOR_MODULE = "hpctoolkit.engine.connector"
@@ -36,7 +40,7 @@ def run_prefix(run_id: str, engine_index: int) -> str:
     return sanitize_key(f"{run_id}-e{engine_index}")
 
 
-def store_cfg_dict(store_cfg: Any) -> dict[str, Any]:
+def store_cfg_dict(store_cfg: StoreCfg) -> dict[str, Any]:
     if store_cfg is None:
         return {}
     if dataclasses.is_dataclass(store_cfg) and not isinstance(store_cfg, type):
@@ -59,7 +63,7 @@ class CaptureSink:
     """
 
     store_address: str | None
-    store_cfg: Any
+    store_cfg: StoreCfg
     run_id: str
     engine_index: int = 0
     fault_dir: str | None = None

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.kwargs import ONE_NODE, CaptureSink, NodeArgs, engine_llm_kwargs
 from hpctoolkit.errors import DataIntegrityError
 
@@ -271,7 +272,11 @@ CAPTURE_ONLY_KEYS = ("speculative_config", "kv_transfer_config", "worker_extensi
 
 
 def generation_kwargs(
-    engine_cfg: Any, target_dir: str | os.PathLike, node: NodeArgs = ONE_NODE, *, backend: str | None = None
+    engine_cfg: EngineConfig,
+    target_dir: str | os.PathLike,
+    node: NodeArgs = ONE_NODE,
+    *,
+    backend: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM` kwargs and environment of the generating engine of one node, laid out as the capture
     engine is (its PP x TP over its nodes, dtype, lengths and batching, `engine.extra_args`),

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpctoolkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpctoolkit.config.schema import RecipeConfig
 
 # Where `make image` writes the image with its defaults (VLLM_VERSION=0.32.0,
 # IMAGE_TAG_SUFFIX=-pp-export), and so the image the launchers use by default.
@@ -67,7 +70,7 @@ def _under(path: str, parent: str) -> bool:
     return parent == "/" or path.startswith(parent.rstrip("/") + "/")
 
 
-def config_paths(cfg: Any, *, skip: str | None = None) -> list[tuple[str, str | None]]:
+def config_paths(cfg: RecipeConfig, *, skip: str | None = None) -> list[tuple[str, str | None]]:
     """`(key, value)` of every `BIND_KEYS` entry of `cfg`; a value equal to `skip` (a placeholder
     for one given later) is left unset."""
     out = []
@@ -88,7 +91,7 @@ def container_prefix(image: str, binds: Sequence[str], *, python: str = IMAGE_PY
     return [*exec_prefix(binds), image, python]
 
 
-def command_prefix(cfg: Any, *, recipe_path: str | None = None) -> list[str] | None:
+def command_prefix(cfg: RecipeConfig, *, recipe_path: str | None = None) -> list[str] | None:
     """The prefix a step of `cfg` runs its `-m MODULE ...` behind: the image's python with what
     the recipe names bound, or None when `cluster.container` is unset (the python on PATH)."""
     image = cfg.cluster.container
