@@ -177,7 +177,7 @@ def outcome(seen: Seen, evaluate_rc: int | None = None) -> Outcome:
         return Outcome(PREEMPTED, None, 0, requeue=True)
     if rc != 0:
         return Outcome(FAILED, "trainers", rc, requeue=False)
-    if evaluate_rc not in (None, 0):
+    if evaluate_rc is not None and evaluate_rc != 0:
         return Outcome(FAILED, "evaluate", evaluate_rc, requeue=False)
     return Outcome(OK, None, 0, requeue=False)
 

@@ -182,16 +182,13 @@ def _run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> s
 
 
 def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
-    """What the batch script's check step does, once per attempt: task 0 writes the run's
-    config.yaml and clears an earlier attempt's records (`rundir.ledger`); the others wait for it."""
+    """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
+    starts it (`ledger.start_attempt`); the others wait for it."""
     from hpctoolkit.config.load import to_yaml
     from hpctoolkit.rundir import ledger
-    from hpctoolkit.rundir.atomic import write_text_atomic
 
     restart = ledger.restart_count()
     if senv.proc_id == 0:
-        ctx.run.root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
-        ledger.begin_attempt(ctx.run, senv.job_id, restart)
+        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), senv.job_id, restart=restart)
     else:
         ledger.wait_attempt(ctx.run, senv.job_id, restart)

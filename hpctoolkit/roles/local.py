@@ -30,7 +30,8 @@ from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, 
 from hpctoolkit.roles import console
 from hpctoolkit.roles.console import speaker
 from hpctoolkit.roles.results import merge_summary, trainer_line
-from hpctoolkit.rundir.atomic import read_json, write_text_atomic
+from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir, local_run_id
 
 # Bounds of the launcher's own waits (the roles bound theirs).
@@ -147,8 +148,8 @@ class RoleGroup:
 
 def start_run(cfg: RecipeConfig) -> RunDir:
     """A new run directory with this run's resolved recipe; never one an earlier run used."""
-    run = RunDir.of(cfg.paths.output_dir, local_run_id(cfg.name)).create()
-    write_text_atomic(run.config, to_yaml(cfg))
+    run = RunDir.of(cfg.paths.output_dir, local_run_id(cfg.name))
+    ledger.start_attempt(run, to_yaml(cfg), None, fresh=True)
     return run
 
 

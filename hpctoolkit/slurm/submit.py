@@ -36,6 +36,7 @@ from typing import Any
 
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import Plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
@@ -73,9 +74,9 @@ def submit_sbatch(
     return m.group(1)
 
 
-# From the trainers' end record to the job's end: the engines' shutdown (vLLM's own, then ours, at
-# most ~45 s: `CaptureEngine.shutdown`), a follower's 2 s poll, the master's 0.5 s poll.
-RELEASE_BOUND_S = 90
+# From the trainers' end record to the job's end: the engines' drain, within the lifecycle's one
+# grace (`plan.lifecycle`; the master's 0.5 s poll after it is inside its margin).
+RELEASE_BOUND_S = lifecycle.ENGINES_DRAIN_GRACE_S
 
 
 def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> tuple[str, str]:
