@@ -110,7 +110,12 @@ class RoleGroup:
     """Every role process of one run; its waits watch them all, so any failure stops the run."""
 
     def __init__(
-        self, run: RunDir, recipe: str, overrides: Sequence[str], plan: Plan, role_argv: RoleArgv | None = None
+        self,
+        run: RunDir,
+        recipe: str,
+        overrides: Sequence[str],
+        plan: Plan,
+        role_argv: RoleArgv | None = None,
     ):
         self.run = run
         self.role_argv = role_argv or (

@@ -40,8 +40,6 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
-# After a clean run, how long the batch shell waits for the engine steps to end by themselves.
-ENGINE_EXIT_GRACE_S = lifecycle.ENGINES_DRAIN_GRACE_S
 
 
 def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, list[str]]:
