@@ -14,8 +14,8 @@ engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's 
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
 the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed; with
-`evaluate.enabled`, trainer rank 0's task then runs the evaluate role (`roles.dispatch.run_task`), as
-the batch script's last step does.
+`evaluate.enabled`, trainer rank 0's task then waits for the drain and runs the evaluate role
+(`roles.dispatch.follow`), in the order `plan.lifecycle` gives every backend.
 
 Which process task 0 runs so that submitit's requeue handler survives is `slurm.tasks`'s rule (the
 master, or a watcher in its slot). That keeps every role free to own its signal handling; chaining
