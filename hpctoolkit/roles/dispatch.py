@@ -212,10 +212,11 @@ def follow(
     from hpctoolkit.train import preempt
 
     seen = lifecycle.Seen(trainers_rc=result, late=preempt.requested())
+    # The engines drain by themselves here; this task waits for them only when evaluate follows.
     enter("drain")
-    _wait_drained(ctx, lifecycle.bound_s("drain", seen) or 0)
     if not lifecycle.enters("evaluate", lifecycle.RunShape.of(ctx.plan, ctx.cfg.evaluate.enabled), seen):
         return result
+    _wait_drained(ctx, lifecycle.bound_s("drain", seen) or 0)
     enter("evaluate")
     # vLLM gets a process of its own (`roles.child`).
     child = Child("evaluate", evaluate_in_fresh_process, (recipe, list(overrides), environ), ctx.run.logs)
