@@ -2,8 +2,10 @@
 
 Everything in the script derives from the `Plan`: `#SBATCH --nodes` is the plan's node count, and
 every role is one `srun` step pinned to its node(s) with `--nodelist` (with `evaluate.enabled`, the
-evaluate role is one more step after the others, on trainer rank 0's node), the hosts taken from
-`scontrol show hostnames` at run time (node index i = i-th host). Each step runs
+evaluate role is one more step after the engines drained, on trainer rank 0's node), the hosts
+taken from `scontrol show hostnames` at run time (node index i = i-th host). The script's sections
+are the phases of `plan.lifecycle`, in order, each announced in the job's log
+(`[hpctoolkit] phase NAME`); its conditions become the shell's tests on the trainers' status. Each step runs
 `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
 `cluster.container` is set, with the paths the recipe names bound where they lie outside the
 image (`hpctoolkit.slurm.container`; the script binds paths given as sbatch arguments itself). The
