@@ -9,7 +9,9 @@ key, address or sample, never a traceback. Anything else (an `OSError`, a bug) i
 `HPCTOOLKIT_DEBUG=1`. Ctrl-C is `interrupted`, exit 130. SIGUSR1 prints every thread's Python stack
 to stderr and goes on (`dump_stacks_on_sigusr1`; `scancel --signal=USR1 JOB` for a job that hangs).
 `report` is the same line for the one entry that bypasses `run_cli` (submitit's task,
-`roles.dispatch.run_task`).
+`roles.dispatch.run_task`). A role process of the embedded launcher also gets its failure as a
+record (`HPCTOOLKIT_FAILURE_RECORD`: `{"error": class name, "message", "said": the line's text}`),
+which the launcher reads instead of the role's log.
 
 Every entry point builds its arguments with `parser(...)` and reads them with `parse(...)`:
 flags and positionals (`section.key=value` overrides included) may come in any order, and argparse
@@ -19,6 +21,7 @@ never exits on its own: a usage mistake is a `ConfigError`, `--help` is `HelpReq
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import signal
@@ -98,16 +101,27 @@ def _keep_traceback(err: BaseException) -> str:
     return f"traceback in {path}"
 
 
-def report(err: Exception) -> int:
-    """Print the one line `err` reaches the user as (stderr); return its exit code."""
+def _said(err: Exception) -> str:
+    """What the one line says after `error: `."""
     if isinstance(err, ConfigError):
-        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    line = f"error: {type(err).__name__}: {one_line(err)}"
+        return one_line(err)
+    said = f"{type(err).__name__}: {one_line(err)}"
     if not isinstance(err, KNOWN_FAULTS):
-        line += f" ({_keep_traceback(err)})"
-    print(line, file=sys.stderr, flush=True)
-    return EXIT_FAILED
+        said += f" ({_keep_traceback(err)})"
+    return said
+
+
+def report(err: Exception, record: str | None = None) -> int:
+    """Print the one line `err` reaches the user as (stderr); return its exit code. With `record`,
+    also write it there as `{"error", "message", "said"}` (JSON; best effort)."""
+    said = _said(err)
+    print(f"error: {said}", file=sys.stderr, flush=True)
+    if record:
+        from hpctoolkit.rundir.atomic import write_json_atomic
+
+        with contextlib.suppress(OSError):
+            write_json_atomic(record, {"error": type(err).__name__, "message": one_line(err), "said": said})
+    return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_FAILED
 
 
 def dump_stacks_on_sigusr1() -> None:
@@ -118,6 +132,8 @@ def dump_stacks_on_sigusr1() -> None:
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    # This process's own: a child it starts (vLLM's workers, evaluate's server) must not write it.
+    record = os.environ.pop(envs.HPCTOOLKIT_FAILURE_RECORD.name, None)
     dump_stacks_on_sigusr1()
     try:
         code = main(args)
@@ -128,5 +144,5 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 -- every failure reaches the user as one line
-        sys.exit(report(err))
+        sys.exit(report(err, record))
     sys.exit(code)

@@ -103,6 +103,12 @@ HPCTOOLKIT_PLAN_DIGEST = _register(
     "Set by rendered batch scripts: the placement digest they were rendered for. A node whose own "
     "plan (recipe + overrides) differs refuses to start, so a stale script fails closed.",
 )
+HPCTOOLKIT_FAILURE_RECORD = _register(
+    "HPCTOOLKIT_FAILURE_RECORD",
+    None,
+    "Set by the local launcher for each role process: where `run_cli` writes the role's failure "
+    "(its error class and message, JSON; `RunDir.failure`), which the launcher reads back.",
+)
 HPCTOOLKIT_PYTHON = _register(
     "HPCTOOLKIT_PYTHON",
     "python3",

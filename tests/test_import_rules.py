@@ -26,6 +26,7 @@ PURE_ROOMS = (
     "hpctoolkit.capture.layout",
     "hpctoolkit.capture.manifest",
     "hpctoolkit.plan.placement",
+    "hpctoolkit.plan.lifecycle",
     "hpctoolkit.slurm.render",
     "hpctoolkit.slurm.tasks",
     "hpctoolkit.rundir.layout",

@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 
 from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.plan.lifecycle import ENGINES_DRAIN_GRACE_S
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.roles import context, dispatch, evaluate, trainer
 from hpctoolkit.roles.network import HostAddress
@@ -98,8 +99,12 @@ def test_submitit_trainer_rank0_runs_evaluate_after_its_trainer(
     monkeypatch.setattr(dispatch, "_begin_attempt", lambda ctx, senv: None)
     monkeypatch.setattr(dispatch, "run_process", lambda ctx, proc, dry: code)
     monkeypatch.setattr(dispatch, "Child", FakeChild)
+    drains: list[float] = []
+    # Before evaluate, the drain (plan.lifecycle): the engines' close records, within the one grace.
+    monkeypatch.setattr(dispatch, "_wait_drained", lambda ctx, bound_s: drains.append(bound_s))
     FakeChild.started = []
     assert dispatch.run_task(make_plan(ctx.cfg), RECIPE, overrides, False) == code
+    assert drains == ([ENGINES_DRAIN_GRACE_S] if evaluates else [])
     if evaluates:
         [(name, fn, args, workdir)] = FakeChild.started
         assert (name, fn, workdir) == ("evaluate", evaluate.evaluate_in_fresh_process, ctx.run.logs)

@@ -1,26 +1,193 @@
-"""The phases of a run, in order: the one description that the embedded launcher executes, the
-batch-script renderer renders and each submitit task follows. Pure: names and order, no processes.
+"""The phases of a run, in order: the one description that the embedded launcher executes
+(`roles.local`), the batch-script renderer renders (`slurm.render`) and each submitit task follows
+(`roles.dispatch`). Pure: names, order, conditions and bounds; no processes.
+
+    start -> master -> engines -> trainers -> drain -> evaluate -> stop -> end
+
+A phase is entered when its condition holds for what the run has seen so far (`Seen`): the master
+is skipped with an external master; evaluate runs only when enabled and the run is clean (the
+trainers exited 0 and no SIGUSR2 came: the time limit is near, so the engines are not waited for
+either). The trainers' status decides the run (`outcome`); a failed evaluate fails a clean run.
+`walk` is the whole path for given statuses: what the tests (and every backend's) compare against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctoolkit.plan.placement import (
+    ROLE_ENGINE_FOLLOWER,
+    ROLE_ENGINE_LEADER,
+    ROLE_EVALUATE,
+    ROLE_MASTER,
+    ROLE_TRAINER,
+    Plan,
+)
+from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
+
+# After the trainers exit 0, how long the engines get to leave by themselves (they notice the
+# drained marker, close their store segments and stop vLLM) before they are ended. One value for
+# every backend: an engine's own shutdown is bounded at ~45 s (vLLM's, then ours:
+# `CaptureEngine.shutdown`), a headless follower notices its leader left within its 2 s poll;
+# 120 s leaves that more than 2x headroom for a CPU engine on a loaded machine (the old embedded
+# launcher's 300 s only delayed a failure that ending the engines now avoids), while a job that
+# holds every node of its allocation meanwhile does not hold them much longer than needed.
+ENGINES_DRAIN_GRACE_S = 120
+# How long the master gets to publish its record (`master.json`) once started.
+MASTER_START_TIMEOUT_S = 120
+# Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's; under Slurm, srun's
+# KillWait). The master, ended last, leaves within it: it only stops its store.
+STOP_GRACE_S = 15
+
+# When a phase is entered (`enters`).
+ALWAYS = "always"
+OWN_MASTER = "the plan places a master (skipped with store.master_address)"
+STARTED = "the earlier phases started"
+CLEAN_AND_ENABLED = "evaluate.enabled, the trainers exited 0 and no SIGUSR2 came"
+
 
 @dataclass(frozen=True)
 class Phase:
     name: str
     what: str
+    # The roles this phase starts (`starts`) or ends (`ends`).
+    starts: tuple[str, ...] = ()
+    ends: tuple[str, ...] = ()
+    enter: str = ALWAYS
+    # The launcher's wait in this phase, seconds; None: unbounded (the roles bound their own).
+    bound_s: int | None = None
 
 
 PHASES: tuple[Phase, ...] = (
     Phase("start", "attempt start: the run directory, its config.yaml, an earlier attempt's records cleared"),
-    Phase("master", "the Mooncake master is up (skipped with an external master)"),
-    Phase("engines", "engine leaders and headless followers capture and publish"),
-    Phase("trainers", "the trainers read, train and export; the run's outcome is theirs"),
-    Phase("drain", "the engines leave by themselves once drained, within one grace"),
-    Phase("evaluate", "serve the export and merge the figures (evaluate.enabled, a clean run)"),
-    Phase("stop", "the master last, after every engine unmounted its segments"),
-    Phase("end", "the end records and summary.json"),
+    Phase(
+        "master",
+        "the Mooncake master is up (skipped with an external master)",
+        starts=(ROLE_MASTER,),
+        enter=OWN_MASTER,
+        bound_s=MASTER_START_TIMEOUT_S,
+    ),
+    Phase(
+        "engines",
+        "engine leaders and headless followers capture and publish",
+        starts=(ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER),
+        enter=STARTED,
+    ),
+    Phase(
+        "trainers",
+        "the trainers read, train and export; the run's outcome is theirs",
+        starts=(ROLE_TRAINER,),
+        enter=STARTED,
+    ),
+    Phase(
+        "drain",
+        "the engines leave by themselves once drained, within one grace (a clean run), else are ended",
+        ends=(ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER),
+        bound_s=ENGINES_DRAIN_GRACE_S,
+    ),
+    Phase(
+        "evaluate",
+        "serve the export and merge the figures (evaluate.enabled, a clean run)",
+        starts=(ROLE_EVALUATE,),
+        enter=CLEAN_AND_ENABLED,
+    ),
+    Phase(
+        "stop",
+        "the master last, after every engine unmounted its segments",
+        ends=(ROLE_MASTER,),
+        bound_s=STOP_GRACE_S,
+    ),
+    Phase("end", "the end records and summary.json; a preempted Slurm job requeues"),
 )
 PHASE_NAMES: tuple[str, ...] = tuple(p.name for p in PHASES)
+BY_NAME: dict[str, Phase] = {p.name: p for p in PHASES}
+
+# The run's outcome (`Outcome.kind`).
+OK = "ok"
+FAILED = "failed"
+PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the path through the phases depends on before the run starts."""
+
+    own_master: bool
+    evaluate: bool
+
+    @classmethod
+    def of(cls, plan: Plan, evaluate_enabled: bool) -> RunShape:
+        return cls(own_master=plan.master is not None, evaluate=bool(evaluate_enabled))
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the run has seen so far: the trainers' status (None: still running), whether SIGUSR2
+    came (the time limit is near), and whether the run's records show a checkpoint written on it."""
+
+    trainers_rc: int | None = None
+    late: bool = False
+    checkpointed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return self.trainers_rc == 0 and not self.late
+
+    @property
+    def preempted(self) -> bool:
+        rc = self.trainers_rc
+        return rc == PREEMPTED_EXIT or (rc not in (None, 0) and self.checkpointed)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # OK, FAILED or PREEMPTED
+    # The phase whose status decided a failure ("trainers" or "evaluate"); None otherwise.
+    failed: str | None
+    # The batch job's exit status (a requeued job exits 0: its next attempt carries on).
+    code: int
+    requeue: bool
+
+
+def enters(name: str, shape: RunShape, seen: Seen) -> bool:
+    """Whether the run enters phase `name`, given what it has seen (phases come in `PHASES` order;
+    evaluate is decided once the trainers have ended)."""
+    cond = BY_NAME[name].enter
+    if cond == OWN_MASTER:
+        return shape.own_master
+    if cond == CLEAN_AND_ENABLED:
+        return shape.evaluate and seen.clean
+    return True
+
+
+def bound_s(name: str, seen: Seen) -> int | None:
+    """The launcher's wait in phase `name`. The drain waits for the engines only after a clean
+    run; otherwise they are ended at once (failed: nothing to finish; late: no time to)."""
+    if name == "drain" and not seen.clean:
+        return 0
+    return BY_NAME[name].bound_s
+
+
+def outcome(seen: Seen, evaluate_rc: int | None = None) -> Outcome:
+    """The run's outcome from the trainers' status and, after a clean run, evaluate's."""
+    rc = seen.trainers_rc
+    if rc is None:
+        raise ValueError("no outcome before the trainers ended")
+    if seen.preempted:
+        return Outcome(PREEMPTED, None, 0, requeue=True)
+    if rc != 0:
+        return Outcome(FAILED, "trainers", rc, requeue=False)
+    if evaluate_rc is not None and evaluate_rc != 0:
+        return Outcome(FAILED, "evaluate", evaluate_rc, requeue=False)
+    return Outcome(OK, None, 0, requeue=False)
+
+
+def walk(shape: RunShape, seen: Seen, evaluate_rc: int | None = 0) -> tuple[tuple[str, ...], Outcome]:
+    """The phases a run enters, in order, once the trainers ended as `seen` says; and its outcome."""
+    names = tuple(n for n in PHASE_NAMES if enters(n, shape, seen))
+    return names, outcome(seen, evaluate_rc if "evaluate" in names else None)
+
+
+def roles_started(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The roles the phases `names` start, in order (the plan decides how many of each)."""
+    return tuple(r for n in names for r in BY_NAME[n].starts)

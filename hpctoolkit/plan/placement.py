@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -237,7 +238,7 @@ class Plan:
                         self.host_label(n.node),
                         str(e.index),
                         str(n.node_rank),
-                        _span(n.gpus),
+                        span(n.gpus),
                         "stage " + ",".join(map(str, n.pp_stages)) + f"  (TP={e.tp} PP={e.pp})",
                     )
                 )
@@ -251,8 +252,8 @@ class Plan:
                     self.host_label(node),
                     "-",
                     "-",
-                    _span(gpus) if gpus else t.device,
-                    f"ranks {_span(tuple(r.rank for r in ranks))} of {t.world_size}  (FSDP {t.fsdp_mode})",
+                    span(gpus) if gpus else t.device,
+                    f"ranks {span(tuple(r.rank for r in ranks))} of {t.world_size}  (FSDP {t.fsdp_mode})",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -271,8 +272,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def _span(values: tuple[int, ...]) -> str:
-    """`0-7` for a contiguous run, else `0,2,5`."""
+def span(values: Sequence[int]) -> str:
+    """`0-7` for a contiguous run, else `0,2,5` (`-` for none): GPU and rank lists, as people read them."""
     if not values:
         return "-"
     if len(values) > 1 and list(values) == list(range(values[0], values[0] + len(values))):

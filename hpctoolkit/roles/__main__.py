@@ -9,7 +9,6 @@ from hpctoolkit.roles.context import load_context, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
 from hpctoolkit.rundir import ledger
-from hpctoolkit.rundir.atomic import write_text_atomic
 
 ROLE_CHECK = "check"
 # Not a role: exit 0 when this attempt's trainers checkpointed on SIGUSR2 (the batch script asks).
@@ -26,12 +25,9 @@ def main(argv: list[str]) -> int:
     ctx = load_context(args.recipe, args.overrides)
     if args.role == ROLE_CHECK:
         # Once per job, before any step: the run directory and the resolved recipe it ran with.
-        ctx.run.root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
-        if ctx.slurm is not None and ledger.begin_attempt(ctx.run, ctx.slurm.job_id, ledger.restart_count()):
-            print(
-                f"attempt {ledger.restart_count()} of job {ctx.slurm.job_id}: cleared the earlier attempt's records"
-            )
+        job_id = None if ctx.slurm is None else ctx.slurm.job_id
+        if ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), job_id):
+            print(f"attempt {ledger.restart_count()} of job {job_id}: cleared the earlier attempt's records")
         print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
         return 0
     if args.role == ROLE_EVALUATE:

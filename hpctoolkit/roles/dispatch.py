@@ -6,21 +6,27 @@ and exit 0: the real-Slurm tests use it to prove placement on machines without G
 
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
 on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
-(`slurm.tasks.task_process`), and spare tasks return at once. With `evaluate.enabled`, the task of
-trainer rank 0 runs the evaluate role in a fresh process once its trainer returned 0 (the batch
-script's last step does the same). A failing task prints `run_cli`'s one line and still fails.
+(`slurm.tasks.task_process`), and spare tasks return at once. Each task then follows its part of
+`plan.lifecycle` (`follow`): task 0 starts the attempt, each role's task is that role's phase, and
+trainer rank 0's task carries the rest: after a clean run it waits for the drain (the engines'
+close records, within the one grace), then runs the evaluate role in a fresh process when
+`evaluate.enabled` (as the batch script does). The master's task stops once the run is over (the
+stop phase); submitit's handler on task 0 requeues a preempted job. A failing task prints
+`run_cli`'s one line and still fails.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 from hpctoolkit import envs
 from hpctoolkit.cli import dump_stacks_on_sigusr1, report
 from hpctoolkit.errors import StoreError
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import (
     ROLE_ENGINE_FOLLOWER,
     ROLE_ENGINE_LEADER,
@@ -38,6 +44,7 @@ from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.roles.watch import PeerWatch, Probe
+from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.slurm.env import SlurmEnvironment
 from hpctoolkit.slurm.tasks import WATCHER, task_process
 
@@ -47,6 +54,10 @@ ROLE_FUNCS: dict[str, Callable[[NodeContext, Process], int]] = {
     ROLE_ENGINE_FOLLOWER: run_engine_follower,
     ROLE_TRAINER: run_trainer,
 }
+# The lifecycle phase each role's task is (`plan.lifecycle.PHASES[...].starts`).
+PHASE_OF_ROLE = {r: p.name for p in lifecycle.PHASES for r in p.starts}
+# Told each phase a task enters (the scenario tests record them).
+OnPhase = Callable[[str], None]
 
 
 def dry_line(ctx: NodeContext, proc: Process, environ: Mapping[str, str] | None = None) -> str:
@@ -168,30 +179,68 @@ def _run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> s
         return line
     os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
     ctx = load_context(recipe, overrides)
+    return follow(ctx, senv, proc, recipe, overrides)
+
+
+def follow(
+    ctx: NodeContext,
+    senv: SlurmEnvironment,
+    proc: Process | str,
+    recipe: str,
+    overrides: Sequence[str],
+    on_phase: OnPhase | None = None,
+) -> int | str:
+    """This task's part of `plan.lifecycle`: the start (task 0; the others wait for it), its
+    role's phase, and for trainer rank 0 the drain and evaluate after it. Returns the task's
+    status: the role's, or evaluate's when it ran."""
+    enter = on_phase or (lambda _name: None)
+    if senv.proc_id == 0:
+        enter("start")
     _begin_attempt(ctx, senv)
     if proc == WATCHER:
-        return run_watcher(ctx)
+        code: int | str = run_watcher(ctx)
+        enter("stop")
+        return code
     assert isinstance(proc, Process)
+    enter(PHASE_OF_ROLE[proc.role])
     environ = dict(os.environ)  # before the role adds its own (torch.distributed's, the interfaces)
-    code = run_process(ctx, proc, dry=False)
-    if code == 0 and proc.role == ROLE_TRAINER and proc.node_rank == 0 and ctx.cfg.evaluate.enabled:
-        # The batch script's evaluate step, here: vLLM gets a process of its own (`roles.child`).
-        child = Child("evaluate", evaluate_in_fresh_process, (recipe, list(overrides), environ), ctx.run.logs)
-        return int(child.result())
-    return code
+    result = run_process(ctx, proc, dry=False)
+    if proc.role == ROLE_MASTER:
+        enter("stop")  # it returns once the run is over: every engine closed, the trainers ended
+    if proc.role != ROLE_TRAINER or proc.node_rank != 0 or not isinstance(result, int):
+        return result
+    from hpctoolkit.train import preempt
+
+    seen = lifecycle.Seen(trainers_rc=result, late=preempt.requested())
+    # The engines drain by themselves here; this task waits for them only when evaluate follows.
+    enter("drain")
+    if not lifecycle.enters("evaluate", lifecycle.RunShape.of(ctx.plan, ctx.cfg.evaluate.enabled), seen):
+        return result
+    _wait_drained(ctx, lifecycle.bound_s("drain", seen) or 0)
+    enter("evaluate")
+    # vLLM gets a process of its own (`roles.child`).
+    child = Child("evaluate", evaluate_in_fresh_process, (recipe, list(overrides), environ), ctx.run.logs)
+    return int(child.result())
+
+
+def _wait_drained(ctx: NodeContext, bound_s: float) -> None:
+    """Until every engine's close record is there (it left its store segment), at most `bound_s`:
+    the engines leave by themselves here, nobody ends them before the job does."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if all(read_json(ctx.run.engine_closed(e.index)) is not None for e in ctx.plan.engines):
+            return
+        time.sleep(0.5)
 
 
 def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
-    """What the batch script's check step does, once per attempt: task 0 writes the run's
-    config.yaml and clears an earlier attempt's records (`rundir.ledger`); the others wait for it."""
+    """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
+    starts it (`ledger.start_attempt`); the others wait for it."""
     from hpctoolkit.config.load import to_yaml
     from hpctoolkit.rundir import ledger
-    from hpctoolkit.rundir.atomic import write_text_atomic
 
     restart = ledger.restart_count()
     if senv.proc_id == 0:
-        ctx.run.root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(ctx.run.config, to_yaml(ctx.cfg))
-        ledger.begin_attempt(ctx.run, senv.job_id, restart)
+        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), senv.job_id, restart=restart)
     else:
         ledger.wait_attempt(ctx.run, senv.job_id, restart)

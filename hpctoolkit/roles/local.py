@@ -1,12 +1,15 @@
 """The embedded run (`cluster.backend: local`, `make run`): the plan's roles as processes on this
-machine, through the same role code and run directory as a Slurm job.
+machine, through the same role code and run directory as a Slurm job, phase by phase as
+`plan.lifecycle` describes them:
 
-    master -> engine leaders (capture, publish) + trainers (read, train, export) -> evaluate
+    start -> master -> engines -> trainers -> drain -> evaluate -> stop -> end
 
 Each role is `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...` with this run's id and plan
 digest in its environment; its output goes to `<run>/logs/<name>.log`, and its `[hpctoolkit...]`
-progress lines also to the console. The first role to fail stops the run: the others are ended and
-the failure comes back as one line naming the role, its error and its log.
+progress lines also to the console. A role that fails writes how (`<run>/logs/<name>.failure.json`,
+`cli.run_cli`); the first role to fail stops the run: the others are ended and the failure comes
+back as one line naming the role, its error and its log. SIGUSR2 (the time limit is near) goes to
+the trainers, which checkpoint; a local run is not requeued, so that ends it with a failure line.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,16 +30,17 @@ from hpctoolkit.config.load import to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
 from hpctoolkit.roles.results import merge_summary, trainer_line
-from hpctoolkit.rundir.atomic import read_json, write_text_atomic
+from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir, local_run_id
 
-# Bounds of the launcher's own waits (the roles bound theirs).
-MASTER_START_TIMEOUT_S = 120.0
-ENGINES_EXIT_TIMEOUT_S = 300.0
-SERVICE_EXIT_TIMEOUT_S = 60.0
-STOP_GRACE_S = 15.0
+# What a role process runs: `role_argv(role)`; the tests put stubs in.
+RoleArgv = Callable[[str], list[str]]
+# Told each phase the run enters, in order (`plan.lifecycle.PHASE_NAMES`).
+OnPhase = Callable[[str], None]
 
 
 say = speaker()
@@ -45,10 +49,13 @@ say = speaker()
 class RoleProcess:
     """One role process; its output is copied to its log, progress lines also to the console."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path):
-        self.name, self.log = name, log
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, record: Path):
+        self.name, self.log, self.record = name, log, record
+        # Its status was taken (a trainer, evaluate) or it was ended: no longer the run's failure.
+        self.settled = False
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[str] = log.open("a")
+        env = {**env, envs.HPCTOOLKIT_FAILURE_RECORD.name: str(record)}
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -66,27 +73,30 @@ class RoleProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def failure(self) -> Exception:
-        """The error this role reported (run_cli's one line), as the same class where it is ours."""
-        self._pump.join(timeout=5)
-        lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
-        said = next((x for x in reversed(lines) if x.startswith("error: ")), None)
-        where = f"(exit code {self.proc.returncode}; log {self.log})"
-        if said is None:
-            last = lines[-1] if lines else "no output"
-            return RoleFailedError(f"{self.name} failed: {last} {where}")
-        kind, _, message = said[len("error: ") :].partition(": ")
-        cls = getattr(errors, kind, None)
-        if isinstance(cls, type) and issubclass(cls, Exception) and message:
-            return cls(f"{self.name}: {message} {where}")
-        return RoleFailedError(f"{self.name} failed: {said[len('error: ') :]} {where}")
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signum)
 
-    def stop(self) -> None:
+    def failure(self) -> Exception:
+        """The error this role reported (its failure record), as the same class where it is ours."""
+        self._pump.join(timeout=5)
+        where = f"(exit code {self.proc.returncode}; log {self.log})"
+        rec = read_json(self.record)
+        if not isinstance(rec, dict) or not rec.get("said"):
+            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+            return RoleFailedError(f"{self.name} failed: {lines[-1] if lines else 'no output'} {where}")
+        cls = getattr(errors, str(rec.get("error")), None)
+        if isinstance(cls, type) and issubclass(cls, Exception) and rec.get("message"):
+            return cls(f"{self.name}: {rec['message']} {where}")
+        return RoleFailedError(f"{self.name} failed: {rec['said']} {where}")
+
+    def stop(self, grace_s: float = lifecycle.STOP_GRACE_S) -> None:
         """SIGTERM to the role's process group, SIGKILL after a grace period."""
+        self.settled = True
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(STOP_GRACE_S)
+                self.proc.wait(grace_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -96,39 +106,75 @@ class RoleProcess:
 
 
 class RoleGroup:
-    """Every role process of one run; `wait` watches them all, so any failure stops the run."""
+    """Every role process of one run; its waits watch them all, so any failure stops the run."""
 
-    def __init__(self, run: RunDir, recipe: str, overrides: Sequence[str], plan: Plan):
-        self.run, self.recipe, self.overrides = run, recipe, list(overrides)
+    def __init__(
+        self,
+        run: RunDir,
+        recipe: str,
+        overrides: Sequence[str],
+        plan: Plan,
+        role_argv: RoleArgv | None = None,
+    ):
+        self.run = run
+        self.role_argv = role_argv or (
+            lambda role: [sys.executable, "-m", "hpctoolkit.roles", role, recipe, *overrides]
+        )
         self.env = dict(os.environ)
         self.env[envs.HPCTOOLKIT_RUN_ID.name] = run.run_id
         self.env[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
         self.procs: list[RoleProcess] = []
+        # SIGUSR2 came: the time limit is near (`on_usr2`).
+        self.late = False
 
     def start(self, name: str, role: str, **extra_env: str) -> RoleProcess:
-        argv = [sys.executable, "-m", "hpctoolkit.roles", role, self.recipe, *self.overrides]
-        p = RoleProcess(name, argv, {**self.env, **extra_env}, self.run.log(name))
+        env = {**self.env, **extra_env}
+        p = RoleProcess(name, self.role_argv(role), env, self.run.log(name), self.run.failure(name))
         self.procs.append(p)
         return p
 
+    def named(self, prefix: str) -> list[RoleProcess]:
+        return [p for p in self.procs if p.name.startswith(prefix)]
+
     def check(self) -> None:
+        """Any role failing (other than those whose status the run took) stops the run."""
         for p in self.procs:
-            code = p.poll()
-            if code not in (None, 0):
+            if not p.settled and p.poll() not in (None, 0):
                 raise p.failure()
 
-    def wait(self, names: Sequence[RoleProcess], timeout_s: float | None, what: str) -> None:
-        """Until every process of `names` exited 0; any role failing first raises its error."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def on_usr2(self, _signum: int, _frame: Any) -> None:
+        self.late = True
+        say("SIGUSR2: asking the trainers to checkpoint")
+        for p in self.named("trainer"):
+            p.signal(signal.SIGUSR2)
+
+    def wait_trainers(self) -> tuple[int, RoleProcess | None]:
+        """The trainers' status: 0 once all exited 0; the first other status, with its process, once
+        one failed or all ended (PREEMPTED_EXIT: every rank checkpoints on SIGUSR2 first)."""
+        trainers = self.named("trainer")
+        for p in trainers:
+            p.settled = True
         while True:
             self.check()
-            if all(p.poll() == 0 for p in names):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise RoleFailedError(
-                    f"{what} did not finish within {timeout_s:.0f}s; logs under {self.run.logs}"
-                )
+            codes = [p.poll() for p in trainers]
+            done = [(c, p) for c, p in zip(codes, trainers, strict=True) if c is not None and c != 0]
+            failed = [(c, p) for c, p in done if c != ledger.PREEMPTED_EXIT]
+            if failed:
+                return failed[0]
+            if all(c is not None for c in codes):
+                return done[0] if done else (0, None)
             time.sleep(0.2)
+
+    def wait_gone(self, procs: Sequence[RoleProcess], timeout_s: float) -> bool:
+        """Until every process of `procs` exited (one failing raises its error); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not all(p.poll() is not None for p in procs):
+            self.check()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        self.check()
+        return True
 
     def wait_for(self, predicate: Any, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -146,8 +192,8 @@ class RoleGroup:
 
 def start_run(cfg: RecipeConfig) -> RunDir:
     """A new run directory with this run's resolved recipe; never one an earlier run used."""
-    run = RunDir.of(cfg.paths.output_dir, local_run_id(cfg.name)).create()
-    write_text_atomic(run.config, to_yaml(cfg))
+    run = RunDir.of(cfg.paths.output_dir, local_run_id(cfg.name))
+    ledger.start_attempt(run, to_yaml(cfg), None, fresh=True)
     return run
 
 
@@ -163,57 +209,106 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_local(cfg: RecipeConfig, plan: Plan, recipe: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """Run the whole job on this machine; returns the summary (also `<run>/summary.json`)."""
+def run_local(
+    cfg: RecipeConfig,
+    plan: Plan,
+    recipe: str,
+    overrides: Sequence[str],
+    *,
+    role_argv: RoleArgv | None = None,
+    on_phase: OnPhase | None = None,
+) -> dict[str, Any]:
+    """Run the whole job on this machine, `plan.lifecycle`'s phases in order; returns the summary
+    (also `<run>/summary.json`). A failed role, or trainers that checkpointed on SIGUSR2, raise."""
     preflight(cfg, plan)
+    shape = lifecycle.RunShape.of(plan, cfg.evaluate.enabled)
+    enter = on_phase or (lambda _name: None)
+    enter("start")
     run = start_run(cfg)
     t0 = time.monotonic()
-    group = RoleGroup(run, recipe, overrides, plan)
+    group = RoleGroup(run, recipe, overrides, plan, role_argv)
     # Ended from outside (Ctrl-C, a batch system's SIGTERM): end the roles too.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous_usr2 = signal.signal(signal.SIGUSR2, group.on_usr2)
     try:
-        _start_roles(cfg, plan, group)
-        trainers = [p for p in group.procs if p.name.startswith("trainer")]
-        group.wait(trainers, None, "the trainers")
-        engines = [p for p in group.procs if p.name.startswith("engine")]
-        group.wait(engines, ENGINES_EXIT_TIMEOUT_S, "the engines (after the trainers drained them)")
-        if cfg.evaluate.enabled:
-            group.wait([group.start("evaluate", "evaluate")], None, "evaluate")
-        group.wait(group.procs, SERVICE_EXIT_TIMEOUT_S, "the Mooncake master (after the run ended)")
+        seen, failed, evaluate = _run_phases(plan, group, shape, enter)
     finally:
         group.stop_all()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR2, previous_usr2)
+    enter("end")
+    erc = None if evaluate is None else evaluate.poll()
+    out = lifecycle.outcome(seen, erc)
+    if out.kind == lifecycle.PREEMPTED:
+        raise RoleFailedError(
+            f"the trainers checkpointed on SIGUSR2 (exit {seen.trainers_rc}); a local run is not "
+            f"requeued; its checkpoint is under {run.checkpoints}"
+        )
+    if out.failed == "trainers" and failed is not None:
+        raise failed.failure()
+    if out.failed == "evaluate" and evaluate is not None:
+        raise evaluate.failure()
     return _summarize(run, t0)
 
 
-def _start_roles(cfg: RecipeConfig, plan: Plan, group: RoleGroup) -> None:
+def _run_phases(
+    plan: Plan, group: RoleGroup, shape: lifecycle.RunShape, enter: OnPhase
+) -> tuple[lifecycle.Seen, RoleProcess | None, RoleProcess | None]:
+    """master .. stop; returns what the run saw, the failed trainer and the evaluate process."""
     run = group.run
-    if plan.master is not None:
-        say(f"run {run.run_id} in {run.root}")
-        group.start("master", "master")
-        group.wait_for(
-            lambda: read_json(run.master_record) is not None,
-            MASTER_START_TIMEOUT_S,
-            "the Mooncake master did not start",
-        )
-        master = read_json(run.master_record)
-        if master is None:
-            raise RoleFailedError(
-                f"the Mooncake master's record {run.master_record} vanished after it started"
-            )
-        say(f"Mooncake master at {master['address']}")
+    if lifecycle.enters("master", shape, lifecycle.Seen()):
+        enter("master")
+        _start_master(group)
     else:
         say(f"run {run.run_id} in {run.root}; Mooncake master {plan.external_master} (external)")
+    enter("engines")
     for e in plan.engines:
         for node in e.nodes:
             role = ROLE_ENGINE_LEADER if node.node_rank == 0 else ROLE_ENGINE_FOLLOWER
             suffix = "" if node.node_rank == 0 else f".{node.node_rank}"
             group.start(f"engine{e.index}{suffix}", role)
+    enter("trainers")
     for r in plan.trainer.ranks:
         group.start(f"trainer{r.rank}", ROLE_TRAINER, RANK=str(r.rank))
     say(
         f"started {len(plan.engines)} engine(s) and {plan.trainer.world_size} trainer rank(s); logs in {run.logs}"
     )
+    rc, failed = group.wait_trainers()
+    checkpointed = rc not in (0, ledger.PREEMPTED_EXIT) and ledger.preempted_attempt(run) is not None
+    seen = lifecycle.Seen(trainers_rc=rc, late=group.late, checkpointed=checkpointed)
+    enter("drain")
+    engines = group.named("engine")
+    grace = lifecycle.bound_s("drain", seen) or 0
+    if grace and not group.wait_gone(engines, grace):
+        say(f"the engines did not leave within {grace}s of the trainers' end; ending them")
+    for p in engines:
+        p.stop()
+    evaluate = None
+    if lifecycle.enters("evaluate", shape, seen):
+        enter("evaluate")
+        evaluate = group.start("evaluate", "evaluate")
+        evaluate.settled = True
+        while evaluate.poll() is None:
+            group.check()
+            time.sleep(0.2)
+    enter("stop")
+    group.stop_all()
+    return seen, failed, evaluate
+
+
+def _start_master(group: RoleGroup) -> None:
+    run = group.run
+    say(f"run {run.run_id} in {run.root}")
+    group.start("master", "master")
+    group.wait_for(
+        lambda: read_json(run.master_record) is not None,
+        lifecycle.MASTER_START_TIMEOUT_S,
+        "the Mooncake master did not start",
+    )
+    master = read_json(run.master_record)
+    if master is None:
+        raise RoleFailedError(f"the Mooncake master's record {run.master_record} vanished after it started")
+    say(f"Mooncake master at {master['address']}")
 
 
 def _summarize(run: RunDir, t0: float) -> dict[str, Any]:

@@ -38,6 +38,8 @@ Inside a run directory (every node of a Slurm job shares it):
     ended.json                   {"ok": bool, ...}: the trainers are done; once every engine
                                  is closed too, the master stops
     logs/<role>.log              each role's output (local backend; Slurm: its own log)
+    logs/<role>.failure.json     {"error", "message", "said"}: how the role failed (local backend;
+                                 `cli.run_cli` writes it, the launcher reads it)
 """
 
 from __future__ import annotations
@@ -244,6 +246,10 @@ class RunDir:
 
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
+
+    def failure(self, name: str) -> Path:
+        """Role process `name`'s failure record (`cli.run_cli` writes it when the launcher asks)."""
+        return self.logs / f"{name}.failure.json"
 
     @property
     def latest(self) -> Path:

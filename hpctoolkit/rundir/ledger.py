@@ -19,8 +19,9 @@ closed (`DataIntegrityError`), never "nothing trained".
 The attempt record `attempt.json` (`{"job_id", "restart", "resume_step"}`) marks which attempt of a Slurm job
 the run directory's records belong to. `begin_attempt` removes what an earlier attempt left that
 would mislead this one (its master's address, its end records, its engines' close records) and
-then writes it; it runs once per attempt before any role reads them (the batch script's `check`
-step; under submitit, task 0 while the other tasks wait in `wait_attempt`).
+then writes it; it runs once per attempt before any role reads them (`start_attempt`: the batch
+script's `check` step; under submitit, task 0 while the other tasks wait in `wait_attempt`; the
+embedded launcher, without a job, in a fresh directory).
 
 Pure file I/O: no torch, no store.
 """
@@ -159,6 +160,23 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
         return int(value)
     except ValueError:
         return 0
+
+
+def start_attempt(
+    run: RunDir, config_yaml: str, job_id: str | None, *, fresh: bool = False, restart: int | None = None
+) -> bool:
+    """The lifecycle's `start` phase, the one way every backend begins an attempt: make the run
+    directory (`fresh`: a new one, refused if the id is taken, as a local run's always is), write
+    its `config.yaml` atomically and, in a Slurm job, clear an earlier attempt's records
+    (`begin_attempt`). True when there were such records."""
+    if fresh:
+        run.create()
+    else:
+        run.root.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run.config, config_yaml)
+    if job_id is None:
+        return False
+    return begin_attempt(run, job_id, restart_count() if restart is None else restart)
 
 
 def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:

@@ -16,8 +16,8 @@ engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's 
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
 the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed; with
-`evaluate.enabled`, trainer rank 0's task then runs the evaluate role (`roles.dispatch.run_task`), as
-the batch script's last step does.
+`evaluate.enabled`, trainer rank 0's task then waits for the drain and runs the evaluate role
+(`roles.dispatch.follow`), in the order `plan.lifecycle` gives every backend.
 
 Which process task 0 runs so that submitit's requeue handler survives is `slurm.tasks`'s rule (the
 master, or a watcher in its slot). That keeps every role free to own its signal handling; chaining
@@ -38,6 +38,7 @@ from typing import Any
 
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import Plan
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
@@ -75,9 +76,9 @@ def submit_sbatch(
     return m.group(1)
 
 
-# From the trainers' end record to the job's end: the engines' shutdown (vLLM's own, then ours, at
-# most ~45 s: `CaptureEngine.shutdown`), a follower's 2 s poll, the master's 0.5 s poll.
-RELEASE_BOUND_S = 90
+# From the trainers' end record to the job's end: the engines' drain, within the lifecycle's one
+# grace (`plan.lifecycle`; the master's 0.5 s poll after it is inside its margin).
+RELEASE_BOUND_S = lifecycle.ENGINES_DRAIN_GRACE_S
 
 
 def submit_job(cfg: Any, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> tuple[str, str]:

@@ -2,8 +2,10 @@
 
 Everything in the script derives from the `Plan`: `#SBATCH --nodes` is the plan's node count, and
 every role is one `srun` step pinned to its node(s) with `--nodelist` (with `evaluate.enabled`, the
-evaluate role is one more step after the others, on trainer rank 0's node), the hosts taken from
-`scontrol show hostnames` at run time (node index i = i-th host). Each step runs
+evaluate role is one more step after the engines drained, on trainer rank 0's node), the hosts
+taken from `scontrol show hostnames` at run time (node index i = i-th host). The script's sections
+are the phases of `plan.lifecycle`, in order, each announced in the job's log
+(`[hpctoolkit] phase NAME`); its conditions become the shell's tests on the trainers' status. Each step runs
 `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`, inside `apptainer exec --nv` when
 `cluster.container` is set, with the paths the recipe names bound where they lie outside the
 image (`hpctoolkit.slurm.container`; the script binds paths given as sbatch arguments itself). The
@@ -24,11 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import (
     ROLE_EVALUATE,
     ROLE_MASTER,
     ROLE_TRAINER,
     Plan,
+    span,
 )
 from hpctoolkit.plan.sizing import node_memory
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
@@ -38,9 +42,6 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
-# After the trainers exit 0, how long the batch shell waits for the engine steps to end by
-# themselves (a headless follower notices its leader left within seconds, then stops its workers).
-ENGINE_EXIT_GRACE_S = 120
 
 
 def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, list[str]]:
@@ -163,7 +164,8 @@ def _step(
 
 
 def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides: Sequence[str] = ()) -> str:
-    """The batch script that runs `plan`. Byte-identical for identical inputs."""
+    """The batch script that runs `plan`, its phases those of `plan.lifecycle` in order (a phase
+    the run skips renders nothing). Byte-identical for identical inputs."""
     if plan.backend != "slurm":
         raise ValueError(f"render_sbatch needs a slurm plan, got backend {plan.backend!r}")
     baked = [o for o in overrides if DEFERRED not in o]
@@ -178,17 +180,34 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         *_run_lines(cfg, recipe_path),
         "",
         *_hosts_lines(plan),
-        "",
-        "# Fail before any step starts if the recipe does not load or its plan differs from this one.",
-        f'"${{RUN[@]}}" -m {ROLES_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
-        "",
+        "# The run's phases (hpctoolkit.plan.lifecycle), each announced in the job's log.",
+        'phase() { echo "[hpctoolkit] phase $1"; }',
     ]
-    steps, engine_vars = _step_lines(plan)
-    body += steps
-    body += _wait_lines(plan, engine_vars)
-    body += _evaluate_lines(cfg, plan)
-    body.append('exit "$rc"')
+    shape = lifecycle.RunShape.of(plan, cfg.evaluate.enabled)
+    render = {
+        "start": _start_lines,
+        "master": lambda: _master_lines(plan),
+        "engines": lambda: _engine_lines(plan),
+        "trainers": lambda: _trainer_lines(plan),
+        "drain": lambda: _drain_lines(plan),
+        "evaluate": lambda: _evaluate_lines(plan),
+        "stop": lambda: _stop_lines(plan),
+        "end": lambda: _end_lines(shape),
+    }
+    for p in lifecycle.PHASES:
+        # Skipped for every outcome (the master with an external one; evaluate when disabled).
+        if not _may_enter(p.name, shape):
+            continue
+        # A phase entered on the trainers' outcome announces itself where the script decides.
+        announce = [f"phase {p.name}"] if p.enter != lifecycle.CLEAN_AND_ENABLED else []
+        body += ["", f"# Phase {p.name}: {p.what}.", *announce, *render[p.name]()]
     return "\n".join(body) + "\n"
+
+
+def _may_enter(name: str, shape: lifecycle.RunShape) -> bool:
+    """Whether some outcome of the trainers enters phase `name` (the script decides the rest)."""
+    clean = lifecycle.Seen(trainers_rc=0)
+    return lifecycle.enters(name, shape, clean)
 
 
 def _head(cfg: RecipeConfig, plan: Plan, recipe_path: str, baked: Sequence[str]) -> list[str]:
@@ -261,30 +280,40 @@ def _hosts_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _step_lines(plan: Plan) -> tuple[list[str], list[str]]:
-    """One backgrounded `srun` step per role; returns the lines and the engines' pid variables."""
+def _start_lines() -> list[str]:
+    return [
+        "# Fail before any step starts if the recipe does not load or its plan differs from this one.",
+        f'"${{RUN[@]}}" -m {ROLES_MODULE} check "$RECIPE" "${{OVERRIDES[@]}}"',
+    ]
+
+
+def _master_lines(plan: Plan) -> list[str]:
+    m = plan.master
+    assert m is not None
+    return _step(
+        comment=f"Mooncake master on n{m.node} ({m.rule}); shares its node's CPUs with the trainers.",
+        nodes=[m.node],
+        ntasks=1,
+        gpus_per_node=0,
+        role=ROLE_MASTER,
+        name="master",
+        var="master_pid",
+        extra=["--overlap"],
+    )
+
+
+def _engine_vars(plan: Plan) -> list[str]:
+    return [f"engine{e.index}_node{n.node_rank}_pid" for e in plan.engines for n in e.nodes]
+
+
+def _engine_lines(plan: Plan) -> list[str]:
     body: list[str] = []
-    engine_vars: list[str] = []
-    if plan.master is not None:
-        m = plan.master
-        body += _step(
-            comment=f"Mooncake master on n{m.node} ({m.rule}); shares its node's CPUs with the trainers.",
-            nodes=[m.node],
-            ntasks=1,
-            gpus_per_node=0,
-            role=ROLE_MASTER,
-            name="master",
-            var="master_pid",
-            extra=["--overlap"],
-        )
-        body.append("")
     for e in plan.engines:
         for n in e.nodes:
-            var = f"engine{e.index}_node{n.node_rank}_pid"
             who = "leader" if n.node_rank == 0 else "headless follower"
             body += _step(
                 comment=(
-                    f"Engine {e.index} node_rank {n.node_rank} ({who}) on n{n.node}: GPUs {_gpus(n.gpus)}, "
+                    f"Engine {e.index} node_rank {n.node_rank} ({who}) on n{n.node}: GPUs {span(n.gpus)}, "
                     f"PP stage {','.join(map(str, n.pp_stages))} of TP={e.tp} x PP={e.pp}."
                 ),
                 nodes=[n.node],
@@ -292,32 +321,31 @@ def _step_lines(plan: Plan) -> tuple[list[str], list[str]]:
                 gpus_per_node=len(n.gpus),
                 role=n.role,
                 name=f"engine{e.index}-{n.node_rank}",
-                var=var,
+                var=f"engine{e.index}_node{n.node_rank}_pid",
             )
-            engine_vars.append(var)
             body.append("")
+    return body[:-1]
+
+
+def _trainer_lines(plan: Plan) -> list[str]:
+    """The trainers' step; SIGUSR2 on the batch shell is forwarded to them; wait for them."""
     t = plan.trainer
-    body += _step(
-        comment=(
-            f"FSDP trainers ({t.fsdp_mode}): {t.world_size} rank(s), {t.ranks_per_node} per node on "
-            + ", ".join(f"n{i}" for i in t.nodes)
-            + "."
+    return [
+        *_step(
+            comment=(
+                f"FSDP trainers ({t.fsdp_mode}): {t.world_size} rank(s), {t.ranks_per_node} per node on "
+                + ", ".join(f"n{i}" for i in t.nodes)
+                + "."
+            ),
+            nodes=t.nodes,
+            ntasks=t.world_size,
+            # CPU (gloo) trainers take no GPU.
+            gpus_per_node=t.ranks_per_node if t.device == "cuda" else 0,
+            role=ROLE_TRAINER,
+            name="trainer",
+            var="trainer_pid",
+            extra=["--kill-on-bad-exit=1"],
         ),
-        nodes=t.nodes,
-        ntasks=t.world_size,
-        # CPU (gloo) trainers take no GPU.
-        gpus_per_node=t.ranks_per_node if t.device == "cuda" else 0,
-        role=ROLE_TRAINER,
-        name="trainer",
-        var="trainer_pid",
-        extra=["--kill-on-bad-exit=1"],
-    )
-    return body, engine_vars
-
-
-def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
-    """The batch shell's end: forward SIGUSR2 to the trainers, wait for them, then end the rest."""
-    body = [
         "",
         "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
         "usr2=0",
@@ -338,13 +366,19 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
         '  wait "$trainer_pid" && rc=0 || rc=$?',
         "  ((usr2)) || break",
         "done",
-        "# The engines leave by themselves once the trainers drained them: after a clean run that is",
-        f"# not up against the time limit, wait for that (at most {ENGINE_EXIT_GRACE_S} s) before ending them.",
-        "# The master goes last: the engines unmount their store segments from it on the way out.",
+        'echo "trainers exited with status $rc"',
+    ]
+
+
+def _drain_lines(plan: Plan) -> list[str]:
+    grace = lifecycle.ENGINES_DRAIN_GRACE_S
+    return [
+        "# After a clean run (trainers exit 0, no SIGUSR2) the engines leave by themselves once the",
+        f"# trainers drained them: wait for that, at most {grace} s; then end those left (at once otherwise).",
         "# srun turns SIGTERM into a step cancel: tasks get SIGTERM, then SIGKILL after KillWait.",
-        "engines=(" + " ".join(f'"${v}"' for v in engine_vars) + ")",
+        "engines=(" + " ".join(f'"${v}"' for v in _engine_vars(plan)) + ")",
         "if ((rc == 0 && !late)); then",
-        f"  for _ in $(seq 1 {ENGINE_EXIT_GRACE_S}); do",
+        f"  for _ in $(seq 1 {grace}); do",
         "    alive=0",
         '    for pid in "${engines[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
         "    ((alive)) || break",
@@ -354,14 +388,22 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
         'for pid in "${engines[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
         'wait "${engines[@]}" 2>/dev/null || true',
     ]
-    if plan.master is not None:
-        body += [
-            'kill -TERM "$master_pid" 2>/dev/null || true',
-            'wait "$master_pid" 2>/dev/null || true',
-        ]
+
+
+def _stop_lines(plan: Plan) -> list[str]:
+    if plan.master is None:
+        return ["# The master is external: nothing of this job's is left to end."]
     return [
-        *body,
-        'echo "trainers exited with status $rc"',
+        "# The engines unmounted their store segments from the master on the way out.",
+        'kill -TERM "$master_pid" 2>/dev/null || true',
+        'wait "$master_pid" 2>/dev/null || true',
+    ]
+
+
+def _end_lines(shape: lifecycle.RunShape) -> list[str]:
+    """The outcome (`lifecycle.outcome`): preempted requeues, else the trainers' status, else
+    evaluate's."""
+    body = [
         f"# The first rank to exit {PREEMPTED_EXIT} ends the others' tasks (--kill-on-bad-exit), and a notice",
         "# sent to the steps (scancel --signal=USR2) never reaches this shell: the step's status alone",
         "# does not say; the run's records do (every rank's part of a checkpoint written on SIGUSR2).",
@@ -377,32 +419,28 @@ def _wait_lines(plan: Plan, engine_vars: Sequence[str]) -> list[str]:
         "  exit 0",
         "fi",
     ]
+    if shape.evaluate:
+        body += ["# A clean run whose evaluate failed fails.", "((rc != 0)) || rc=$erc"]
+    return [*body, 'exit "$rc"']
 
 
-def _evaluate_lines(cfg: RecipeConfig, plan: Plan) -> list[str]:
-    """`evaluate.enabled`: the evaluate role as the last step, after a clean run, on trainer rank
-    0's node (its GPUs are free then); it merges its figures into summary.json and sets `latest`."""
-    if not cfg.evaluate.enabled:
-        return []
+def _evaluate_lines(plan: Plan) -> list[str]:
+    """`evaluate.enabled`: the evaluate role after a clean run, on trainer rank 0's node (its GPUs
+    are free then); it merges its figures into summary.json and sets `latest`."""
     t = plan.trainer
     node = t.nodes[0]
     gpus = 1 if t.device == "cuda" else 0
     return [
-        "",
-        f"# evaluate.enabled: serve the exported draft with the target in vLLM on n{node} ({gpus} GPU) and",
-        "# merge served vs simulated acceptance into summary.json; skipped when the time limit is near.",
+        f"# Serve the exported draft with the target in vLLM on n{node} ({gpus} GPU) and merge served vs",
+        "# simulated acceptance into summary.json; skipped when the time limit is near.",
+        "erc=0",
         "if ((rc == 0 && late)); then",
         '  echo "evaluate skipped: the time limit is near; serve the export by hand:'
         ' python -m hpctoolkit.evaluate EXPORT_DIR --target TARGET" >&2',
         "elif ((rc == 0)); then",
+        "  phase evaluate",
         "  " + _srun(nodes=[node], ntasks=1, gpus_per_node=gpus, name="evaluate") + " \\",
-        f"    {_role_command(ROLE_EVALUATE)} || rc=$?",
-        '  echo "evaluate exited with status $rc"',
+        f"    {_role_command(ROLE_EVALUATE)} || erc=$?",
+        '  echo "evaluate exited with status $erc"',
         "fi",
     ]
-
-
-def _gpus(gpus: Sequence[int]) -> str:
-    if len(gpus) > 1 and list(gpus) == list(range(gpus[0], gpus[0] + len(gpus))):
-        return f"{gpus[0]}-{gpus[-1]}"
-    return ",".join(map(str, gpus))
