@@ -36,28 +36,28 @@ from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
 
 
-def _run(run_root: str | os.PathLike) -> RunDir:
+def _run(run_root: str | os.PathLike[str]) -> RunDir:
     root = Path(run_root)
     return RunDir(root.parent, root.name)
 
 
-def queue_dir(run_root: str | os.PathLike) -> Path:
+def queue_dir(run_root: str | os.PathLike[str]) -> Path:
     return _run(run_root).manifests
 
 
-def queue_path(run_root: str | os.PathLike, engine: int) -> Path:
+def queue_path(run_root: str | os.PathLike[str], engine: int) -> Path:
     return _run(run_root).queue(engine)
 
 
-def done_path(run_root: str | os.PathLike, engine: int) -> Path:
+def done_path(run_root: str | os.PathLike[str], engine: int) -> Path:
     return _run(run_root).queue_done(engine)
 
 
-def failed_path(run_root: str | os.PathLike, engine: int) -> Path:
+def failed_path(run_root: str | os.PathLike[str], engine: int) -> Path:
     return _run(run_root).queue_failed(engine)
 
 
-def drained_path(run_root: str | os.PathLike) -> Path:
+def drained_path(run_root: str | os.PathLike[str]) -> Path:
     return _run(run_root).drained
 
 
@@ -67,9 +67,10 @@ def _write_atomic(path: Path, record: dict[str, Any]) -> None:
 
 def _read_record(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _key_of(line: str, where: str) -> str:
@@ -85,7 +86,7 @@ def _key_of(line: str, where: str) -> str:
 class QueueWriter:
     """Engine `engine`'s side of its queue (the leader's process only)."""
 
-    def __init__(self, output_dir: str | os.PathLike, engine: int, run_prefix: str):
+    def __init__(self, output_dir: str | os.PathLike[str], engine: int, run_prefix: str):
         self.output_dir = Path(output_dir)
         self.engine = engine
         self.run_prefix = run_prefix
@@ -189,7 +190,7 @@ class _Queue:
 
 
 def follow_queues(
-    output_dir: str | os.PathLike,
+    output_dir: str | os.PathLike[str],
     run_prefixes: Sequence[str],
     *,
     expected: Sequence[int] | None = None,
@@ -238,7 +239,7 @@ def follow_queues(
         time.sleep(poll_s)
 
 
-def wait_drained(output_dir: str | os.PathLike, run_id: str, timeout_s: float, stop: Any = None) -> None:
+def wait_drained(output_dir: str | os.PathLike[str], run_id: str, timeout_s: float, stop: Any = None) -> None:
     """Block until trainer rank 0 wrote this run's `drained` record (or `stop`, an Event, is set)."""
     path = drained_path(output_dir)
     deadline = time.monotonic() + timeout_s
@@ -253,6 +254,6 @@ def wait_drained(output_dir: str | os.PathLike, run_id: str, timeout_s: float, s
         time.sleep(0.2)
 
 
-def write_drained(output_dir: str | os.PathLike, run_id: str) -> None:
+def write_drained(output_dir: str | os.PathLike[str], run_id: str) -> None:
     queue_dir(output_dir).mkdir(parents=True, exist_ok=True)
     _write_atomic(drained_path(output_dir), {"run_id": run_id})

@@ -52,7 +52,7 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
     return ConfigError(f"{key}: {str(err).splitlines()[0]} ({origin})")
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist")
     try:
@@ -85,7 +85,7 @@ def _missing_keys(data: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if data == "???" else []
 
 
-def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
+def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge recipe and overrides onto the schema and check every section's own fields."""
     path = Path(path)
     data = _read_yaml(path)
@@ -120,7 +120,7 @@ def compose(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeCon
     return cfg
 
 
-def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RecipeConfig:
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose, then check the couplings across sections (which read the target and draft configs)."""
     cfg = resolve_precision(fill_from_draft(compose(path, overrides)))
     check_couplings(cfg)

@@ -36,7 +36,7 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, sync: bool = True) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to `path` (parent directories are created) to write the whole
     file to; on a clean exit it is synced (unless the writer did: `sync=False`) and renamed over
     `path`, on an exception removed."""
@@ -52,7 +52,7 @@ def atomic_path(path: str | os.PathLike, *, sync: bool = True) -> Iterator[Path]
         tmp.unlink(missing_ok=True)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` atomically (parent directories are created); returns the path."""
     with atomic_path(path, sync=False) as tmp, tmp.open("wb") as f:
         f.write(data)
@@ -61,20 +61,20 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     return Path(path)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """Write `text` to `path` atomically (parent directories are created); returns the path."""
     return write_bytes_atomic(path, text.encode())
 
 
 def write_json_atomic(
-    path: str | os.PathLike, record: Any, *, indent: int | None = None, sort_keys: bool = False
+    path: str | os.PathLike[str], record: Any, *, indent: int | None = None, sort_keys: bool = False
 ) -> Path:
     """`record` as JSON (one line unless `indent`; values JSON cannot hold as `str`),
     newline-terminated, written atomically."""
     return write_text_atomic(path, json.dumps(record, indent=indent, sort_keys=sort_keys, default=str) + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Any | None:
+def read_json(path: str | os.PathLike[str]) -> Any | None:
     """The JSON record at `path`, or None while it does not exist (or is not JSON yet)."""
     try:
         return json.loads(Path(path).read_text())
@@ -82,7 +82,7 @@ def read_json(path: str | os.PathLike) -> Any | None:
         return None
 
 
-def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
+def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     """The JSON object in the file at `path`, a file the user named (`what`: the key or kind that
     named it). Raises `ConfigError`, one line naming `what` and the file, when it is missing, not
     JSON, or not an object."""

@@ -133,7 +133,7 @@ class RunDir:
     run_id: str
 
     @classmethod
-    def of(cls, output_dir: str | os.PathLike, run_id: str) -> RunDir:
+    def of(cls, output_dir: str | os.PathLike[str], run_id: str) -> RunDir:
         if not run_id or "/" in run_id or run_id in (".", "..", LATEST):
             raise ValueError(f"run id {run_id!r} cannot name a directory")
         return cls(Path(output_dir), run_id)

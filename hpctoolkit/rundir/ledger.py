@@ -52,13 +52,13 @@ def part_name(rank: int) -> str:
     return f"ledger-rank{rank}.json"
 
 
-def write_part(checkpoint_dir: str | os.PathLike, rank: int, step: int, prompts: Iterable[int]) -> Path:
+def write_part(checkpoint_dir: str | os.PathLike[str], rank: int, step: int, prompts: Iterable[int]) -> Path:
     """Rank `rank`'s part of the ledger of the checkpoint being written in `checkpoint_dir`."""
     record = {"rank": rank, "step": step, "prompts": sorted({int(p) for p in prompts})}
     return write_json_atomic(Path(checkpoint_dir) / part_name(rank), record)
 
 
-def read_part(checkpoint_dir: str | os.PathLike, rank: int) -> list[int]:
+def read_part(checkpoint_dir: str | os.PathLike[str], rank: int) -> list[int]:
     """Rank `rank`'s trained prompts in a complete checkpoint; raises if its part is missing."""
     path = Path(checkpoint_dir) / part_name(rank)
     record = read_json(path)
@@ -70,7 +70,7 @@ def read_part(checkpoint_dir: str | os.PathLike, rank: int) -> list[int]:
     return [int(p) for p in record["prompts"]]
 
 
-def complete_checkpoints(checkpoints: str | os.PathLike) -> list[Path]:
+def complete_checkpoints(checkpoints: str | os.PathLike[str]) -> list[Path]:
     """`step-*` directories with their `meta.json`, oldest first."""
     root = Path(checkpoints)
     if not root.is_dir():
@@ -91,7 +91,7 @@ class Ledger:
         return frozenset(p for p in self.prompts if p % num_engines == engine)
 
 
-def read_ledger(checkpoints: str | os.PathLike, step: int | None = None) -> Ledger | None:
+def read_ledger(checkpoints: str | os.PathLike[str], step: int | None = None) -> Ledger | None:
     """The ledger of the newest complete checkpoint (of step `step` when given), or None when no
     checkpoint completed yet."""
     done = complete_checkpoints(checkpoints)

@@ -75,7 +75,7 @@ class Counted:
         )
 
 
-def write_progress(path: str | os.PathLike, record: Mapping[str, Any], now: float | None = None) -> None:
+def write_progress(path: str | os.PathLike[str], record: Mapping[str, Any], now: float | None = None) -> None:
     """`record` plus `time` (seconds since the epoch), written atomically to `path`."""
     write_json_atomic(path, {**record, "time": time.time() if now is None else now})
 

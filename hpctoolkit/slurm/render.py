@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpctoolkit.config.schema import RecipeConfig
@@ -44,7 +44,9 @@ DEFERRED = "<given-at-submission>"
 ROLES_MODULE = "hpctoolkit.roles"
 
 
-def load_for_render(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[RecipeConfig, list[str]]:
+def load_for_render(
+    path: str | os.PathLike[str], overrides: Sequence[str] = ()
+) -> tuple[RecipeConfig, list[str]]:
     """Compose a recipe whose `???` values are still open; returns the config and the open keys.
 
     Nothing here reads the target or draft files (the couplings run on the nodes, where the paths
@@ -184,7 +186,7 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         'phase() { echo "[hpctoolkit] phase $1"; }',
     ]
     shape = lifecycle.RunShape.of(plan, cfg.evaluate.enabled)
-    render = {
+    render: dict[str, Callable[[], list[str]]] = {
         "start": _start_lines,
         "master": lambda: _master_lines(plan),
         "engines": lambda: _engine_lines(plan),
