@@ -10,7 +10,7 @@ STAMP := $(VENV)/.hpctoolkit-setup
 SETUP_INPUTS := pyproject.toml patches/vllm/v0.32.0/series $(wildcard patches/vllm/v0.32.0/*.patch) patches/apply_series.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint dry-run clean image wheelhouse wheelhouse-parts
+.PHONY: setup run test test-fast lint dry-run clean image wheelhouse wheelhouse-parts
 
 setup: $(STAMP)
 
@@ -50,6 +50,10 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The edit loop: tests/unit only (no vLLM engine, no Slurm, no namespaces), without the lint.
+test-fast: setup
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache
 
@@ -57,7 +61,7 @@ clean:
 # VLLM_VERSION plus the patch series pinned to it, written to IMAGE, where the launchers look by
 # default. IMAGE is the one name of that path: hpctoolkit.slurm.container.DEFAULT_IMAGE (which
 # recipes/k3.yaml's cluster.container names) is its value at the defaults, and
-# tests/test_apptainer_def.py holds the two together. The suffix keeps images of one vLLM
+# tests/unit/test_apptainer_def.py holds the two together. The suffix keeps images of one vLLM
 # version apart when they differ in what was applied to it (the series, a base digest).
 VLLM_VERSION ?= 0.32.0
 IMAGE_TAG_SUFFIX ?= -pp-export

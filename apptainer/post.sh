@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The image's %post, as one script: apptainer/hpctoolkit.def runs it during `apptainer build`, and
-# tests/test_apptainer_post.py runs it on a scratch virtualenv holding the CUDA vLLM wheel, so the
+# tests/e2e/test_apptainer_post.py runs it on a scratch virtualenv holding the CUDA vLLM wheel, so the
 # rehearsal exercises these very steps.
 #
 #   apptainer/post.sh SRC_DIR

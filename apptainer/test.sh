@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The image's %test, as one script: apptainer/hpctoolkit.def's %test runs it (`apptainer build`
 # runs %test on the build host, and `apptainer test IMAGE` anywhere), and
-# tests/test_apptainer_post.py runs it after rehearsing %post on a scratch virtualenv.
+# tests/e2e/test_apptainer_post.py runs it after rehearsing %post on a scratch virtualenv.
 #
 #   apptainer/test.sh SRC_DIR        (SRC_DIR: /opt/hpctoolkit in the image)
 #

@@ -33,7 +33,7 @@ stage_tier() {
   # Only the modules that hold gpu-marked tests: collecting the others imports them all, and a
   # vLLM-CPU module's import-time settings would reach every CUDA engine of the run.
   local files
-  mapfile -t files < <(grep -l 'mark\.gpu' tests/test_*.py)
+  mapfile -t files < <(grep -l 'mark\.gpu' tests/*/test_*.py)
   # One test at a time: vLLM refuses to start while another engine frees memory beside it.
   timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
     --junitxml "$res/tier.xml" "${files[@]}"

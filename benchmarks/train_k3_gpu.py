@@ -60,7 +60,7 @@ GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 
 - The DSpark loss fused with its vocabulary GEMMs (`losses/dspark.py`): draft and target logits
   formed once per chunk, CE + L1 gradients formed in forward, no recompute, anchor rows (1/7,
   weight 0) skipped, one compiled elementwise kernel per chunk. Tested against plain autograd in
-  fp64 (`tests/test_train_losses.py`).
+  fp64 (`tests/unit/test_train_losses.py`).
 - Frozen parameters cast once to bf16 and left out of FSDP (replicated, like the target head);
   no reshard after forward at one-rank shard groups (no regather in backward).
 - Decoder layers and the context projection compiled (`training.compile`, auto on CUDA).
@@ -70,7 +70,7 @@ GEMM 778 TFLOP/s, the `[3072, 7168] x [7168, 163840]` lm_head GEMM 10.3 ms (700 
   forward pre-hook but skips that hook when the checkpoint recomputes the layer in backward, so the
   recompute saw fp32 rope where the forward saw bf16 and every bf16 run with
   `activation_checkpoint_layers > 0` raised `CheckpointError` (found on the H200 on 2026-12-02:
-  `tests/test_train_gpu.py`'s bf16 case and the 64k AC runs of device call 2; fp32 passed).
+  `tests/gpu/test_train_gpu.py`'s bf16 case and the 64k AC runs of device call 2; fp32 passed).
 
 ## After round 1 (measured 2026-12-02, one H200, torch 2.11.0+cu130, triton 3.6.0)
 
@@ -129,12 +129,12 @@ What changed:
   gradient is cast to fp32 into the fp32 parameter's `.grad` as backward produces it, and the fp32
   parameters are registered again when backward ends. Bit for bit the FSDP2 step at one rank
   (losses, gradients, two AdamW updates; bf16 with and without checkpointing, fp32:
-  `tests/test_train_one_rank.py`). No all-gather copy-in/out, no `chunk_cat`, no reduce-scatter.
+  `tests/unit/test_train_one_rank.py`). No all-gather copy-in/out, no `chunk_cat`, no reduce-scatter.
 - The DSpark trainer runs the target head once a step: `block_targets(target_ids=False)` skips
   its pass over every slot, and the fused loss takes each supervised slot's `label_source: target`
   label from the target logits it forms for the L1 term anyway (`labels_from_target`; the same
   loss, statistics and gradients as precomputed labels in fp64, and the head sees only the scored
-  rows: `tests/test_train_one_rank.py`).
+  rows: `tests/unit/test_train_one_rank.py`).
 - Clipping without the rescaling pass: with fused AdamW on one rank, `clip_grad_norm(model,
   max_norm, optimizer)` computes the norm and hands `1 / clip_coef` to the step as `grad_scale`
   (the GradScaler protocol), which the fused kernel divides by; one rounding from
@@ -234,7 +234,7 @@ Device calls 1-3 of round 3 (each line its own process; within call 1, the first
 | batch 1 x 65536 (270.4 TFLOP)        | 734 ms (round 1)  | 697.8 ms                   | 49.1 % | 85.8 GiB       |
 
 The same losses and gradient norms come out of both timings step for step (the overlapped path
-computes the same step: `tests/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones`,
+computes the same step: `tests/gpu/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones`,
 bit for bit over 8 steps). `draft_step.py` in call 2 (batch 2 x 4096, 167.2 model TFLOP, the
 model's forward, CE loss and backward only): 302.7 ms median, 69.9 % MFU, 31.8 GiB peak. Draft
 tokens per second per GPU at the production anchor count (`recipes/k3.yaml`: 512 anchors,
@@ -271,7 +271,7 @@ bf16 gradients in fp32, and one Triton kernel per tensor reads the bf16 gradient
 and moments, and writes weight, moments and the bf16 twin, so no cast runs before the next
 forward. 28 bytes a parameter instead of 40 moved by three passes. The optimizer is a fused
 `torch.optim.AdamW` (same state, same `state_dict`), its update that of ATen's fused kernel to
-fp32 rounding (`tests/test_train_gpu.py::test_the_mixed_adamw_kernel_is_fused_adamw`: at most
+fp32 rounding (`tests/gpu/test_train_gpu.py::test_the_mixed_adamw_kernel_is_fused_adamw`: at most
 4.8e-7 apart after three steps; ATen computes in double). Ceilings, same call as the first row
 below (`--ceilings`, 2.83 B parameters): MixedAdamW 19.6 ms, against fused AdamW 22.4 ms plus
 12.2 ms of gradient and weight casts; copy 4.27 TB/s, so the kernel moves 79 GB at 4.0 TB/s.
@@ -343,7 +343,7 @@ to launch again. The two waits:
 
 A third was waiting behind them. `make_block_layout` read the anchors' range back with two
 `.item()`s, which were cheap only because the queue had just drained. The range is now checked
-on the host where the anchors are drawn. `tests/test_train_gpu.py::test_a_step_is_queued_without_waiting_for_the_device`
+on the host where the anchors are drawn. `tests/gpu/test_train_gpu.py::test_a_step_is_queued_without_waiting_for_the_device`
 queues a 1 s spin kernel before a step launch and requires the launch to return first: 13 passed
 in `python -m pytest -m gpu tests/` (call 7), 115.8 s.
 
@@ -436,7 +436,7 @@ layers' compile nor a recompile storm is it. `faulthandler.dump_traceback_later(
 (2026-12-03): the `BlockMask` is no longer built by `torch.compile(create_block_mask)` but by
 `models/common/block_mask.py`, plain tensor code over bands of query blocks reduced to partial and
 full kv blocks and handed to `BlockMask.from_kv_blocks` (the same blocks as `create_block_mask`,
-tested on the CPU at shapes that are not multiples of the block, `tests/test_models_layers.py`).
+tested on the CPU at shapes that are not multiples of the block, `tests/unit/test_models_layers.py`).
 Round 3 ran it (2026-12-03, device call 1): 8192 trains, first step 29.4 s (compile), then 234 ms
 steps, 51.8 % MFU, 56.9 GiB peak allocated (table above).
 
@@ -465,7 +465,7 @@ time. Static memory (arithmetic): fp32 master + gradients + AdamW 42.2 GiB, froz
 
 ## GPU tests
 
-    python -m pytest tests/test_publish_gpu.py -q -s -p no:cacheprovider   # call 1: 3 passed;
+    python -m pytest tests/gpu/test_publish_gpu.py -q -s -p no:cacheprovider   # call 1: 3 passed;
         # with the event 0 stale rows of 14800, without it (the control) 3700 of 3700
     python -m pytest -m gpu -q -p no:cacheprovider -rA   # call 3, after the checkpointing fix:
         # 6 passed (publish 2, models 2, train 2: AC fp32 and bf16), 5 skipped (vLLM absent),

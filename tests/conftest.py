@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The GPU tier starts several CUDA engines at once and vLLM frees none within a process: each takes
 # a fifth of the GPU unless the caller says otherwise (ignored by CPU engines).
 os.environ.setdefault("HPCTOOLKIT_GPU_MEMORY_UTILIZATION", "0.2")
+# The tiers (tests/unit, tests/e2e, tests/gpu) share the helpers in tests/; a test file that runs
+# itself as a script in a subprocess (an engine arm, a writer role) imports them from there too.
+TESTS = str(ROOT / "tests")
+if TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
 SCRIPT = ROOT / "launch" / "local_slurm.sh"
 SLURM_TOOLS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mysql", "sbatch", "sacct")
 UNFINISHED = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING")
@@ -172,7 +177,7 @@ def run_arm_process(
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((pythonpath, TESTS)), PYTHONUNBUFFERED="1")
     with log.open("w") as f:
         proc = subprocess.run(
             [sys.executable, str(script), "--arm", json.dumps(args)],
@@ -189,3 +194,19 @@ def run_arm_process(
         tail = "\n".join(text.splitlines()[-60:])
         raise AssertionError(f"{label} failed (exit {proc.returncode}); log tail:\n{tail}")
     return json.loads(marker[-1].removeprefix(ARM_MARKER))
+
+
+# The tiers: tests/unit starts no vLLM engine, Slurm or namespace (`make test-fast` runs it alone);
+# tests/e2e holds what starts real parts; tests/gpu what needs CUDA. A test marked for another tier
+# than its folder's fails collection, so the folders keep saying what runs where.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        tier = Path(str(item.path)).parent.name
+        marks = {m.name for m in item.iter_markers()}
+        if tier == "unit" and marks & {"real", "slow"}:
+            wrong.append(f"{item.nodeid}: marked {sorted(marks & {'real', 'slow'})}; move it to tests/e2e")
+        if tier == "gpu" and "gpu" not in marks:
+            wrong.append(f"{item.nodeid}: in tests/gpu without the gpu mark")
+    if wrong:
+        raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))

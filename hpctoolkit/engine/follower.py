@@ -31,7 +31,7 @@ bypasses `LLM.__init__`, so `build_vllm_config` redoes that conversion (`kv_tran
 `compilation_config` as a dict or a mode int, and the other dict-valued configs), applies `LLM`'s
 own defaults (its signature's, read at run time so they cannot drift, and `disable_log_stats=True`)
 and `LLM`'s usage context, which picks the default batch limits where `run_headless`'s would not.
-`tests/test_follower.py` checks the result against the config a real `LLM.__init__` builds. The
+`tests/e2e/test_follower.py` checks the result against the config a real `LLM.__init__` builds. The
 shared kwargs must pin `kv_transfer_config["engine_id"]` (`check_node_invariant`): unpinned, each
 node draws its own random id. `start()` also runs the preflight gates (`pp_gates`) on the config it
 built, so a follower fails before its workers load weights, as the leader does.

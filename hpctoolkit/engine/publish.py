@@ -2,7 +2,7 @@
 
 Imports torch and the store's fragment layer only (no vLLM, no Mooncake), so the path the
 connector runs is tested on a machine with torch alone, a GPU one included
-(`tests/test_publish_gpu.py`).
+(`tests/gpu/test_publish_gpu.py`).
 
 Threading and streams. `StageRows.publish` reads the cache-only layer and puts the rows; with
 pipeline parallelism the connector runs it on the stage's `Publisher` thread, so the step

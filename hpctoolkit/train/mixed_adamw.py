@@ -12,7 +12,7 @@ shapes on one H200 that is the fixed part of a step: 2.83 B trainable parameters
 The update is AdamW's as `torch.optim.AdamW(fused=True)` computes it (fp32 arithmetic, the clip
 factor as `grad_scale` dividing each gradient, decoupled weight decay, bias corrections from the
 per-parameter `step` tensor), to within fp32 rounding: tested against it on the GPU
-(`tests/test_train_gpu.py`), and the reference below against `torch.optim.AdamW` on the CPU. The
+(`tests/gpu/test_train_gpu.py`), and the reference below against `torch.optim.AdamW` on the CPU. The
 optimizer is a `torch.optim.AdamW` (fused, its state and `state_dict` exactly AdamW's), so
 checkpoints move between this path and the plain one. A step where some parameter holds an fp32
 `.grad` (Distributed Checkpoint's state initialisation, or no bf16 gradients kept) is AdamW's own.
