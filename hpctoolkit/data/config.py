@@ -5,9 +5,25 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from hpctoolkit.config.fields import non_negative, one_of, positive, require
+from hpctoolkit.config.fields import (
+    SEED_MAX,
+    Choice,
+    Float,
+    Int,
+    Kind,
+    ListOf,
+    Mapping,
+    Nested,
+    Path,
+    Text,
+    check_fields,
+    non_negative,
+    one_of,
+    positive,
+    require,
+)
 from hpctoolkit.errors import ConfigError
 
 FORMATS = ("auto", "messages", "sharegpt", "text", "tokens")
@@ -27,6 +43,12 @@ class DataSource:
     weight: float = 1.0
     # "auto" reads each row's own fields (messages / conversations / text / input_ids).
     format: str = "auto"
+
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "path": Path(nonempty=True),
+        "weight": Float(lo=0.0, lo_open=True, cap=1e9),
+        "format": Choice(FORMATS),
+    }
 
 
 @dataclass
@@ -51,7 +73,20 @@ class MagpieConfig:
     # Word 5-gram containment at or above which a row is a copy of an evaluation question.
     eval_overlap: float = 0.5
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "turns": Int(1, MAX_MAGPIE_TURNS),
+        "temperature": Float(0.0, 2.0, lo_open=True),
+        "top_p": Float(0.0, 1.0, lo_open=True),
+        "min_tokens": Int(1),
+        "max_tokens": Int(1, MAX_MAGPIE_TOKENS),
+        "seed": Int(0, SEED_MAX),
+        "oversample": Float(1.0, MAX_OVERSAMPLE),
+        "near_dup": Float(0.0, 1.0, lo_open=True),
+        "eval_overlap": Float(0.0, 1.0, lo_open=True),
+    }
+
     def validate(self) -> None:
+        check_fields(self, "magpie.")
         require(
             1 <= self.turns <= MAX_MAGPIE_TURNS,
             "magpie.turns",
@@ -133,7 +168,32 @@ class DataConfig:
     # builtin:magpie's knobs.
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "prompts": Path(nonempty=True),
+        "sources": ListOf(Nested()),
+        "format": Choice(FORMATS),
+        "num_samples": Int(1),
+        "max_prompt_tokens": Int(1),
+        "offline_dir": Path(),
+        "chat_template_kwargs": Mapping("the target tokenizer's chat template"),
+        "system_prompt_policy": Choice(SYSTEM_PROMPT_POLICIES),
+        "system_prompt": Text(),
+        "loss_mask": Choice(LOSS_MASKS),
+        "mask_method": Choice(MASK_METHODS),
+        "end_of_turn_tokens": ListOf(Text(nonempty=True)),
+        "num_proc": Int(1, 1024),
+        "shuffle_seed": Int(-1, SEED_MAX),
+        "draft_vocab": Path(),
+        "regenerate_tokens": Int(0),
+        "regenerate_temperature": Float(0.0),
+        "regenerate_top_p": Float(0.0, 1.0, lo_open=True),
+        "regenerate_seed": Int(0, SEED_MAX),
+        "regenerate_max_bad_fraction": Float(0.0, 1.0),
+        "magpie": Nested(),
+    }
+
     def validate(self) -> None:
+        check_fields(self)
         positive(self, "num_samples", "max_prompt_tokens", "num_proc")
         non_negative(self, "regenerate_tokens")
         paths = [s.path for s in self.sources] or [self.prompts]

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from hpctoolkit.config.fields import one_of, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Int,
+    Kind,
+    ListOf,
+    Mapping,
+    check_fields,
+    one_of,
+    positive,
+    require,
+)
 
 # Engine arguments that hpctoolkit derives itself; `extra_args` may not set them, because a
 # contradicting value would silently change the parallel layout or the capture path.
@@ -58,6 +69,24 @@ class EngineConfig:
     cpu_kvcache_space_gb: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "target_layer_ids": ListOf(Int(0, 10_000)),
+        "num_engines": Int(1, 100_000),
+        "nnodes": Int(1, 100_000),
+        "gpus_per_node": Int(1, 1024),
+        "pp_size": Int(1, 1024),
+        "dtype": Choice(("auto", "bfloat16", "float16", "float32")),
+        "max_model_len": Int(1),
+        "max_num_batched_tokens": Int(1),
+        "max_num_seqs": Int(1),
+        "capture_batch": Int(1),
+        "enforce_eager": Bool(optional=True),
+        "in_process": Bool(),
+        "cpu_kvcache_space_gb": Int(1, 1 << 20),
+        # Keys are checked against vLLM's EngineArgs at submission (`engine.kwargs.check_extra_args`).
+        "extra_args": Mapping("vLLM's EngineArgs"),
+    }
+
     @property
     def world_size(self) -> int:
         return self.nnodes * self.gpus_per_node
@@ -67,6 +96,7 @@ class EngineConfig:
         return self.world_size // self.pp_size
 
     def validate(self) -> None:
+        check_fields(self)
         positive(
             self,
             "num_engines",

@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Float,
+    HostPort,
+    Kind,
+    Port,
+    Seconds,
+    Size,
+    SlurmText,
+    check_fields,
+    non_negative,
+    one_of,
+    parse_size,
+    positive,
+    require,
+)
 
 
 @dataclass
@@ -50,7 +67,30 @@ class StoreConfig:
     backpressure_low: float = 0.5
     backpressure_max_pause_s: float = 3600.0
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "master_address": HostPort(optional=True),
+        "bind_host": SlurmText(word=True, nonempty=True),
+        "master_port": Port(zero=True),
+        "metrics_port": Port(zero=True),
+        "kv_lease_ttl_s": Seconds(),
+        "get_retry_max_wait_seconds": Seconds(),
+        "enable_hard_pin": Bool(),
+        "global_segment_size": Size(),
+        "local_buffer_size": Size(),
+        "protocol": Choice(("tcp", "rdma")),
+        "device_name": SlurmText(word=True),
+        "metadata_server": SlurmText(word=True, nonempty=True),
+        "connect_timeout_s": Seconds(),
+        "master_metrics_address": HostPort(optional=True),
+        "master_startup_timeout_s": Seconds(),
+        "put_retry_max_wait_seconds": Seconds(zero=True),
+        "backpressure_high": Float(),  # in (backpressure_low, 1): validate()
+        "backpressure_low": Float(0.0, 1.0, lo_open=True, hi_open=True),
+        "backpressure_max_pause_s": Seconds(),
+    }
+
     def validate(self) -> None:
+        check_fields(self)
         positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
         positive(self, "master_startup_timeout_s")
         non_negative(self, "put_retry_max_wait_seconds")
