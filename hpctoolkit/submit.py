@@ -46,6 +46,16 @@ def check_files(cfg: RecipeConfig) -> None:
             raise ConfigError(f"{key}={path} is not {what}")
 
 
+def check_data(cfg: RecipeConfig) -> int:
+    """Every data row the run reads is read and normalised here, and each file holds enough rows
+    (`data.prompts.check_rows`); returns how many rows were checked."""
+    from hpctoolkit.data.prompts import check_rows
+
+    ev = cfg.evaluate
+    held_out = ev.num_prompts if ev.enabled and ev.prompts == "held_out" else 0
+    return check_rows(cfg.data, held_out)
+
+
 def check_memory(cfg: RecipeConfig, sized: StoreSizing) -> int | None:
     """Where `sinfo` reports the partition's node memory, the busiest node must fit in it."""
     if cfg.cluster.backend != "slurm":
@@ -144,6 +154,13 @@ def main(argv: list[str]) -> int:
     plan = make_plan(cfg)
     sized = store_sizing(cfg, plan)
     check_files(cfg)
+    check_data(cfg)
+    if cfg.engine.extra_args:
+        from hpctoolkit.engine.vllm_args import check_extra_args
+
+        skipped = check_extra_args(cfg.engine.extra_args)
+        if skipped:
+            print(skipped, file=sys.stderr)
     node_memory = check_memory(cfg, sized)
     if args.json:
         print(json.dumps(plan_json(cfg, plan, sized, node_memory), indent=2))

@@ -26,6 +26,8 @@ from hpctoolkit.config.fields import (
 )
 from hpctoolkit.errors import ConfigError
 
+# The prompt sets built here rather than read from a file (`data.prompts` / `sources[i].path`).
+BUILTIN_SOURCES = ("builtin:tiny", "builtin:chat", "builtin:magpie")
 FORMATS = ("auto", "messages", "sharegpt", "text", "tokens")
 SYSTEM_PROMPT_POLICIES = ("keep", "drop", "default", "replace")
 LOSS_MASKS = ("assistant", "last_assistant", "all")
@@ -197,6 +199,14 @@ class DataConfig:
         positive(self, "num_samples", "max_prompt_tokens", "num_proc")
         non_negative(self, "regenerate_tokens")
         paths = [s.path for s in self.sources] or [self.prompts]
+        keys = [f"sources[{i}].path" for i in range(len(self.sources))] or ["prompts"]
+        for key, path in zip(keys, paths, strict=True):
+            require(
+                not path.startswith("builtin:") or path in BUILTIN_SOURCES,
+                key,
+                f"names no builtin prompt set (valid names: {', '.join(BUILTIN_SOURCES)})",
+                path,
+            )
         for name in ("builtin:chat", "builtin:magpie"):
             if name in paths and not self.regenerate_tokens:
                 raise ConfigError(
