@@ -158,15 +158,20 @@ def load_rows(path: str | Path, fmt: str = "auto", *, num_proc: int = 1) -> Any:
         raise ConfigError(
             f"data: {p} could not be read by datasets ({type(err).__name__}: {first})"
         ) from None
-    return raw.map(
-        _normalise_batch,
-        with_indices=True,
-        fn_kwargs={"fmt": fmt, "file": str(p)},
-        remove_columns=raw.column_names,
-        num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
-        batched=True,
-        desc=None,
-    )
+    try:
+        return raw.map(
+            _normalise_batch,
+            with_indices=True,
+            fn_kwargs={"fmt": fmt, "file": str(p)},
+            remove_columns=raw.column_names,
+            num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
+            batched=True,
+            desc=None,
+        )
+    except UnicodeDecodeError as err:  # pyarrow reads bytes that are not UTF-8; its strings fail late
+        if builder == "json":
+            read_text(p, "data")  # names the line and byte
+        raise ConfigError(f"data: {p} is not UTF-8 text ({err.reason})") from None
 
 
 def _normalise_batch(
