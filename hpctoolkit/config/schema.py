@@ -22,8 +22,6 @@ from hpctoolkit.config.fields import (
     Seconds,
     SlurmText,
     check_fields,
-    one_of,
-    positive,
     require,
 )
 from hpctoolkit.data.config import DataConfig
@@ -103,7 +101,6 @@ class EvaluateConfig:
 
     def validate(self) -> None:
         check_fields(self)
-        one_of(self, "prompts", ("held_out", "mt_bench"))
         unknown = [s for s in self.sets if s not in EVAL_SETS]
         if unknown or not self.sets:
             raise ConfigError(
@@ -111,21 +108,6 @@ class EvaluateConfig:
                 + (f" (unknown: {unknown})" if unknown else "")
             )
         require(len(set(self.sets)) == len(self.sets), "sets", "names a set twice", list(self.sets))
-        positive(
-            self,
-            "num_speculative_tokens",
-            "num_prompts",
-            "max_tokens",
-            "questions_per_category",
-            "simulate_per_category",
-            "progress_every_s",
-        )
-        require(
-            self.questions_per_category <= 10,
-            "questions_per_category",
-            "must be <= 10",
-            self.questions_per_category,
-        )
 
 
 @dataclass

@@ -13,8 +13,6 @@ from hpctoolkit.config.fields import (
     ListOf,
     Mapping,
     check_fields,
-    one_of,
-    positive,
     require,
 )
 
@@ -97,30 +95,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         check_fields(self)
-        positive(
-            self,
-            "num_engines",
-            "nnodes",
-            "gpus_per_node",
-            "pp_size",
-            "max_model_len",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "capture_batch",
-            "cpu_kvcache_space_gb",
-        )
-        one_of(self, "dtype", ("auto", "bfloat16", "float16", "float32"))
         require(
             self.world_size % self.pp_size == 0,
             "pp_size",
             f"must divide the engine world size nnodes*gpus_per_node={self.world_size}",
             self.pp_size,
-        )
-        require(
-            all(i >= 0 for i in self.target_layer_ids),
-            "target_layer_ids",
-            "must be >= 0",
-            self.target_layer_ids,
         )
         clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
         require(

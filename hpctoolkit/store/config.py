@@ -16,10 +16,7 @@ from hpctoolkit.config.fields import (
     Size,
     SlurmText,
     check_fields,
-    non_negative,
-    one_of,
     parse_size,
-    positive,
     require,
 )
 
@@ -91,39 +88,12 @@ class StoreConfig:
 
     def validate(self) -> None:
         check_fields(self)
-        positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
-        positive(self, "master_startup_timeout_s")
-        non_negative(self, "put_retry_max_wait_seconds")
-        positive(self, "backpressure_max_pause_s")
         require(
             0 < self.backpressure_low < self.backpressure_high < 1,
             "backpressure_high",
             f"must lie in (backpressure_low={self.backpressure_low:g}, 1)",
             self.backpressure_high,
         )
-        non_negative(self, "master_port", "metrics_port")
-        require(self.master_port <= 65535, "master_port", "must be <= 65535", self.master_port)
-        require(self.metrics_port <= 65535, "metrics_port", "must be <= 65535", self.metrics_port)
-        one_of(self, "protocol", ("tcp", "rdma"))
-        parse_size(self.global_segment_size, "global_segment_size")
-        parse_size(self.local_buffer_size, "local_buffer_size")
-        if self.master_address is not None:
-            host, _, port = self.master_address.rpartition(":")
-            require(
-                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
-                "master_address",
-                "must be host:port",
-                self.master_address,
-            )
-        if self.master_metrics_address is not None:
-            host, _, port = self.master_metrics_address.rpartition(":")
-            require(
-                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
-                "master_metrics_address",
-                "must be host:port",
-                self.master_metrics_address,
-            )
-        require(self.bind_host != "", "bind_host", "must name an interface address", self.bind_host)
 
     @property
     def segment_bytes(self) -> int:

@@ -19,10 +19,6 @@ from hpctoolkit.config.fields import (
     Seconds,
     Size,
     check_fields,
-    non_negative,
-    one_of,
-    parse_size,
-    positive,
     require,
 )
 
@@ -122,31 +118,6 @@ class TrainingConfig:
 
     def validate(self) -> None:
         check_fields(self)
-        positive(
-            self,
-            "steps",
-            "batch_size",
-            "lr",
-            "world_size",
-            "ttt_length",
-            "num_anchors",
-            "max_seq_len",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "log_every",
-            "progress_every_s",
-        )
-        non_negative(self, "weight_decay", "warmup_steps", "grad_clip", "min_loss_tokens", "seed")
-        non_negative(self, "epochs")
-        parse_size(self.spool_max_size, "spool_max_size")
-        one_of(self, "fsdp_mode", ("full_shard", "replicate"))
-        one_of(self, "device", ("cpu", "cuda"))
-        one_of(self, "mixed_precision", ("auto", "bf16", "fp32"))
-        one_of(self, "data_source", ("live", "offline"))
-        one_of(self, "label_source", ("target", "data"))
-        non_negative(self, "activation_checkpoint_layers")
-        one_of(self, "compile", ("auto", "on", "off"))
-        one_of(self, "optimizer", ("auto", "adamw", "mixed_adamw"))
         if self.optimizer == "mixed_adamw":  # one rank's bf16 optimizer, a Triton kernel
             for ok, why in (
                 (self.device == "cuda", "runs on CUDA only (training.device: cuda)"),
