@@ -8,8 +8,11 @@ Validates the recipe and its overrides, plans where every part runs and sizes th
 either prints that plan (`--dry-run`; `--json`: as one JSON object), prints the batch script
 (`--render-sbatch`), runs the whole job on this machine (`cluster.backend: local`) or submits it
 to Slurm (`cluster.backend: slurm`). Before a dry run or a submission ends, the files the run reads
-(target, draft, prompts) must exist, and where `sinfo` reports node memory the busiest node's
-store segments, buffers and workers must fit in it.
+(target, draft, prompts) must exist; every data row the run reads is read and normalised, and each
+file must hold the rows the run takes from it (`data.num_samples`, plus the held-out evaluation's);
+`engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so); and
+where `sinfo` reports node memory the busiest node's store segments, buffers and workers must fit
+in it. Every field of the recipe is checked against its declared kind first (`config/fields.py`).
 """
 
 from __future__ import annotations

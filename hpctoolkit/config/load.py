@@ -1,6 +1,9 @@
 """Load a recipe YAML plus `key=value` overrides into a validated `RecipeConfig`.
 
-Every user mistake becomes one `ConfigError` whose message names the key; nothing here exits.
+Every user mistake becomes one `ConfigError` whose message names the key; nothing here exits. The
+recipe is read as UTF-8 and a key given twice in one mapping is refused (`UniqueKeyLoader`); each
+field is then checked against its declared kind (`config.fields.check_fields`), and each section's
+`validate()` checks its cross-field rules.
 """
 
 from __future__ import annotations
