@@ -38,6 +38,8 @@ def check_files(cfg: RecipeConfig) -> None:
         ("draft.config", cfg.draft.config, "file"),
     ]
     wanted.append(("data.prompts", cfg.data.prompts, "file"))
+    if cfg.data.draft_vocab:
+        wanted.append(("data.draft_vocab", cfg.data.draft_vocab, "file"))
     wanted += [(f"data.sources[{i}].path", src.path, "file") for i, src in enumerate(cfg.data.sources)]
     for key, path, kind in wanted:
         if not path or path.startswith(("builtin:", "pypi:")):
@@ -47,6 +49,10 @@ def check_files(cfg: RecipeConfig) -> None:
         if not ok:
             what = "a model directory with config.json" if kind == "dir" else "a file"
             raise ConfigError(f"{key}={path} is not {what}")
+    if cfg.data.draft_vocab:  # read by the trainers, at the end of the capture: read it here first
+        from hpctoolkit.rundir.atomic import read_json_object
+
+        read_json_object(cfg.data.draft_vocab, "data.draft_vocab")
 
 
 def check_data(cfg: RecipeConfig) -> int:

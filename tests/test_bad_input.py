@@ -336,3 +336,17 @@ def test_through_python_dash_m(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: cluster.job_name must hold no control characters (found '\\t'), got 'a\\tb'"
     ]
+
+
+def test_draft_vocab_is_read_at_submission(capsys, tmp_path):
+    eagle = [
+        f"draft.config={REPO / 'recipes/draft_models/tiny_eagle3.json'}",
+        "engine.target_layer_ids=[0,1,2]",
+    ]
+    vocab = tmp_path / "draft_vocab.json"
+    args = [*base(tmp_path), *eagle, f"data.draft_vocab={vocab}"]
+    assert fails(capsys, args) == f"data.draft_vocab={vocab} is not a file"
+    vocab.write_bytes(b'{"target_ids": [1, 2], "x": "\xfe"}')
+    assert (
+        fails(capsys, args) == f"data.draft_vocab: {vocab} is not UTF-8 text (byte 0xfe at line 1, offset 29)"
+    )
