@@ -350,3 +350,15 @@ def test_draft_vocab_is_read_at_submission(capsys, tmp_path):
     assert (
         fails(capsys, args) == f"data.draft_vocab: {vocab} is not UTF-8 text (byte 0xfe at line 1, offset 29)"
     )
+
+
+def test_check_extra_args_against_a_given_list():
+    from hpctoolkit.errors import ConfigError
+
+    known = frozenset({"seed", "swap_space", "gpu_memory_utilization"})
+    assert vllm_args.check_extra_args([], known) is None
+    assert vllm_args.check_extra_args(["seed", "swap_space"], known) is None
+    with pytest.raises(
+        ConfigError, match=r"^engine\.extra_args\.sed is not .*did you mean seed\? \(unknown: sed, zz\)$"
+    ):
+        vllm_args.check_extra_args(["sed", "zz", "seed"], known)
