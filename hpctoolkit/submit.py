@@ -8,8 +8,11 @@ Validates the recipe and its overrides, plans where every part runs and sizes th
 either prints that plan (`--dry-run`; `--json`: as one JSON object), prints the batch script
 (`--render-sbatch`), runs the whole job on this machine (`cluster.backend: local`) or submits it
 to Slurm (`cluster.backend: slurm`). Before a dry run or a submission ends, the files the run reads
-(target, draft, prompts) must exist, and where `sinfo` reports node memory the busiest node's
-store segments, buffers and workers must fit in it.
+(target, draft, prompts) must exist; every data row the run reads is read and normalised, and each
+file must hold the rows the run takes from it (`data.num_samples`, plus the held-out evaluation's);
+`engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so); and
+where `sinfo` reports node memory the busiest node's store segments, buffers and workers must fit
+in it. Every field of the recipe is checked against its declared kind first (`config/fields.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def check_files(cfg: RecipeConfig) -> None:
         ("draft.config", cfg.draft.config, "file"),
     ]
     wanted.append(("data.prompts", cfg.data.prompts, "file"))
+    if cfg.data.draft_vocab:
+        wanted.append(("data.draft_vocab", cfg.data.draft_vocab, "file"))
     wanted += [(f"data.sources[{i}].path", src.path, "file") for i, src in enumerate(cfg.data.sources)]
     for key, path, kind in wanted:
         if not path or path.startswith(("builtin:", "pypi:")):
@@ -44,6 +49,20 @@ def check_files(cfg: RecipeConfig) -> None:
         if not ok:
             what = "a model directory with config.json" if kind == "dir" else "a file"
             raise ConfigError(f"{key}={path} is not {what}")
+    if cfg.data.draft_vocab:  # read by the trainers, at the end of the capture: read it here first
+        from hpctoolkit.rundir.atomic import read_json_object
+
+        read_json_object(cfg.data.draft_vocab, "data.draft_vocab")
+
+
+def check_data(cfg: RecipeConfig) -> int:
+    """Every data row the run reads is read and normalised here, and each file holds enough rows
+    (`data.prompts.check_rows`); returns how many rows were checked."""
+    from hpctoolkit.data.prompts import check_rows
+
+    ev = cfg.evaluate
+    held_out = ev.num_prompts if ev.enabled and ev.prompts == "held_out" else 0
+    return check_rows(cfg.data, held_out)
 
 
 def check_memory(cfg: RecipeConfig, sized: StoreSizing) -> int | None:
@@ -144,6 +163,13 @@ def main(argv: list[str]) -> int:
     plan = make_plan(cfg)
     sized = store_sizing(cfg, plan)
     check_files(cfg)
+    check_data(cfg)
+    if cfg.engine.extra_args:
+        from hpctoolkit.engine.vllm_args import check_extra_args
+
+        skipped = check_extra_args(cfg.engine.extra_args)
+        if skipped:
+            print(skipped, file=sys.stderr)
     node_memory = check_memory(cfg, sized)
     if args.json:
         print(json.dumps(plan_json(cfg, plan, sized, node_memory), indent=2))

@@ -1,6 +1,9 @@
 """Load a recipe YAML plus `key=value` overrides into a validated `RecipeConfig`.
 
-Every user mistake becomes one `ConfigError` whose message names the key; nothing here exits.
+Every user mistake becomes one `ConfigError` whose message names the key; nothing here exits. The
+recipe is read as UTF-8 and a key given twice in one mapping is refused (`UniqueKeyLoader`); each
+field is then checked against its declared kind (`config.fields.check_fields`), and each section's
+`validate()` checks its cross-field rules.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from omegaconf.errors import (
 )
 
 from hpctoolkit.config.couplings import check_couplings, fill_from_draft
+from hpctoolkit.config.fields import check_fields, read_text
 from hpctoolkit.config.precision import resolve_precision
 from hpctoolkit.config.schema import SECTIONS, RecipeConfig
 from hpctoolkit.errors import ConfigError
@@ -52,16 +56,48 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
     return ConfigError(f"{key}: {str(err).splitlines()[0]} ({origin})")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"recipe {path} does not exist")
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error naming the
+    key and both lines (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError(
+                    f"key {key!r} is given twice (lines {first} and {key_node.start_mark.line + 1}); "
+                    "YAML would keep only the last: remove one"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | os.PathLike[str], what: str = "recipe") -> Any:
+    """The YAML document in the file at `path`: UTF-8, no key given twice; `ConfigError` naming
+    `what`, the file and the line otherwise."""
+    path = Path(path)
+    text = read_text(path, what)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass
+    except ConfigError as err:
+        raise ConfigError(f"{what} {path}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"recipe {path} is not valid YAML{where}: {problem}") from err
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}") from err
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"recipe {path} does not exist")
+    data = read_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -112,6 +148,7 @@ def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Reci
         raise _explain(err, str(path)) from err
     if not isinstance(cfg, RecipeConfig):  # a structured merge converts to its schema class
         raise TypeError(f"the recipe converted to {type(cfg).__name__}, not RecipeConfig")
+    check_fields(cfg)  # each field against its kind (`config/fields.py`), named in full
     for name in SECTIONS:
         try:
             getattr(cfg, name).validate()

@@ -7,10 +7,23 @@ only composes them. `???` in a recipe marks a value the user must give.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from omegaconf import MISSING
 
-from hpctoolkit.config.fields import one_of, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Int,
+    Kind,
+    ListOf,
+    Nested,
+    Path,
+    Seconds,
+    SlurmText,
+    check_fields,
+    require,
+)
 from hpctoolkit.data.config import DataConfig
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.errors import ConfigError
@@ -26,8 +39,13 @@ class PathsConfig:
     # Target model directory (HF layout: config.json, safetensors, tokenizer).
     target_model: str = MISSING
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "output_dir": Path(nonempty=True),
+        "target_model": Path(nonempty=True),
+    }
+
     def validate(self) -> None:
-        pass
+        check_fields(self)
 
 
 @dataclass
@@ -35,8 +53,10 @@ class DraftSection:
     # Draft config JSON (see recipes/draft_models/).
     config: str = MISSING
 
+    KINDS: ClassVar[dict[str, Kind]] = {"config": Path(nonempty=True)}
+
     def validate(self) -> None:
-        pass
+        check_fields(self)
 
 
 # The chat sets `evaluate.sets` may name; `evaluate/sets.py` holds a loader for each.
@@ -67,8 +87,20 @@ class EvaluateConfig:
     # Seconds between the `[hpctoolkit.evaluate] questions k/n` lines and `progress/evaluate.json`.
     progress_every_s: float = 10.0
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "enabled": Bool(),
+        "prompts": Choice(("held_out", "mt_bench")),
+        "sets": ListOf(SlurmText(nonempty=True, word=True)),  # which ones: validate()
+        "num_speculative_tokens": Int(1, 64),
+        "num_prompts": Int(1),
+        "questions_per_category": Int(1, 10),
+        "simulate_per_category": Int(1, 10_000),
+        "max_tokens": Int(1),
+        "progress_every_s": Seconds(),
+    }
+
     def validate(self) -> None:
-        one_of(self, "prompts", ("held_out", "mt_bench"))
+        check_fields(self)
         unknown = [s for s in self.sets if s not in EVAL_SETS]
         if unknown or not self.sets:
             raise ConfigError(
@@ -76,21 +108,6 @@ class EvaluateConfig:
                 + (f" (unknown: {unknown})" if unknown else "")
             )
         require(len(set(self.sets)) == len(self.sets), "sets", "names a set twice", list(self.sets))
-        positive(
-            self,
-            "num_speculative_tokens",
-            "num_prompts",
-            "max_tokens",
-            "questions_per_category",
-            "simulate_per_category",
-            "progress_every_s",
-        )
-        require(
-            self.questions_per_category <= 10,
-            "questions_per_category",
-            "must be <= 10",
-            self.questions_per_category,
-        )
 
 
 @dataclass
@@ -104,6 +121,15 @@ class RecipeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+    # `name` names the run directory and the Slurm job's files.
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "name": SlurmText(word=True, nonempty=True),
+        **{
+            s: Nested()
+            for s in ("paths", "data", "draft", "engine", "store", "training", "cluster", "evaluate")
+        },
+    }
 
 
 SECTIONS = ("paths", "data", "draft", "engine", "store", "training", "cluster", "evaluate")

@@ -5,11 +5,26 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from hpctoolkit.config.fields import non_negative, one_of, positive, require
+from hpctoolkit.config.fields import (
+    SEED_MAX,
+    Choice,
+    Float,
+    Int,
+    Kind,
+    ListOf,
+    Mapping,
+    Nested,
+    Path,
+    Text,
+    check_fields,
+    require,
+)
 from hpctoolkit.errors import ConfigError
 
+# The prompt sets built here rather than read from a file (`data.prompts` / `sources[i].path`).
+BUILTIN_SOURCES = ("builtin:tiny", "builtin:chat", "builtin:magpie")
 FORMATS = ("auto", "messages", "sharegpt", "text", "tokens")
 SYSTEM_PROMPT_POLICIES = ("keep", "drop", "default", "replace")
 LOSS_MASKS = ("assistant", "last_assistant", "all")
@@ -27,6 +42,12 @@ class DataSource:
     weight: float = 1.0
     # "auto" reads each row's own fields (messages / conversations / text / input_ids).
     format: str = "auto"
+
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "path": Path(nonempty=True),
+        "weight": Float(lo=0.0, lo_open=True, cap=1e9),
+        "format": Choice(FORMATS),
+    }
 
 
 @dataclass
@@ -51,7 +72,21 @@ class MagpieConfig:
     # Word 5-gram containment at or above which a row is a copy of an evaluation question.
     eval_overlap: float = 0.5
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        # The ranges, with why, are validate()'s; the kinds keep out what no range check sees (nan).
+        "turns": Int(),
+        "temperature": Float(),
+        "top_p": Float(),
+        "min_tokens": Int(),
+        "max_tokens": Int(),
+        "seed": Int(0, SEED_MAX),
+        "oversample": Float(),
+        "near_dup": Float(),
+        "eval_overlap": Float(),
+    }
+
     def validate(self) -> None:
+        check_fields(self, "magpie.")
         require(
             1 <= self.turns <= MAX_MAGPIE_TURNS,
             "magpie.turns",
@@ -133,10 +168,41 @@ class DataConfig:
     # builtin:magpie's knobs.
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "prompts": Path(nonempty=True),
+        "sources": ListOf(Nested()),
+        "format": Choice(FORMATS),
+        "num_samples": Int(1),
+        "max_prompt_tokens": Int(1),
+        "offline_dir": Path(),
+        "chat_template_kwargs": Mapping("the target tokenizer's chat template"),
+        "system_prompt_policy": Choice(SYSTEM_PROMPT_POLICIES),
+        "system_prompt": Text(),
+        "loss_mask": Choice(LOSS_MASKS),
+        "mask_method": Choice(MASK_METHODS),
+        "end_of_turn_tokens": ListOf(Text(nonempty=True)),
+        "num_proc": Int(1, 1024),
+        "shuffle_seed": Int(-1, SEED_MAX),
+        "draft_vocab": Path(),
+        "regenerate_tokens": Int(0),
+        "regenerate_temperature": Float(0.0),
+        "regenerate_top_p": Float(0.0, 1.0, lo_open=True),
+        "regenerate_seed": Int(0, SEED_MAX),
+        "regenerate_max_bad_fraction": Float(0.0, 1.0),
+        "magpie": Nested(),
+    }
+
     def validate(self) -> None:
-        positive(self, "num_samples", "max_prompt_tokens", "num_proc")
-        non_negative(self, "regenerate_tokens")
+        check_fields(self)
         paths = [s.path for s in self.sources] or [self.prompts]
+        keys = [f"sources[{i}].path" for i in range(len(self.sources))] or ["prompts"]
+        for key, path in zip(keys, paths, strict=True):
+            require(
+                not path.startswith("builtin:") or path in BUILTIN_SOURCES,
+                key,
+                f"names no builtin prompt set (valid names: {', '.join(BUILTIN_SOURCES)})",
+                path,
+            )
         for name in ("builtin:chat", "builtin:magpie"):
             if name in paths and not self.regenerate_tokens:
                 raise ConfigError(
@@ -149,10 +215,6 @@ class DataConfig:
             warnings.warn(
                 "data.magpie is set but no data source is builtin:magpie: it has no effect", stacklevel=2
             )
-        one_of(self, "format", FORMATS)
-        one_of(self, "system_prompt_policy", SYSTEM_PROMPT_POLICIES)
-        one_of(self, "loss_mask", LOSS_MASKS)
-        one_of(self, "mask_method", MASK_METHODS)
         if self.system_prompt_policy in ("default", "replace"):
             require(
                 bool(self.system_prompt),

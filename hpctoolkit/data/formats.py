@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.config.fields import read_text
 from hpctoolkit.errors import ConfigError
 
 SHAREGPT_ROLES = {
@@ -116,15 +117,16 @@ def normalise_row(row: dict[str, Any], fmt: str, origin: str) -> dict[str, Any]:
 
 
 def _first_bad_json_line(path: Path) -> str | None:
+    text = read_text(path, "data")  # not UTF-8 or unreadable: one line naming the file
     if path.suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(text)
         except json.JSONDecodeError as err:
             return f"is not valid JSON (line {err.lineno}: {err.msg})"
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             return "must hold a JSON array of objects (or be JSONL)"
         return None
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -156,15 +158,20 @@ def load_rows(path: str | Path, fmt: str = "auto", *, num_proc: int = 1) -> Any:
         raise ConfigError(
             f"data: {p} could not be read by datasets ({type(err).__name__}: {first})"
         ) from None
-    return raw.map(
-        _normalise_batch,
-        with_indices=True,
-        fn_kwargs={"fmt": fmt, "file": str(p)},
-        remove_columns=raw.column_names,
-        num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
-        batched=True,
-        desc=None,
-    )
+    try:
+        return raw.map(
+            _normalise_batch,
+            with_indices=True,
+            fn_kwargs={"fmt": fmt, "file": str(p)},
+            remove_columns=raw.column_names,
+            num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
+            batched=True,
+            desc=None,
+        )
+    except UnicodeDecodeError as err:  # pyarrow reads bytes that are not UTF-8; its strings fail late
+        if builder == "json":
+            read_text(p, "data")  # names the line and byte
+        raise ConfigError(f"data: {p} is not UTF-8 text ({err.reason})") from None
 
 
 def _normalise_batch(

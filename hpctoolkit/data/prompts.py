@@ -19,12 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpctoolkit.data.config import DataConfig, DataSource
+from hpctoolkit.data.config import BUILTIN_SOURCES, DataConfig, DataSource
 from hpctoolkit.data.template import ChatSpec, encode_chat, prompt_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.targets.builtin import CORPUS
-
-BUILTINS = ("builtin:tiny", "builtin:chat", "builtin:magpie")
 
 
 @dataclass(frozen=True)
@@ -90,9 +88,9 @@ def shares(weights: Sequence[float], num: int) -> list[int]:
 def _source_rows(src: DataSource, n: int, cfg: DataConfig, seed: int) -> Any:
     """The first `n` normalised rows of one source: a list (builtin) or a `datasets.Dataset`."""
     if src.path.startswith("builtin:"):
-        if src.path not in BUILTINS:
+        if src.path not in BUILTIN_SOURCES:
             raise ConfigError(
-                f"data.prompts: unknown builtin prompt set {src.path!r}; known: {list(BUILTINS)}"
+                f"data.prompts: unknown builtin prompt set {src.path!r}; known: {list(BUILTIN_SOURCES)}"
             )
         if src.path == "builtin:chat":
             from hpctoolkit.data.builtin_chat import chat_rows
@@ -245,3 +243,31 @@ def load_prompt_ids(
     if len(rows) < num:
         raise ConfigError(f"data.prompts: {spec} holds {len(rows) + offset} prompts, {num + offset} needed")
     return [row_prompt_ids(r, tokenizer, chat_spec(cfg), max_tokens) for r in rows]
+
+
+def check_rows(cfg: DataConfig, held_out: int = 0) -> int:
+    """At submission, before anything starts: every data file the run reads is read and each of its
+    rows normalised (`formats.normalise_row`: the first bad one is named by file and row), and each
+    holds the rows the run takes from it: its share of `data.num_samples`, and for `data.prompts`
+    also `held_out` rows after them (the held-out evaluation's). Returns the file rows checked.
+    Rows are not tokenized here: that needs the target's tokenizer (the run's first step does it)."""
+    from hpctoolkit.data.formats import load_rows as read_file
+
+    srcs = sources_of(cfg)
+    counts = shares([s.weight for s in srcs], cfg.num_samples)
+    checked = 0
+    for i, (src, n) in enumerate(zip(srcs, counts, strict=True)):
+        if src.path.startswith("builtin:"):
+            continue
+        key = f"data.sources[{i}].path" if cfg.sources else "data.prompts"
+        extra = 0 if cfg.sources else held_out
+        ds = read_file(src.path, src.format, num_proc=cfg.num_proc)
+        checked += len(ds)
+        if len(ds) < n + extra:
+            why = f"{n} for data.num_samples={cfg.num_samples}" + (
+                "" if not cfg.sources else f" (its share of weight {src.weight:g})"
+            )
+            if extra:
+                why += f" + {extra} held out after them for the evaluation (evaluate.num_prompts)"
+            raise ConfigError(f"{key}: {src.path} holds {len(ds)} rows; the run needs {n + extra}: {why}")
+    return checked

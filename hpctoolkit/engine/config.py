@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from hpctoolkit.config.fields import one_of, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Int,
+    Kind,
+    ListOf,
+    Mapping,
+    check_fields,
+    require,
+)
 
 # Engine arguments that hpctoolkit derives itself; `extra_args` may not set them, because a
 # contradicting value would silently change the parallel layout or the capture path.
@@ -58,6 +67,24 @@ class EngineConfig:
     cpu_kvcache_space_gb: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "target_layer_ids": ListOf(Int(0, 10_000)),
+        "num_engines": Int(1, 100_000),
+        "nnodes": Int(1, 100_000),
+        "gpus_per_node": Int(1, 1024),
+        "pp_size": Int(1, 1024),
+        "dtype": Choice(("auto", "bfloat16", "float16", "float32")),
+        "max_model_len": Int(1),
+        "max_num_batched_tokens": Int(1),
+        "max_num_seqs": Int(1),
+        "capture_batch": Int(1),
+        "enforce_eager": Bool(optional=True),
+        "in_process": Bool(),
+        "cpu_kvcache_space_gb": Int(1, 1 << 20),
+        # Keys are checked against vLLM's EngineArgs at submission (`engine.kwargs.check_extra_args`).
+        "extra_args": Mapping("vLLM's EngineArgs"),
+    }
+
     @property
     def world_size(self) -> int:
         return self.nnodes * self.gpus_per_node
@@ -67,30 +94,12 @@ class EngineConfig:
         return self.world_size // self.pp_size
 
     def validate(self) -> None:
-        positive(
-            self,
-            "num_engines",
-            "nnodes",
-            "gpus_per_node",
-            "pp_size",
-            "max_model_len",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "capture_batch",
-            "cpu_kvcache_space_gb",
-        )
-        one_of(self, "dtype", ("auto", "bfloat16", "float16", "float32"))
+        check_fields(self)
         require(
             self.world_size % self.pp_size == 0,
             "pp_size",
             f"must divide the engine world size nnodes*gpus_per_node={self.world_size}",
             self.pp_size,
-        )
-        require(
-            all(i >= 0 for i in self.target_layer_ids),
-            "target_layer_ids",
-            "must be >= 0",
-            self.target_layer_ids,
         )
         clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
         require(

@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from hpctoolkit.config.fields import one_of, parse_size, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Int,
+    Kind,
+    ListOf,
+    Network,
+    Path,
+    Size,
+    SlurmText,
+    SlurmTime,
+    check_fields,
+    require,
+    slurm_time_seconds,
+)
 
 
 @dataclass
@@ -50,23 +65,39 @@ class ClusterConfig:
     # Extra `#SBATCH` lines, e.g. ["--qos=high", "--constraint=h100"].
     sbatch_extra: list[str] | None = None
 
+    # What each field accepts (`config/fields.py`): every string here reaches sbatch.
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "backend": Choice(("local", "slurm")),
+        "nodes": Int(1, 100_000),
+        "gpus_per_node": Int(1, 1024),
+        "trainer_nodes": Int(1, 100_000),
+        "trainer_placement": Choice(("own_nodes", "engine_nodes")),
+        "host_memory_per_worker": Size(empty=True),
+        "partition": SlurmText(word=True, nonempty=True, optional=True),
+        "account": SlurmText(word=True, nonempty=True, optional=True),
+        "time": SlurmTime(),
+        "job_name": SlurmText(word=True, nonempty=True),
+        "container": Path(nonempty=True, optional=True),
+        "exclusive": Bool(),
+        "signal_before_s": Int(1, 365 * 24 * 3600),
+        "network": Network(optional=True),
+        "sbatch_extra": ListOf(SlurmText(nonempty=True), optional=True),
+    }
+
     def validate(self) -> None:
-        one_of(self, "backend", ("local", "slurm"))
-        positive(self, "nodes", "gpus_per_node", "trainer_nodes", "signal_before_s")
-        one_of(self, "trainer_placement", ("own_nodes", "engine_nodes"))
-        if self.host_memory_per_worker:
-            parse_size(self.host_memory_per_worker, "host_memory_per_worker")
+        check_fields(self)
+        limit_s = slurm_time_seconds(self.time, "time")
+        require(
+            self.signal_before_s < limit_s,
+            "signal_before_s",
+            f"must be shorter than the time limit time={self.time!r} ({limit_s} s)",
+            self.signal_before_s,
+        )
         require(
             self.trainer_nodes <= self.nodes,
             "trainer_nodes",
             f"must be <= nodes={self.nodes}",
             self.trainer_nodes,
-        )
-        require(
-            bool(self.job_name.strip()) and " " not in self.job_name,
-            "job_name",
-            "must be one word",
-            self.job_name,
         )
         require(
             self.network is not None or self.backend == "local" or self.nodes == 1,
@@ -75,8 +106,6 @@ class ClusterConfig:
             "has (ib0, eth0) or a CIDR (10.1.0.0/16)",
             self.network,
         )
-        require(self.network != "", "network", "must name an interface or a CIDR, or be unset", self.network)
-        require(self.container != "", "container", "must name an image or be unset", self.container)
         for line in self.sbatch_extra or []:
             require(
                 line.startswith("--") and "\n" not in line,

@@ -15,6 +15,7 @@ import signal
 import time
 from dataclasses import replace
 
+from hpctoolkit.config.fields import slurm_time_seconds
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import Process
@@ -22,7 +23,6 @@ from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
-from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.store.master import resolve_master
 
 # How often the master looks for the end of the run.
@@ -46,7 +46,7 @@ def _deadline(ctx: NodeContext) -> float:
     is only what was asked for. Elsewhere, `cluster.time` from this start."""
     if ctx.slurm is not None:
         return math.inf
-    return time.monotonic() + 60.0 * time_limit_minutes(ctx.cfg.cluster.time)
+    return time.monotonic() + slurm_time_seconds(ctx.cfg.cluster.time)
 
 
 def run_master(ctx: NodeContext, proc: Process) -> int:

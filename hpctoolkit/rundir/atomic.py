@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.config.fields import read_text
 from hpctoolkit.errors import ConfigError
 
 
@@ -87,12 +88,9 @@ def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     named it). Raises `ConfigError`, one line naming `what` and the file, when it is missing, not
     JSON, or not an object."""
     p = Path(path)
+    text = read_text(p, what)  # missing, unreadable or not UTF-8: one line naming it
     try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: {p} does not exist") from None
-    except OSError as err:
-        raise ConfigError(f"{what}: cannot read {p} ({err.strerror or err})") from None
+        data = json.loads(text)
     except ValueError as err:
         raise ConfigError(f"{what}: {p} is not valid JSON ({err})") from None
     if not isinstance(data, dict):

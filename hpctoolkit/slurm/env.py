@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpctoolkit.config.fields import slurm_time_seconds
 from hpctoolkit.errors import ConfigError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -168,15 +169,5 @@ class SlurmEnvironment:
 
 
 def time_limit_minutes(time: str) -> int:
-    """Slurm's `[D-]HH:MM:SS` / `MM` time limit in whole minutes (rounded up)."""
-    days, _, rest = time.partition("-") if "-" in time else ("0", "", time)
-    parts = [int(p) for p in rest.split(":")]
-    if len(parts) == 1:
-        h, m, s = 0, parts[0], 0
-    elif len(parts) == 2:
-        h, m, s = 0, parts[0], parts[1]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        raise ConfigError(f"cluster.time={time!r} is not a Slurm time limit like 04:00:00")
-    return int(days) * 1440 + h * 60 + m + (1 if s else 0)
+    """A Slurm time limit (`config.fields.slurm_time_seconds`'s six forms) in whole minutes, rounded up."""
+    return -(-slurm_time_seconds(time, "cluster.time") // 60)

@@ -23,7 +23,6 @@ import os
 import posixpath
 import shlex
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.plan import lifecycle
@@ -52,14 +51,13 @@ def load_for_render(
     Nothing here reads the target or draft files (the couplings run on the nodes, where the paths
     are known); the placement only needs the engine, training, store and cluster sections.
     """
-    import yaml
     from omegaconf import OmegaConf
 
-    from hpctoolkit.config.load import compose
+    from hpctoolkit.config.load import compose, read_yaml
 
     given = {o.partition("=")[0] for o in overrides}
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(path) or {}
         merged = OmegaConf.merge(
             OmegaConf.structured(RecipeConfig),
             OmegaConf.create(data),

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
+from hpctoolkit.config.fields import (
+    Bool,
+    Choice,
+    Float,
+    HostPort,
+    Kind,
+    Port,
+    Seconds,
+    Size,
+    SlurmText,
+    check_fields,
+    parse_size,
+    require,
+)
 
 
 @dataclass
@@ -50,40 +64,36 @@ class StoreConfig:
     backpressure_low: float = 0.5
     backpressure_max_pause_s: float = 3600.0
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "master_address": HostPort(optional=True),
+        "bind_host": SlurmText(word=True, nonempty=True),
+        "master_port": Port(zero=True),
+        "metrics_port": Port(zero=True),
+        "kv_lease_ttl_s": Seconds(),
+        "get_retry_max_wait_seconds": Seconds(),
+        "enable_hard_pin": Bool(),
+        "global_segment_size": Size(),
+        "local_buffer_size": Size(),
+        "protocol": Choice(("tcp", "rdma")),
+        "device_name": SlurmText(word=True),
+        "metadata_server": SlurmText(word=True, nonempty=True),
+        "connect_timeout_s": Seconds(),
+        "master_metrics_address": HostPort(optional=True),
+        "master_startup_timeout_s": Seconds(),
+        "put_retry_max_wait_seconds": Seconds(zero=True),
+        "backpressure_high": Float(),  # in (backpressure_low, 1): validate()
+        "backpressure_low": Float(0.0, 1.0, lo_open=True, hi_open=True),
+        "backpressure_max_pause_s": Seconds(),
+    }
+
     def validate(self) -> None:
-        positive(self, "kv_lease_ttl_s", "get_retry_max_wait_seconds", "connect_timeout_s")
-        positive(self, "master_startup_timeout_s")
-        non_negative(self, "put_retry_max_wait_seconds")
-        positive(self, "backpressure_max_pause_s")
+        check_fields(self)
         require(
             0 < self.backpressure_low < self.backpressure_high < 1,
             "backpressure_high",
             f"must lie in (backpressure_low={self.backpressure_low:g}, 1)",
             self.backpressure_high,
         )
-        non_negative(self, "master_port", "metrics_port")
-        require(self.master_port <= 65535, "master_port", "must be <= 65535", self.master_port)
-        require(self.metrics_port <= 65535, "metrics_port", "must be <= 65535", self.metrics_port)
-        one_of(self, "protocol", ("tcp", "rdma"))
-        parse_size(self.global_segment_size, "global_segment_size")
-        parse_size(self.local_buffer_size, "local_buffer_size")
-        if self.master_address is not None:
-            host, _, port = self.master_address.rpartition(":")
-            require(
-                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
-                "master_address",
-                "must be host:port",
-                self.master_address,
-            )
-        if self.master_metrics_address is not None:
-            host, _, port = self.master_metrics_address.rpartition(":")
-            require(
-                bool(host) and port.isdigit() and 0 < int(port) <= 65535,
-                "master_metrics_address",
-                "must be host:port",
-                self.master_metrics_address,
-            )
-        require(self.bind_host != "", "bind_host", "must name an interface address", self.bind_host)
 
     @property
     def segment_bytes(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.errors import ConfigError
 from hpctoolkit.rundir.atomic import write_text_atomic
 
 VOCAB_SIZE = 512
@@ -43,10 +44,16 @@ CORPUS = [
 ]
 
 
+def unknown_builtin(name: str) -> str:
+    """The one line for `paths.target_model: builtin:NAME` naming no builtin target."""
+    known = ", ".join(f"builtin:{b}" for b in BUILTINS)
+    return f"paths.target_model: unknown builtin target builtin:{name}; valid names: {known}"
+
+
 def builtin_config(name: str) -> dict[str, Any]:
     """The HF config dict of a builtin tiny target, without building it."""
     if name not in BUILTINS:
-        raise ValueError(f"unknown builtin target {name!r}; known: {list(BUILTINS)}")
+        raise ConfigError(unknown_builtin(name))
     common = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 128,

@@ -6,8 +6,21 @@ Imports nothing heavy: the recipe loader reads it on machines without torch.dist
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from hpctoolkit.config.fields import non_negative, one_of, parse_size, positive, require
+from hpctoolkit.config.fields import (
+    SEED_MAX,
+    Bool,
+    Choice,
+    Float,
+    Int,
+    Kind,
+    ListOf,
+    Seconds,
+    Size,
+    check_fields,
+    require,
+)
 
 
 @dataclass
@@ -72,32 +85,39 @@ class TrainingConfig:
     # a language model's layer much faster than from noise.
     init_layers_from_target: list[int] = field(default_factory=list)
 
+    KINDS: ClassVar[dict[str, Kind]] = {
+        "steps": Int(1),
+        "batch_size": Int(1, 1 << 20),
+        "lr": Float(0.0, 1.0, lo_open=True),
+        "weight_decay": Float(0.0, cap=1e3),
+        "warmup_steps": Int(0),
+        "grad_clip": Float(0.0, cap=1e9),
+        "min_loss_tokens": Int(0),
+        "world_size": Int(1, 1 << 20),
+        "fsdp_mode": Choice(("full_shard", "replicate")),
+        "device": Choice(("cpu", "cuda")),
+        "mixed_precision": Choice(("auto", "bf16", "fp32")),
+        "ttt_length": Int(1, 1024),
+        "num_anchors": Int(1, 1 << 20),
+        "max_seq_len": Int(1),
+        "checkpoint_every": Int(1),
+        "keep_checkpoints": Int(1, 1 << 20),
+        "log_every": Int(1),
+        "progress_every_s": Seconds(),
+        "seed": Int(0, SEED_MAX),
+        "epochs": Int(0, 1 << 20),
+        "spool_max_size": Size(),
+        "data_source": Choice(("live", "offline")),
+        "label_source": Choice(("target", "data")),
+        "export": Bool(),
+        "activation_checkpoint_layers": Int(0, 10_000),
+        "compile": Choice(("auto", "on", "off")),
+        "optimizer": Choice(("auto", "adamw", "mixed_adamw")),
+        "init_layers_from_target": ListOf(Int(0, 10_000)),
+    }
+
     def validate(self) -> None:
-        positive(
-            self,
-            "steps",
-            "batch_size",
-            "lr",
-            "world_size",
-            "ttt_length",
-            "num_anchors",
-            "max_seq_len",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "log_every",
-            "progress_every_s",
-        )
-        non_negative(self, "weight_decay", "warmup_steps", "grad_clip", "min_loss_tokens", "seed")
-        non_negative(self, "epochs")
-        parse_size(self.spool_max_size, "spool_max_size")
-        one_of(self, "fsdp_mode", ("full_shard", "replicate"))
-        one_of(self, "device", ("cpu", "cuda"))
-        one_of(self, "mixed_precision", ("auto", "bf16", "fp32"))
-        one_of(self, "data_source", ("live", "offline"))
-        one_of(self, "label_source", ("target", "data"))
-        non_negative(self, "activation_checkpoint_layers")
-        one_of(self, "compile", ("auto", "on", "off"))
-        one_of(self, "optimizer", ("auto", "adamw", "mixed_adamw"))
+        check_fields(self)
         if self.optimizer == "mixed_adamw":  # one rank's bf16 optimizer, a Triton kernel
             for ok, why in (
                 (self.device == "cuda", "runs on CUDA only (training.device: cuda)"),

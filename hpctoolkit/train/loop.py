@@ -16,7 +16,7 @@ import torch
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.rundir.atomic import write_json_atomic, write_text_atomic
+from hpctoolkit.rundir.atomic import read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
 from hpctoolkit.rundir.ledger import PROMPT_KEY
 from hpctoolkit.train import preempt
@@ -81,9 +81,7 @@ def _vocab_counts(job: TrainJob, opener, ctx: DistContext, vocab_size: int) -> t
 def _saved_vocab_counts(path: str, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
     """Counts that choose exactly the target ids of a saved vocabulary."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"data.draft_vocab: {p} does not exist")
-    saved = json.loads(p.read_text())
+    saved = read_json_object(p, "data.draft_vocab")
     ids = saved.get("target_ids")
     if saved.get("vocab_size") != vocab_size or not isinstance(ids, list) or len(ids) != draft_vocab_size:
         raise ConfigError(

@@ -47,7 +47,8 @@ def k3_files(tmp_path):
     target.mkdir()
     (target / "config.json").write_text(json.dumps(K3_TARGET))
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"text": "hello"}\n')
+    # A dry run reads every data row and checks that the file holds data.num_samples (160000) rows.
+    prompts.write_text('{"text": "hello"}\n' * 160_000)
     return target, prompts, tmp_path / "out"
 
 
