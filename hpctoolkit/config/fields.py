@@ -3,7 +3,7 @@ use for their cross-field rules.
 
 Every section config (and every dataclass nested in one) declares `KINDS: ClassVar[dict[str, Kind]]`,
 one entry per field. `check_fields(section)` walks the fields and checks each value against its kind
-before the section's own `validate()` runs its cross-field rules; `tests/test_config_fields.py`
+before the section's own `validate()` runs its cross-field rules; `tests/unit/test_config_fields.py`
 fails when a field has no kind, so a new field gets the same checks as the old ones.
 
 The kinds: `Int` (bounded; the default bound is what a count, an index or a token id can be),

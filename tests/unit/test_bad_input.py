@@ -19,7 +19,7 @@ from hpctoolkit.cli import run_cli
 from hpctoolkit.engine import vllm_args
 from hpctoolkit.submit import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
 DRAFT = REPO / "recipes" / "draft_models" / "tiny_dflash.json"
 
