@@ -1,10 +1,12 @@
 """The embedded run behind `make run` (the plan's roles as processes on this machine), end to end on
-real parts and shortened; what a second run does to the first; failures as one line."""
+real parts and shortened; `python -m hpctoolkit.status` following it; what a second run does to the
+first; failures as one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,11 +27,55 @@ SHORT = [
     "evaluate.num_prompts=3",
     "evaluate.max_tokens=16",
 ]
+# The watched run reports every second, so the status command sees its progress between polls.
+WATCHED = [*SHORT, "training.progress_every_s=1", "evaluate.progress_every_s=1"]
+PHASE_ORDER = ["start", "master", "engines", "trainers", "drain", "evaluate", "stop", "end"]
 
 
 def submit(*args: str, timeout: float = 880) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hpctoolkit.submit", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def status(path: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hpctoolkit.status", str(path)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+
+
+def run_watched(out: Path, log: Path) -> tuple[int, str, list[str], str | None]:
+    """A local run polled with the status command every second until it ends: its exit code, its
+    console, the phases status named in turn, and one report from the trainers phase with a step."""
+    # Half a second a step: the trainers phase lasts long enough to be seen between two polls.
+    env = {**os.environ, "HPCTOOLKIT_MIN_STEP_S": "0.5"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpctoolkit.submit",
+        "recipes/tiny.yaml",
+        f"paths.output_dir={out}",
+        *WATCHED,
+    ]
+    seen: list[str] = []
+    mid = None
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 900
+            while proc.poll() is None and time.monotonic() < deadline:
+                if out.is_dir() and any(out.iterdir()):
+                    r = status(out)
+                    assert r.returncode == 0, r.stderr
+                    phase = re.search(r"^phase    (\w+)", r.stdout, re.M)
+                    if phase and (not seen or seen[-1] != phase.group(1)):
+                        seen.append(phase.group(1))
+                    if mid is None and re.search(r"^trainer  step \d+/20", r.stdout, re.M):
+                        mid = r.stdout
+                time.sleep(1.0)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return proc.returncode, log.read_text(), seen, mid
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -46,9 +92,20 @@ def role_processes(run_id: str) -> list[str]:
 @pytest.mark.timeout(1200)
 def test_make_run_path_then_a_failed_second_run_keeps_the_first(tmp_path):
     out = tmp_path / "runs"
-    r = submit("recipes/tiny.yaml", f"paths.output_dir={out}", *SHORT)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "[hpctoolkit] done in" in r.stdout
+    code, text, seen, mid = run_watched(out, tmp_path / "launcher.out")
+    assert code == 0, text[-4000:]
+    assert "[hpctoolkit] done in" in text
+    # Status followed it: the trainers phase with a step count mid-run, the phases in order, `end`.
+    assert mid is not None and "phase    trainers" in mid and "FAILED" not in mid, (seen, text[-3000:])
+    assert seen == sorted(seen, key=PHASE_ORDER.index), seen
+    final = status(out)
+    assert final.returncode == 0, final.stderr
+    assert re.search(r"^phase    end: done in \d+\.\ds", final.stdout, re.M), final.stdout
+    # The console: the trainer's progress lines at its interval, and rounded figures.
+    steps = re.findall(r"\[hpctoolkit\.trainer\] step (\d+)/20 \(\d+%\), loss \d+\.\d{3}, ", text)
+    assert steps and steps[-1] == "20" and len(steps) < 20, text[-3000:]
+    assert re.search(r"final loss \d+\.\d{3};", text), text[-3000:]
+    assert re.search(r"\[hpctoolkit\] done in \d+\.\ds: .* served acceptance length \d+\.\d{3} at k=3", text)
     latest = out / "latest"
     assert latest.is_symlink()
     run = RunDir.of(out, os.readlink(latest))
