@@ -12,8 +12,10 @@ Measured 2026-12-04 on this machine (one core, 7 runs each, median throughput):
     16 MiB   4.1 GB/s   3.6 GB/s   0.70 GB/s  1.8 GB/s   40 GB/s
     64 MiB   4.2 GB/s   3.6 GB/s   0.94 GB/s  1.8 GB/s   23 GB/s
 
-XXH3 is 5-10x crc32 (zlib 1.2.13 here); its cost on the fragment path is in
-`benchmarks/store_path.py`. Pure standard library plus `xxhash`: no torch, no store.
+XXH3 is 5-10x crc32 (zlib 1.2.13 here) and at about the memory bandwidth of this host, so no
+function could make a separate pass much cheaper. Its cost on the fragment path (a ratio of about
+1.2 on the 2-core loopback host; the 3 % goal is not met) is in `benchmarks/store_path.py`'s
+docstring. The standard library plus `xxhash` (torch only inside the tensor helpers): no store.
 """
 
 from __future__ import annotations
@@ -36,6 +38,34 @@ def digest(*buffers: Any) -> str:
     for buf in buffers:
         h.update(memoryview(buf).cast("B"))
     return f"{ALGORITHM}:{h.hexdigest()}"
+
+
+def tensor_digest(t: Any) -> str:
+    """The digest of a contiguous CPU tensor's bytes (any dtype: read as bytes)."""
+    return digest(_tensor_bytes(t))
+
+
+def tensor_digest8(t: Any) -> bytes:
+    """The 8-byte little-endian form of `tensor_digest` (what a stage's sums object holds)."""
+    import xxhash
+
+    return xxhash.xxh3_64_digest(_tensor_bytes(t))[::-1]
+
+
+def digest8_text(raw: bytes) -> str:
+    """`tensor_digest8`'s bytes in the `"<algorithm>:<hex>"` form."""
+    return f"{ALGORITHM}:{raw[::-1].hex()}"
+
+
+def _tensor_bytes(t: Any) -> Any:
+    # uint8 view first: numpy has no bfloat16.
+    return t.reshape(-1).view(dtype=_uint8()).numpy()
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
