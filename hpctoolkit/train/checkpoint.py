@@ -171,7 +171,7 @@ class Checkpointer:
                 why = f"{type(err).__name__}: {err}"
         bad = torch.zeros(self.ctx.world_size)
         bad[self.ctx.rank] = 1.0 if why else 0.0
-        bad = self.ctx.all_reduce_sum(bad)
+        bad = self.ctx.all_reduce_sum(bad.to(self.ctx.device)).cpu()  # NCCL reduces device tensors
         if why is None and bool(bad.any()):
             ranks = [r for r, b in enumerate(bad.tolist()) if b]
             why = f"rank {ranks[0]} found a file that does not match its checksum"
