@@ -12,7 +12,29 @@ prints medians over `--iters` samples of:
 * memcpy: the same bytes through one `torch` copy in the reader, GiB/s;
 * reassembly: `fetch_sample` (allocate, register, one batched `get_into`, checks) against a raw
   `batch_get_into` of the same bytes into a preregistered buffer, as a ratio (target <= 1.05),
-  both into a fresh buffer per sample and into a recycled one (`BufferPool` + `Sample.release()`).
+  both into a fresh buffer per sample and into a recycled one (`BufferPool` + `Sample.release()`);
+* checksums: the fragment path (recycled buffer) with its checksums (schema 2: each stage sums
+  what it puts, the reader checks every object) against the same path without them (a schema-1
+  manifest, sizes checked only), side by side in each iteration, as a ratio (target <= 1.03).
+
+Checksum cost, measured 2026-12-04 on the 2-core development host (shared, loaded), with
+    .venv/bin/python benchmarks/store_path.py --iters 9
+    sample 4096 tokens x 7168 x 5 layers bf16 + input_ids = 280 MiB in 6 objects (+ 2 sums objects)
+                                         with      without   paired-ratio median  ratio of medians
+    iters 9   roundtrip (recycled)     230.8 ms   188.2 ms   1.189x               1.226x
+              publish_stage x2          45.7 ms    29.0 ms   1.545x               1.574x
+              fetch_sample (recycled)  187.6 ms   156.5 ms   1.100x               1.198x
+    iters 15  roundtrip (recycled)     298.8 ms   243.9 ms   1.286x               1.225x
+              publish_stage x2          45.0 ms    29.2 ms   1.543x               1.542x
+              fetch_sample (recycled)  253.9 ms   214.2 ms   1.220x               1.186x
+
+The 3 % target is not met here: a checksum is one more pass over every byte, on each side, and
+XXH3 already runs at about this host's memory bandwidth (16-17 GB/s on the writer, where the
+torch copy is 14 GiB/s; crc32 would cost 4x more, blake2b 20x), against a loopback transfer of
+1-2 GiB/s on two shared cores. The writer's part runs on the stage's publisher thread, off vLLM's
+step. Closing the gap needs the pass fused into one that happens anyway (a checksum computed on
+the GPU before the device-to-host copy, and checked on the trainer's device after its copy) or
+spread over a trainer node's cores; neither is done.
 """
 
 from __future__ import annotations
@@ -56,6 +78,15 @@ def _manifest(key: str, args: argparse.Namespace) -> Manifest:
     num_layers = 61
     ids = [*(2 + 12 * i for i in range(args.layers - 1)), num_layers]
     return build_manifest(key, ids, args.tokens, args.hidden, num_layers, 2, "bfloat16")
+
+
+def _unsummed(m: Manifest) -> Manifest:
+    """`m` without checksums (schema 1, as written before 2026-12-04): the baseline of their cost."""
+    import dataclasses
+
+    from hpctoolkit.capture.manifest import UNSUMMED_SCHEMA_VERSION
+
+    return dataclasses.replace(m, sums=(), schema_version=UNSUMMED_SCHEMA_VERSION)
 
 
 # -- child processes ------------------------------------------------------------------------------
@@ -106,7 +137,7 @@ def _reader(args: argparse.Namespace) -> None:
     store = MooncakeStore(args.address, _cfg(args), role="reader")
     client = store._client()
     m0 = _manifest("proto", args)
-    sizes = [f.nbytes for f in m0.all_objects]
+    sizes = [f.nbytes for f in m0.data_objects]
     raw_dst = torch.empty(sum(sizes), dtype=torch.uint8)
     store.register(raw_dst)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -221,11 +252,12 @@ def main() -> None:
         def rec(name: str, v: float) -> None:
             res.setdefault(name, []).append(v)
 
-        def fragment(i: int, reuse: bool) -> None:
-            m = _manifest(f"s{i}_{int(reuse)}", args).to_dict()
+        def fragment(i: int, reuse: bool, sums: bool = True) -> None:
+            built = _manifest(f"s{i}_{int(reuse)}_{int(sums)}", args)
+            m = (built if sums else _unsummed(built)).to_dict()
             pub = writer.call(op="publish", manifest=m)
             got = reader.call(op="fetch", manifest=m, reuse=reuse)
-            tag = "reused" if reuse else "fresh"
+            tag = ("reused" if reuse else "fresh") + ("" if sums else "_nosums")
             rec(f"publish_{tag}", pub["t"])
             rec(f"fetch_{tag}", got["t"])
             rec(f"remove_{tag}", got["t_remove"])
@@ -239,11 +271,16 @@ def main() -> None:
             rec("raw_remove", get["t_remove"])
             rec("raw_roundtrip", put["t"] + get["t"] + get["t_remove"])
 
-        runs = [lambda i: fragment(i, False), lambda i: fragment(i, True), raw]
+        runs = [
+            lambda i: fragment(i, False),
+            lambda i: fragment(i, True),
+            raw,
+            lambda i: fragment(i, True, False),
+        ]
         for i in range(args.iters + 1):
             # Rotate the order so no variant always runs first (cold) or right after another's free.
-            for k in range(3):
-                runs[(i + k) % 3](i)
+            for k in range(len(runs)):
+                runs[(i + k) % len(runs)](i)
             rec("memcpy", reader.call(op="memcpy")["t"])
             if i == 0:  # warm-up: first-touch of buffers and connections
                 res.clear()
@@ -302,6 +339,15 @@ def main() -> None:
         print(
             f"  fragment path ({tag:6s}) roundtrip        : {med['raw_roundtrip'] / rt:.3f} of raw Mooncake, "
             f"{med['memcpy'] / rt:.4f} of the memcpy bound (fetch alone: {med['memcpy'] / med[f'fetch_{tag}']:.4f})"
+        )
+    for part in ("roundtrip", "publish", "fetch"):
+        with_s, without = res[f"{part}_reused"], res[f"{part}_reused_nosums"]
+        paired = statistics.median(a / b for a, b in zip(with_s, without, strict=True))
+        print(
+            f"  checksums, {part:9s} (recycled buffer)  : {statistics.median(with_s) * 1e3:8.1f} ms with, "
+            f"{statistics.median(without) * 1e3:8.1f} ms without; {paired:.3f}x median of paired ratios, "
+            f"{statistics.median(with_s) / statistics.median(without):.3f}x ratio of medians"
+            + (" (target <= 1.03)" if part == "roundtrip" else "")
         )
     print(f"  keys left in the master after the run    : {left}")
     print(f"  logs: {log_dir}")

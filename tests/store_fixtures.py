@@ -66,6 +66,15 @@ def make_manifest(key: str, *, tokens: int = 16, hidden: int = 32, pp: int = 2, 
     return build_manifest(key, [1, 3, 4], tokens, hidden, 4, pp, "bfloat16", extra=extra)
 
 
+def unsummed(m: Manifest) -> Manifest:
+    """`m` as written before the checksums (schema 1: no sums objects, sizes checked only)."""
+    import dataclasses
+
+    from hpctoolkit.capture.manifest import UNSUMMED_SCHEMA_VERSION
+
+    return dataclasses.replace(m, sums=(), schema_version=UNSUMMED_SCHEMA_VERSION)
+
+
 def stage_payload(m: Manifest, stage: int) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
     layers = {
         f.layer_id: tensor_for(f.key, f.shape, torch.bfloat16)

@@ -9,13 +9,26 @@ One sample is published as separate store objects, whatever the pipeline size:
   the engine leader publishes it beside the fragments and names it in `loss_mask` (None: the
   sample carries no mask and every token may be supervised).
 
+* `<key>_sums<s>`, shape `[8 * n]`, uint8, one per stage `s` (schema 2): the checksums
+  (`hpctoolkit.checksum`, 8 bytes each, little-endian) of the `n` objects stage `s` publishes, in
+  manifest order (`Manifest.summed`), put by the stage with them in one batch. A stage computes
+  them where its bytes are, after the manifest left the scheduler, so they travel as an object
+  the manifest names rather than in the manifest itself.
+
 The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
-shape or a dtype. It carries metadata only (JSON-native values, never a tensor) and travels from
-the engine to the trainer in the request's `kv_transfer_params`.
+shape or a dtype. An object may also carry its own `digest` (`"<algorithm>:<hex>"`): the loss mask
+(its publisher, the engine leader, writes the manifest the trainers read) and every object of a
+sample saved to a shard (`data.offline`). A schema-2 manifest covers every object, by its own
+digest or by its stage's sums; the reader checks them before a byte reaches a batch and refuses a
+mismatch naming the key (`DataIntegrityError`). A schema-1 manifest (written before 2026-12-04, no
+checksums) is still read, with sizes checked only, so a spool written then can be replayed. It
+carries metadata only (JSON-native values, never a tensor) and travels from the engine to the
+trainer in the request's `kv_transfer_params`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -25,11 +38,15 @@ from typing import Any
 from hpctoolkit.capture.layout import check_layer_layout, pp_partition, stage_of
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2
+# Read, never written: manifests from before the checksums (sizes checked only).
+UNSUMMED_SCHEMA_VERSION = 1
 ROLE_AUX = "aux"
 ROLE_LAST = "last_hidden_states"
 ROLE_INPUT_IDS = "input_ids"
 ROLE_LOSS_MASK = "loss_mask"
+ROLE_SUMS = "sums"
+DIGEST_BYTES = 8
 # Element sizes of the dtypes a fragment may carry; the names are torch's.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -64,6 +81,10 @@ def loss_mask_key(sample_key: str) -> str:
     return f"{sample_key}_loss_mask"
 
 
+def sums_key(sample_key: str, stage: int) -> str:
+    return f"{sample_key}_sums{stage}"
+
+
 @dataclass(frozen=True)
 class FragmentSpec:
     """One store object of a sample."""
@@ -74,6 +95,8 @@ class FragmentSpec:
     shape: tuple[int, ...]
     dtype: str
     layer_id: int | None = None
+    # `"<algorithm>:<hex>"` of the object's bytes, when its writer knew them (`hpctoolkit.checksum`).
+    digest: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +121,8 @@ class Manifest:
     schema_version: int = MANIFEST_SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
     loss_mask: FragmentSpec | None = None
+    # One per stage (schema 2), stage order; empty when every object carries its own digest.
+    sums: tuple[FragmentSpec, ...] = ()
 
     @property
     def layer_ids(self) -> list[int]:
@@ -120,13 +145,24 @@ class Manifest:
         return self.fragments[-1]
 
     @property
-    def all_objects(self) -> tuple[FragmentSpec, ...]:
+    def data_objects(self) -> tuple[FragmentSpec, ...]:
+        """The sample's own objects, in buffer order (`data.sample`)."""
         mask = () if self.loss_mask is None else (self.loss_mask,)
         return (self.input_ids, *self.fragments, *mask)
 
     @property
+    def all_objects(self) -> tuple[FragmentSpec, ...]:
+        return (*self.data_objects, *self.sums)
+
+    def summed(self, stage: int) -> tuple[FragmentSpec, ...]:
+        """The objects stage `stage`'s sums object covers, in its order (the loss mask carries its
+        own digest: the engine leader, not a stage, publishes it)."""
+        return tuple(f for f in (self.input_ids, *self.fragments) if f.stage == stage)
+
+    @property
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.all_objects)
+        """The sample's bytes (its buffer, `data.sample`); the sums objects are not counted."""
+        return sum(f.nbytes for f in self.data_objects)
 
     def fragments_of_stage(self, stage: int) -> tuple[FragmentSpec, ...]:
         return tuple(f for f in self.all_objects if f.stage == stage)
@@ -136,8 +172,13 @@ class Manifest:
         d["partition"] = list(self.partition)
         d["extra"] = dict(self.extra)
         d["fragments"] = list(d["fragments"])
-        for f in [d["input_ids"], *d["fragments"], *([d["loss_mask"]] if d["loss_mask"] else [])]:
+        d["sums"] = list(d["sums"])
+        for f in [d["input_ids"], *d["fragments"], *([d["loss_mask"]] if d["loss_mask"] else []), *d["sums"]]:
             f["shape"] = list(f["shape"])
+            if f["digest"] is None:
+                del f["digest"]
+        if self.schema_version == UNSUMMED_SCHEMA_VERSION:
+            del d["sums"]
         return d
 
     def to_json(self) -> str:
@@ -153,8 +194,9 @@ class Manifest:
 
         if not isinstance(d, Mapping):
             raise bad("<root>", f"must be a mapping, got {type(d).__name__}")
-        if d.get("schema_version") != MANIFEST_SCHEMA_VERSION:
-            raise bad("schema_version", f"is {d.get('schema_version')!r}, expected {MANIFEST_SCHEMA_VERSION}")
+        version = d.get("schema_version")
+        if version not in (MANIFEST_SCHEMA_VERSION, UNSUMMED_SCHEMA_VERSION):
+            raise bad("schema_version", f"is {version!r}, expected {MANIFEST_SCHEMA_VERSION}")
         required = ("sample_key", "num_tokens", "hidden_size", "num_layers", "pp_size", "partition")
         for name in (*required, "input_ids", "fragments"):
             if name not in d:
@@ -174,12 +216,16 @@ class Manifest:
                     shape=tuple(int(x) for x in raw["shape"]),
                     dtype=str(raw["dtype"]),
                     layer_id=None if raw.get("layer_id") is None else int(raw["layer_id"]),
+                    digest=None if raw.get("digest") is None else str(raw["digest"]),
                 )
             except (KeyError, TypeError, ValueError) as err:
                 raise bad(where, f"is malformed ({err!r})") from err
 
         if not isinstance(d["fragments"], Sequence) or isinstance(d["fragments"], str):
             raise bad("fragments", "must be a list")
+        sums = d.get("sums") or []
+        if not isinstance(sums, Sequence) or isinstance(sums, str):
+            raise bad("sums", "must be a list")
         m = cls(
             sample_key=str(d["sample_key"]),
             num_tokens=d["num_tokens"],
@@ -191,6 +237,8 @@ class Manifest:
             fragments=tuple(frag(f, f"fragments[{i}]") for i, f in enumerate(d["fragments"])),
             extra=dict(d.get("extra") or {}),
             loss_mask=None if d.get("loss_mask") is None else frag(d["loss_mask"], "loss_mask"),
+            sums=tuple(frag(f, f"sums[{i}]") for i, f in enumerate(sums)),
+            schema_version=int(version),
         )
         m.validate()
         return m
@@ -247,6 +295,29 @@ class Manifest:
                 raise bad("loss_mask", f"must be role 'loss_mask' with key {loss_mask_key(key)!r}")
             if lm.shape != (self.num_tokens,) or lm.dtype != "uint8" or lm.stage != 0:
                 raise bad("loss_mask", f"must be uint8 of shape [{self.num_tokens}] on stage 0")
+        self._validate_sums(bad)
+
+    def _validate_sums(self, bad: Any) -> None:
+        """Schema 2: every object is covered by its own digest or its stage's sums object."""
+        if self.schema_version == UNSUMMED_SCHEMA_VERSION:
+            if self.sums:
+                raise bad("sums", f"is not part of schema {UNSUMMED_SCHEMA_VERSION}")
+            return
+        if self.sums:
+            want = tuple(self.sums_spec(s) for s in range(self.pp_size))
+            if tuple(dataclasses.replace(f, digest=None) for f in self.sums) != want:
+                raise bad("sums", f"must name {[f.key for f in want]}, one uint8 object per stage")
+        else:
+            for f in (self.input_ids, *self.fragments):
+                if f.digest is None:
+                    raise bad("sums", f"is empty, and object {f.key!r} carries no digest")
+        if self.loss_mask is not None and self.loss_mask.digest is None:
+            raise bad("loss_mask", "carries no digest")
+
+    def sums_spec(self, stage: int) -> FragmentSpec:
+        """The sums object of `stage` (`summed(stage)`'s checksums)."""
+        n = len(self.summed(stage))
+        return FragmentSpec(sums_key(self.sample_key, stage), ROLE_SUMS, stage, (DIGEST_BYTES * n,), "uint8")
 
 
 def build_manifest(
@@ -287,20 +358,21 @@ def build_manifest(
         fragments=frags,
         extra=dict(extra or {}),
     )
+    m = dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(pp_size)))
     m.validate()
     return m
 
 
-def with_loss_mask(manifest: Manifest) -> Manifest:
-    """`manifest` naming its sample's `<key>_loss_mask` object (published beside the fragments)."""
-    import dataclasses
-
+def with_loss_mask(manifest: Manifest, digest: str | None) -> Manifest:
+    """`manifest` naming its sample's `<key>_loss_mask` object (published beside the fragments),
+    with the checksum of its bytes (`hpctoolkit.checksum`; a schema-2 manifest needs one)."""
     spec = FragmentSpec(
         key=loss_mask_key(manifest.sample_key),
         role=ROLE_LOSS_MASK,
         stage=0,
         shape=(manifest.num_tokens,),
         dtype="uint8",
+        digest=digest,
     )
     m = dataclasses.replace(manifest, loss_mask=spec)
     m.validate()

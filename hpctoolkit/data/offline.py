@@ -3,7 +3,10 @@
 Layout of `out_dir`
     `shard-00000.safetensors`, ...: each holds whole samples, one tensor per store object under the
     object's own key (`<key>_input_ids`, `<key>_layer<id>`), and the samples' manifests as JSON in
-    the safetensors metadata (`hpctoolkit.manifests`, a list in write order).
+    the safetensors metadata (`hpctoolkit.manifests`, a list in write order). Each saved manifest
+    carries every object's checksum (`FragmentSpec.digest`, from the bytes written; the store's
+    per-stage sums objects are not saved), and the reader checks each object it reads against
+    it, refusing a mismatch with a `DataIntegrityError` naming the object and the shard.
     `index.json`: `{"format", "shards": [{"file", "samples", "nbytes"}], "num_samples"}`. Shards
     and the index are written atomically (`rundir.atomic`), and the index is rewritten
     after every shard, so a crash leaves an index that names only complete shards.
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 
+from hpctoolkit import checksum
+from hpctoolkit.capture.manifest import MANIFEST_SCHEMA_VERSION, UNSUMMED_SCHEMA_VERSION, Manifest
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.dtypes import safetensors_code
@@ -100,7 +105,8 @@ class ShardWriter:
             return
         name = f"shard-{len(self._shards):05d}.safetensors"
         tensors = [kt for s in self._pending for kt in s.destinations()]
-        meta = {MANIFESTS_META: json.dumps([s.manifest.to_dict() for s in self._pending]), "format": FORMAT}
+        manifests = [_summed_manifest(s).to_dict() for s in self._pending]
+        meta = {MANIFESTS_META: json.dumps(manifests), "format": FORMAT}
         with atomic_path(self.out_dir / name) as tmp:
             _write_safetensors(tmp, tensors, meta)
         self._shards.append(
@@ -130,6 +136,27 @@ class ShardWriter:
         # still names only complete shards.
         if exc_type is None:
             self.close()
+
+
+def _summed_manifest(sample: Sample) -> Manifest:
+    """The sample's manifest as a shard keeps it: every object with the digest of its bytes here
+    (a sample read through a schema-1 manifest gets them too), no sums objects."""
+    import dataclasses
+
+    m = sample.manifest
+    views = dict(sample.destinations())
+
+    def summed(spec: Any) -> Any:
+        return dataclasses.replace(spec, digest=checksum.tensor_digest(views[spec.key]))
+
+    return dataclasses.replace(
+        m,
+        input_ids=summed(m.input_ids),
+        fragments=tuple(summed(f) for f in m.fragments),
+        loss_mask=None if m.loss_mask is None else summed(m.loss_mask),
+        sums=(),
+        schema_version=MANIFEST_SCHEMA_VERSION,
+    )
 
 
 def keep_first(out_dir: str | os.PathLike[str], n: int) -> tuple[int, int]:
@@ -179,6 +206,7 @@ class ShardReader:
         if index.get("format") != FORMAT:
             raise DataIntegrityError(f"{index_path}: format {index.get('format')!r}, expected {FORMAT!r}")
         self._objects: dict[str, tuple[Path, int, int]] = {}
+        self._digests: dict[str, str] = {}
         self._manifests: list[dict[str, Any]] = []
         for shard in index["shards"]:
             path = self.dir / shard["file"]
@@ -188,6 +216,11 @@ class ShardReader:
             if [m.get("sample_key") for m in manifests] != shard["samples"]:
                 raise DataIntegrityError(f"shard {path}: its manifests disagree with {INDEX_NAME}")
             self._manifests.extend(manifests)
+            for m in manifests:
+                if m.get("schema_version") == UNSUMMED_SCHEMA_VERSION:
+                    continue  # saved before the checksums: sizes only
+                objects = [m.get("input_ids"), *(m.get("fragments") or []), m.get("loss_mask")]
+                self._digests.update({o["key"]: o["digest"] for o in objects if o and o.get("digest")})
             for key, info in header.items():
                 begin, end = info["data_offsets"]
                 self._objects[key] = (path, base + begin, end - begin)
@@ -237,6 +270,11 @@ class ShardReader:
                     got = f.readinto(view)
                 if got != size:
                     raise StoreError(f"object {key!r}: shard {path} is truncated ({got} of {size} bytes)")
+                want_digest = self._digests.get(key)
+                if want_digest is not None and not checksum.matches(want_digest, view):
+                    raise DataIntegrityError(
+                        f"object {key!r} in shard {path}: its bytes do not match the checksum saved with it"
+                    )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [k in self._objects for k in keys]

@@ -2,10 +2,12 @@
 
 A sample's fragments are fetched straight into one contiguous byte buffer laid out as
 
-    [ input_ids : T x int64 | layer 0 : T x H | layer 1 : T x H | ... | last : T x H | loss_mask : T x uint8 ]
+    [ input_ids : T x int64 | layer 0 : T x H | layer 1 : T x H | ... | last : T x H | loss_mask : T x uint8
+      | sums of stage 0 | sums of stage 1 | ... ]
 
-in manifest order (the mask only when the manifest names one), so one batched `get_into` fills the
-whole sample and no tensor is assembled by concatenating copies. `input_ids`, `aux_hidden_states`,
+in manifest order (the mask only when the manifest names one; the stages' checksums, which the
+reader checks the rest against, when it names them), so one batched `get_into` fills the whole
+sample and no tensor is assembled by concatenating copies. `input_ids`, `aux_hidden_states`,
 `last_hidden_states` and `loss_mask` are views into it.
 """
 
@@ -65,6 +67,8 @@ class Sample:
     manifest: Manifest
     # `[T]` uint8, 1 where the token is supervised; None when the manifest names no mask.
     loss_mask: torch.Tensor | None = None
+    # The stages' sums objects (`capture.manifest`), one uint8 view each; empty for schema 1.
+    sums: tuple[torch.Tensor, ...] = ()
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
 
@@ -111,12 +115,17 @@ class Sample:
         elem = torch.empty((), dtype=dtype).element_size()
         hidden_bytes = n * t * h * elem
         mask_bytes = t if manifest.loss_mask is not None else 0
-        total = ids_bytes + hidden_bytes + mask_bytes
+        sums_at = ids_bytes + hidden_bytes + mask_bytes
+        total = sums_at + sum(f.nbytes for f in manifest.sums)
         backing = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
         buf = backing[:total]
         ids = buf[:ids_bytes].view(torch.int64)
         hidden = buf[ids_bytes : ids_bytes + hidden_bytes].view(dtype).view(n, t, h)
-        mask = buf[ids_bytes + hidden_bytes :] if mask_bytes else None
+        mask = buf[ids_bytes + hidden_bytes : sums_at] if mask_bytes else None
+        sums = []
+        for f in manifest.sums:
+            sums.append(buf[sums_at : sums_at + f.nbytes])
+            sums_at += f.nbytes
         return cls(
             key=manifest.sample_key,
             input_ids=ids,
@@ -124,6 +133,7 @@ class Sample:
             last_hidden_states=hidden[n - 1],
             manifest=manifest,
             loss_mask=mask,
+            sums=tuple(sums),
             _buffer=backing,
             _pool=pool,
         )
@@ -142,3 +152,7 @@ class Sample:
                 )
             out.append((m.loss_mask.key, self.loss_mask))
         return out
+
+    def sum_destinations(self) -> list[tuple[str, torch.Tensor]]:
+        """(store key, destination view) of the stages' sums objects."""
+        return [(f.key, t) for f, t in zip(self.manifest.sums, self.sums, strict=True)]

@@ -228,7 +228,7 @@ def _remove_stale_fragments(ctx: NodeContext, engine: int) -> None:
 
 def _objects(manifest: dict) -> list[dict]:
     mask = [manifest["loss_mask"]] if manifest.get("loss_mask") else []
-    return [manifest["input_ids"], *manifest["fragments"], *mask]
+    return [manifest["input_ids"], *manifest["fragments"], *mask, *(manifest.get("sums") or [])]
 
 
 def run_engine_leader(ctx: NodeContext, proc: Process) -> int:

@@ -37,6 +37,7 @@ from hpctoolkit.roles.results import (
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
+from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 
 # No new manifest from any engine for this long (engine start included) fails the read.
@@ -96,7 +97,7 @@ def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -
 
 def _train_fields(ctx: NodeContext, result: dict[str, Any] | None) -> dict[str, Any]:
     result = result or {}
-    keys = ("steps_trained", "final_loss", "supervised_tokens", "export_dir")
+    keys = ("steps_trained", "steps_this_run", "final_loss", "supervised_tokens", "export_dir")
     return {k: result.get(k) for k in keys} | trainer_fields(result, ctx.cfg.evaluate.num_speculative_tokens)
 
 
@@ -362,7 +363,8 @@ def _live_summary(
 
 def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
     """Rank 0's last word: the summary, then the services' cue to stop; `latest` too when no
-    evaluate role follows (`roles.results`)."""
+    evaluate role follows (`roles.results`). An earlier attempt's figures are kept (`rundir.summary`)."""
+    summary = carry_forward(summary, read_json(ctx.run.summary_earlier))
     write_json_atomic(ctx.run.summary, summary, indent=2)
     write_json_atomic(ctx.run.ended, {"ok": True})
     if trainers_are_last(ctx.cfg):

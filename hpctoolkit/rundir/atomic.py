@@ -1,8 +1,8 @@
 """Atomic writes: a reader on any node sees the old file or the new one, never half of either.
 
 The content goes to a temporary name in the same directory (`.<name>.tmp-<pid>-<thread>`, so
-concurrent writers never share one), is flushed to disk, then `os.replace`d over the target; on
-any failure the temporary file is removed and the target is left as it was. Every JSON record,
+concurrent writers never share one), is flushed to disk, then `os.replace`d over the target (and
+the directory synced); on any failure the temporary file is removed and the target is left as it was. Every JSON record,
 index, marker and weights file of a run is written through here: text with `write_text_atomic` /
 `write_json_atomic`, bytes with `write_bytes_atomic`, and anything a library writes to a path
 (safetensors, a hand-rolled shard) through `atomic_path`. Read back, a record is `read_json` (None
@@ -36,6 +36,20 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    # The rename itself is durable only once its directory is (a crash may otherwise undo it).
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename stands either way
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to `path` (parent directories are created) to write the whole
@@ -49,6 +63,7 @@ def atomic_path(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[
         if sync:
             _fsync(tmp)
         os.replace(tmp, target)
+        _fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -32,6 +32,8 @@ Inside a run directory (every node of a Slurm job shares it):
                                  on up to step N (`rundir.ledger`; complete with the checkpoint)
     evaluate.json                served vs simulated acceptance (the evaluate role)
     summary.json                 the run's summary (written last)
+    summary.earlier.json         an earlier attempt's summary while a resumed attempt runs; its
+                                 figures are carried into the new one (`rundir.summary`)
     progress/<role>.json         a role's progress while it runs (trainer rank 0: step, loss, rates,
                                  ETA; evaluate: questions done), rewritten at a steady interval
                                  (`rundir.progress`; read by `python -m hpctoolkit.status`)
@@ -227,6 +229,11 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def summary_earlier(self) -> Path:
+        """An earlier attempt's summary while a resumed one runs (`rundir.summary`)."""
+        return self.root / "summary.earlier.json"
 
     @property
     def ended(self) -> Path:

@@ -18,8 +18,8 @@ closed (`DataIntegrityError`), never "nothing trained".
 
 The attempt record `attempt.json` (`{"job_id", "restart", "resume_step"}`) marks which attempt of a Slurm job
 the run directory's records belong to. `begin_attempt` removes what an earlier attempt left that
-would mislead this one (its master's address, its end records, its engines' close records) and
-then writes it; it runs once per attempt before any role reads them (`start_attempt`: the batch
+would mislead this one (its master's address, its end records, its engines' close records; its
+summary is set aside as `summary.earlier.json`, `rundir.summary`) and then writes it; it runs once per attempt before any role reads them (`start_attempt`: the batch
 script's `check` step; under submitit, task 0 while the other tasks wait in `wait_attempt`; the
 embedded launcher, without a job, in a fresh directory).
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from hpctoolkit.rundir.layout import RunDir
 # The manifest `extra` key an engine leader puts the sample's prompt index under.
 PROMPT_KEY = "prompt"
 META = "meta.json"
+STEP_DIR = re.compile(r"step-\d+")
 # Trainers exit with this status when they checkpointed on SIGUSR2 and want the job requeued.
 PREEMPTED_EXIT = 75
 # Under submitit, the other tasks wait this long for task 0's attempt record.
@@ -71,11 +73,12 @@ def read_part(checkpoint_dir: str | os.PathLike[str], rank: int) -> list[int]:
 
 
 def complete_checkpoints(checkpoints: str | os.PathLike[str]) -> list[Path]:
-    """`step-*` directories with their `meta.json`, oldest first."""
+    """`step-<digits>` directories with their `meta.json`, oldest first. Anything else there (a
+    `.partial` or `.unreadable` one, a directory a user put there) is not a checkpoint."""
     root = Path(checkpoints)
     if not root.is_dir():
         return []
-    done = [p for p in root.glob("step-*") if p.is_dir() and (p / META).is_file()]
+    done = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / META).is_file()]
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -188,13 +191,13 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
         return False
     done = complete_checkpoints(run.checkpoints)
     record["resume_step"] = int(done[-1].name.split("-")[1]) if done else None
-    stale = [run.master_record, run.ended, run.summary, run.drained]
+    found = _set_summary_aside(run)
+    stale = [run.master_record, run.ended, run.drained]
     if run.progress_dir.is_dir():
         stale += sorted(run.progress_dir.glob("*.json"))  # an earlier attempt's progress
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
         stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))
-    found = False
     for path in stale:
         if path.exists():
             found = True
@@ -212,6 +215,16 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
             queue.unlink()
     write_json_atomic(run.attempt, record)
     return found
+
+
+def _set_summary_aside(run: RunDir) -> bool:
+    """Move an earlier attempt's `summary.json` to `summary.earlier.json` (the run is not finished
+    while this attempt runs; its figures are the user's and are carried forward, `rundir.summary`).
+    True when there was one."""
+    if not run.summary.exists():
+        return False
+    os.replace(run.summary, run.summary_earlier)
+    return True
 
 
 def _queue_count(run: RunDir) -> int:

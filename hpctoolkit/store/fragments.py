@@ -4,7 +4,8 @@ Publish (engine side, one call per pipeline stage per sample)
     `publish_stage` is given exactly the objects the manifest assigns to that stage: the capture ids
     the stage owns, plus `input_ids` on stage 0 only, each with the manifest's shape and dtype.
     Anything else raises `DataIntegrityError` before a byte is written; a store failure raises
-    `StoreError`. Nothing is ever skipped with a warning.
+    `StoreError`. Nothing is ever skipped with a warning. The stage's sums object (the checksum
+    of each object it puts, `Manifest.summed`) goes in the same `put_many`.
 
 Fetch (trainer side)
     `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`, recycled through a
@@ -14,6 +15,10 @@ Fetch (trainer side)
     (`TransientStoreError`), is retried within the same window and then re-raised. An object
     whose byte size differs from the manifest's shape and dtype raises at once, naming its key
     (objects carry no shape of their own, so a same-size transposition cannot be told apart).
+    Every object is checked against its checksum before the sample is returned: its own `digest`
+    in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`);
+    a mismatch raises `DataIntegrityError` naming the object's key. A schema-1 manifest (no
+    checksums, written before 2026-12-04) is read with sizes checked only.
     `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
     successful read and its checks the sample's objects are force-removed (a read leaves a
     lease); "not found" counts as removed. A sample that fails is left in the store for
@@ -22,7 +27,8 @@ Fetch (trainer side)
 Loss mask (engine leader side)
     `publish_loss_mask` puts a sample's `[num_tokens]` uint8 mask under the key its manifest's
     `loss_mask` names (`capture.manifest.with_loss_mask`), after checking its shape and that it
-    holds only 0 and 1. The reader fetches it with the sample's other objects and checks the same.
+    holds only 0 and 1, and that it matches the digest the manifest gives it. The reader fetches
+    it with the sample's other objects and checks the same.
 
 Manifest `extra` keys this module reads
     `input_ids_sha256` (`INPUT_IDS_SHA256`): hex SHA-256 of the sample's `input_ids` as
@@ -39,7 +45,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hpctoolkit.capture.manifest import FragmentSpec, Manifest
+from hpctoolkit import checksum
+from hpctoolkit.capture.manifest import DIGEST_BYTES, FragmentSpec, Manifest
 from hpctoolkit.data.sample import BufferPool, Sample
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.errors import DataIntegrityError, StoreError
@@ -117,7 +124,16 @@ def publish_stage(
         _check_tensor(manifest, spec, layers[layer_id])
         items.append((spec.key, layers[layer_id]))
     items = [(k, t.detach().to("cpu").contiguous()) for k, t in items]
+    if manifest.sums:
+        # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id.
+        by_key = dict(items)
+        summed = [by_key[f.key] for f in manifest.summed(stage)]
+        sums = torch.frombuffer(
+            bytearray(b"".join(checksum.tensor_digest8(t) for t in summed)), dtype=torch.uint8
+        )
+        items.append((manifest.sums[stage].key, sums))
     store.put_many(items)
+    # What the stage's segment holds now (its sums included): `manifest.fragments_of_stage`'s bytes.
     return sum(t.numel() * t.element_size() for _, t in items)
 
 
@@ -145,6 +161,10 @@ def publish_loss_mask(store: ObjectStore, manifest: Manifest, loss_mask: torch.T
     _check_tensor(manifest, spec, mask)
     _check_mask_values(manifest, mask)
     mask = mask.contiguous()
+    if spec.digest is not None and checksum.tensor_digest(mask) != spec.digest:
+        raise DataIntegrityError(
+            f"sample {manifest.sample_key!r}, object {spec.key!r}: the mask does not match the manifest's digest"
+        )
     store.put_many([(spec.key, mask)])
     return mask.numel()
 
@@ -188,7 +208,14 @@ def fetch_sample(
     manifest.validate()
     sample = Sample.empty_for(manifest, pool)
     try:
-        _fill(store, manifest, sample, retry_max_wait_s, poll_interval_s)
+        _fill(
+            store,
+            manifest,
+            sample.destinations() + sample.sum_destinations(),
+            retry_max_wait_s,
+            poll_interval_s,
+        )
+        _check_digests(sample)
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -198,10 +225,36 @@ def fetch_sample(
     return sample
 
 
+def _check_digests(sample: Sample) -> None:
+    """Every object of `sample` against its checksum (its own digest, or its stage's sums)."""
+    m = sample.manifest
+    views = dict(sample.destinations())
+    where = f"sample {m.sample_key!r}, object"
+    for spec in m.data_objects:
+        if spec.digest is not None and not checksum.matches(spec.digest, _bytes(views[spec.key])):
+            raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
+    for stage, raw in enumerate(sample.sums):
+        want = raw.numpy().tobytes()
+        for i, spec in enumerate(m.summed(stage)):
+            expected = want[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+            if checksum.tensor_digest8(views[spec.key]) != expected:
+                raise DataIntegrityError(
+                    f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
+                    f"published ({m.sums[stage].key!r})"
+                )
+
+
+def _bytes(t: torch.Tensor) -> object:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 def _fill(
-    store: ObjectStore, manifest: Manifest, sample: Sample, retry_max_wait_s: float, poll_interval_s: float
+    store: ObjectStore,
+    manifest: Manifest,
+    dests: Sequence[tuple[str, torch.Tensor]],
+    retry_max_wait_s: float,
+    poll_interval_s: float,
 ) -> None:
-    dests = sample.destinations()
     keys = [k for k, _ in dests]
     tensors = [t for _, t in dests]
     deadline = time.monotonic() + retry_max_wait_s
@@ -280,7 +333,7 @@ class LossMasks:
                 "to capture; no loss mask to publish"
             )
         mask = queue.popleft()
-        m = with_loss_mask(manifest)
+        m = with_loss_mask(manifest, checksum.tensor_digest(mask))
         publish_loss_mask(self.store, m, mask)
         self.published += 1
         self.supervised += int(mask.sum())

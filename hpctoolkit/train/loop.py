@@ -16,9 +16,10 @@ import torch
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.rundir.atomic import read_json_object, write_json_atomic, write_text_atomic
+from hpctoolkit.rundir.atomic import read_json, read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
 from hpctoolkit.rundir.ledger import PROMPT_KEY
+from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate
 from hpctoolkit.train.checkpoint import Checkpointer
@@ -193,9 +194,10 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     ckpt = Checkpointer(job.files.checkpoints, cfg.keep_checkpoints, ctx)
 
     start_step, position, prompts = 0, {"epoch": 0, "offset": 0}, []
-    latest = ckpt.latest() if job.resume else None
-    if latest is not None:
-        meta = ckpt.load(latest, trainer, optimizer, scheduler)
+    # A live attempt resumed from a checkpoint's ledger cannot fall back to an older one.
+    live = bool(getattr(job.samples_source, "resumed", False))
+    meta = ckpt.load_newest(trainer, optimizer, scheduler, fallback=not live) if job.resume else None
+    if meta is not None:
         start_step = int(meta["step"])
         position = meta["samples_consumed"]
         prompts = meta["prompts"]
@@ -422,6 +424,7 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
         summary["export_dir"] = str(export_dir)
     if export_error is not None:
         summary["export_error"] = export_error
+    summary = carry_forward(summary, read_json(run.files.summary))  # a resume keeps earlier figures
     write_json_atomic(run.files.summary, summary, indent=2)
     return summary
 

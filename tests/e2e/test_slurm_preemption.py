@@ -251,9 +251,12 @@ def test_begin_attempt_clears_what_would_mislead_the_next(tmp_path):
         run.queue_done(0),
     ):
         path.write_text("{}")
+    run.summary.write_text('{"final_loss": 1.5}')
     run.queue(0).write_text('{"sample_key": "r-j7-e0-0"}\n')
     assert ledger.begin_attempt(run, "7", 1)
     assert not any(p.exists() for p in (run.master_record, run.ended, run.drained, run.engine_closed(0)))
+    # The run is not finished while the attempt runs, but its figures are the user's: set aside.
+    assert not run.summary.exists() and json.loads(run.summary_earlier.read_text()) == {"final_loss": 1.5}
     assert not run.queue(0).exists() and "r-j7-e0-0" in run.stale_queue(0).read_text()
     assert not ledger.begin_attempt(run, "7", 1)  # the same attempt again: nothing to do
     ledger.wait_attempt(run, "7", 1, timeout_s=1)

@@ -22,6 +22,7 @@ from store_fixtures import (
     small_store_cfg,
     stage_payload,
     tensor_for,
+    unsummed,
 )
 
 from hpctoolkit.data.dataset import HiddenStateDataset
@@ -160,14 +161,14 @@ def test_late_fragment_within_the_window_is_read(writer, reader):
     sample = fragments.fetch_sample(reader, m, retry_max_wait_s=10)
     timer.join()
     assert_sample_matches(sample, m)
-    assert reader.exists([f.key for f in m.all_objects]) == [False] * 4
+    assert reader.exists([f.key for f in m.all_objects]) == [False] * len(m.all_objects)
 
 
 @pytest.mark.timeout(60)
 def test_fragment_of_wrong_size_raises_naming_the_key(writer, reader):
     # A buggy stage that bypassed publish_stage's checks: one token short, or one token long.
     for name, cut in (("short", slice(None, -1)), ("long", None)):
-        m = make_manifest(name)
+        m = unsummed(make_manifest(name))  # the size check alone (a same-size change is the checksum's)
         fragments.publish_stage(writer, m, 0, *stage_payload(m, 0))
         layers, _ = stage_payload(m, 1)
         bad = layers[3][cut].contiguous() if cut else torch.cat([layers[3], layers[3][:1]])
@@ -179,7 +180,7 @@ def test_fragment_of_wrong_size_raises_naming_the_key(writer, reader):
 
 @pytest.mark.timeout(60)
 def test_wrong_input_ids_raise_naming_the_key(writer, reader):
-    m = make_manifest("ids")
+    m = unsummed(make_manifest("ids"))  # the ids checks alone (the checksum would refuse first)
     fragments.publish_stage(writer, m, 1, *stage_payload(m, 1))
     layers, _ = stage_payload(m, 0)
     # Another prompt's ids of the same length stand in for the real ones.
@@ -188,13 +189,32 @@ def test_wrong_input_ids_raise_naming_the_key(writer, reader):
     with pytest.raises(DataIntegrityError, match="ids_input_ids"):
         fragments.fetch_sample(reader, m, retry_max_wait_s=1.0)
     # Without a manifest digest the caller's expected ids catch it.
-    m2 = make_manifest("ids2", sha=False)
+    m2 = unsummed(make_manifest("ids2", sha=False))
     publish_all(writer, m2)
     with pytest.raises(DataIntegrityError, match="ids2_input_ids"):
         fragments.fetch_sample(
             reader, m2, retry_max_wait_s=1.0, expected_input_ids=torch.zeros(m2.num_tokens, dtype=torch.int64)
         )
     reader.remove([f.key for f in (*m.all_objects, *m2.all_objects)])
+
+
+@pytest.mark.timeout(60)
+def test_one_corrupted_byte_in_the_real_store_is_refused_naming_the_key(writer, reader):
+    """The master holds a fragment with one bit flipped, same size: the checksum its stage put
+    beside it refuses the sample, naming the key, and the sample stays in the store."""
+    m = make_manifest("flip")
+    publish_all(writer, m)
+    layers, _ = stage_payload(m, 1)
+    bad = layers[3].clone()
+    bad.view(torch.uint8).view(-1)[7] ^= 0x10
+    writer.remove(["flip_layer3"])
+    writer.put_many([("flip_layer3", bad)])
+    with pytest.raises(
+        DataIntegrityError, match=r"object 'flip_layer3': its bytes do not match.*'flip_sums1'"
+    ):
+        fragments.fetch_sample(reader, m, retry_max_wait_s=1.0)
+    assert reader.exists([f.key for f in m.all_objects]) == [True] * len(m.all_objects)
+    reader.remove([f.key for f in m.all_objects])
 
 
 @pytest.mark.timeout(60)
@@ -212,7 +232,7 @@ def test_hard_pin_publish_and_fetch(master, reader):  # noqa: F811
         m = make_manifest("pin")
         publish_all(pinned, m)
         assert_sample_matches(fragments.fetch_sample(reader, m, retry_max_wait_s=2), m)
-        assert reader.exists([f.key for f in m.all_objects]) == [False] * 4
+        assert reader.exists([f.key for f in m.all_objects]) == [False] * len(m.all_objects)
 
 
 @pytest.mark.timeout(60)
@@ -221,7 +241,7 @@ def test_read_removes_despite_the_lease(writer, reader):
     m = make_manifest("lease")
     publish_all(writer, m)
     fragments.fetch_sample(reader, m, retry_max_wait_s=1)
-    assert reader.exists([f.key for f in m.all_objects]) == [False] * 4
+    assert reader.exists([f.key for f in m.all_objects]) == [False] * len(m.all_objects)
     reader.remove([f.key for f in m.all_objects])  # already gone: still success
 
 
@@ -244,7 +264,7 @@ def test_writer_process_killed_reader_fails_at_once_naming_the_key(master, reade
     assert time.monotonic() - t0 < 10
     # The master still lists the dead writer's objects until its client TTL runs out; drop them.
     reader.remove([f.key for f in m.all_objects])
-    assert reader.exists([f.key for f in m.all_objects]) == [False] * 4
+    assert reader.exists([f.key for f in m.all_objects]) == [False] * len(m.all_objects)
 
 
 @pytest.mark.timeout(120)

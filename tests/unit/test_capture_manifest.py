@@ -43,7 +43,18 @@ def test_fragments_name_stage_shape_dtype_and_one_input_ids():
     assert m.input_ids.shape == (10,) and m.input_ids.dtype == "int64" and m.input_ids.stage == 0
     assert sum(1 for f in m.all_objects if f.role == "input_ids") == 1
     assert m.nbytes == 10 * 8 + 4 * 10 * 128 * 2
-    assert {f.key for f in m.fragments_of_stage(2)} == {"run0-req7_layer5", "run0-req7_layer6"}
+    assert {f.key for f in m.fragments_of_stage(2)} == {
+        "run0-req7_layer5",
+        "run0-req7_layer6",
+        "run0-req7_sums2",
+    }
+    # One sums object per stage, 8 bytes per object the stage publishes (input_ids on stage 0).
+    assert [(f.key, f.stage, f.shape, f.dtype) for f in m.sums] == [
+        ("run0-req7_sums0", 0, (16,), "uint8"),
+        ("run0-req7_sums1", 1, (8,), "uint8"),
+        ("run0-req7_sums2", 2, (16,), "uint8"),
+    ]
+    assert [f.key for f in m.summed(0)] == ["run0-req7_input_ids", "run0-req7_layer1"]
 
 
 def test_pp1_is_the_same_layout():
@@ -111,8 +122,8 @@ def test_sanitize_key():
 def test_loss_mask_object_is_named_with_shape_and_dtype_and_roundtrips():
     from hpctoolkit.capture.manifest import with_loss_mask
 
-    m = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16"))
-    assert m.loss_mask is not None
+    m = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16"), "xxh3_64:00")
+    assert m.loss_mask is not None and m.loss_mask.digest == "xxh3_64:00"
     assert (m.loss_mask.key, m.loss_mask.role, m.loss_mask.shape, m.loss_mask.dtype, m.loss_mask.stage) == (
         "k_loss_mask",
         "loss_mask",
@@ -121,7 +132,7 @@ def test_loss_mask_object_is_named_with_shape_and_dtype_and_roundtrips():
         0,
     )
     assert (
-        m.all_objects[-1] == m.loss_mask
+        m.data_objects[-1] == m.loss_mask
         and m.nbytes == build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").nbytes + 10
     )
     assert Manifest.from_json(m.to_json()) == m
@@ -140,7 +151,37 @@ def test_loss_mask_object_is_named_with_shape_and_dtype_and_roundtrips():
 def test_malformed_loss_mask_names_the_field(field, value, match):
     from hpctoolkit.capture.manifest import with_loss_mask
 
-    d = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16")).to_dict()
+    d = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16"), "xxh3_64:00").to_dict()
     d["loss_mask"][field] = value
     with pytest.raises(DataIntegrityError, match=rf"sample 'k'.*'loss_mask'.*{match}"):
         Manifest.from_dict(d)
+
+
+def test_every_object_of_a_schema_2_manifest_is_covered_by_a_checksum():
+    from hpctoolkit.capture.manifest import with_loss_mask
+
+    d = build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").to_dict()
+    assert d["schema_version"] == 2 and [f["key"] for f in d["sums"]] == ["k_sums0", "k_sums1"]
+    assert "digest" not in d["input_ids"]  # a field only where a writer knew the bytes
+    with pytest.raises(DataIntegrityError, match=r"'sums' must name \['k_sums0', 'k_sums1'\]"):
+        Manifest.from_dict({**d, "sums": d["sums"][:1]})
+    with pytest.raises(
+        DataIntegrityError, match=r"'sums' is empty, and object 'k_input_ids' carries no digest"
+    ):
+        Manifest.from_dict({**d, "sums": []})
+    masked = with_loss_mask(build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16"), "xxh3_64:00").to_dict()
+    del masked["loss_mask"]["digest"]
+    with pytest.raises(DataIntegrityError, match=r"'loss_mask' carries no digest"):
+        Manifest.from_dict(masked)
+
+
+def test_a_schema_1_manifest_without_checksums_is_still_read():
+    """Written before 2026-12-04: no sums, no digests. Read with sizes checked only (a spool of
+    that time can be replayed); a schema-1 manifest naming sums is malformed."""
+    d = build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").to_dict()
+    old = {**d, "schema_version": 1}
+    del old["sums"]
+    m = Manifest.from_dict(old)
+    assert m.schema_version == 1 and m.sums == () and m.to_dict() == old
+    with pytest.raises(DataIntegrityError, match="'sums' is not part of schema 1"):
+        Manifest.from_dict({**d, "schema_version": 1})

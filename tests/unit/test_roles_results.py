@@ -53,6 +53,45 @@ def test_trainer_sets_latest_only_when_it_is_the_last_role(tmp_path, enabled, li
     assert latest(ctx) == (ctx.run_id if linked else None)
 
 
+def test_a_by_hand_resume_of_a_finished_run_keeps_its_figures(tmp_path):
+    """The finished run's summary (its trainer's and its evaluation's figures) was set aside when
+    the new attempt began (`ledger.begin_attempt`); an attempt that trained no step keeps them."""
+    from hpctoolkit.rundir import ledger
+
+    ctx = ctx_for(tmp_path, "evaluate.enabled=false")
+    earlier = {"run_id": ctx.run_id, "steps_trained": 8, "steps_this_run": 8, "final_loss": 0.25}
+    earlier |= {"acceptance_length": 2.5, "served_acceptance_length": 2.25, "samples_read": 64}
+    write_json_atomic(ctx.run.summary, earlier)
+    ledger.begin_attempt(ctx.run, "43", 0)
+    assert not ctx.run.summary.exists()
+    trainer._finish(
+        ctx,
+        {
+            "run_id": ctx.run_id,
+            "steps_trained": 8,
+            "steps_this_run": 0,
+            "final_loss": None,
+            "acceptance_length": None,
+            "samples_read": 0,
+            "keys_left_in_store": 0,
+        },
+    )
+    summary = json.loads(ctx.run.summary.read_text())
+    assert {k: summary[k] for k in earlier if k != "steps_this_run"} == {
+        k: v for k, v in earlier.items() if k != "steps_this_run"
+    }
+    assert summary["steps_this_run"] == 0 and summary["keys_left_in_store"] == 0
+
+
+def test_a_resume_that_trains_keeps_its_own_figures_and_the_earlier_ones_it_lacks():
+    from hpctoolkit.rundir.summary import carry_forward
+
+    earlier = {"final_loss": 0.5, "served_acceptance_length": 2.0, "steps_this_run": 4}
+    new = {"final_loss": 0.25, "served_acceptance_length": None, "steps_this_run": 4, "resumed_from_step": 4}
+    assert carry_forward(new, earlier) == {**new, "served_acceptance_length": 2.0}
+    assert carry_forward(new, None) == new
+
+
 def test_evaluate_merges_into_the_summary_and_sets_latest(tmp_path, monkeypatch):
     ctx = ctx_for(tmp_path)
     with pytest.raises(RoleFailedError, match=r"summary\.json is missing"):

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from store_fixtures import make_manifest, publish_all, small_store_cfg, stage_payload, tensor_for
+from store_fixtures import make_manifest, publish_all, small_store_cfg, stage_payload, tensor_for, unsummed
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store import fragments, mooncake
@@ -27,7 +27,7 @@ def test_publish_both_stages_then_fetch_is_bitwise_and_removes():
     m = make_manifest("a")
     n0 = fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
     n1 = fragments.publish_stage(st, m, 1, *stage_payload(m, 1))
-    assert n0 + n1 == m.nbytes
+    assert n0 + n1 == m.nbytes + sum(f.nbytes for f in m.sums)
     s = fragments.fetch_sample(st, m, retry_max_wait_s=0)
     assert (
         s.key == "a" and s.aux_hidden_states.shape == (2, 16, 32) and s.last_hidden_states.shape == (16, 32)
@@ -88,15 +88,17 @@ def test_missing_fragment_raises_after_window_naming_keys_and_yields_nothing():
     m = make_manifest("m")
     fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
     t0 = time.monotonic()
-    with pytest.raises(DataIntegrityError, match=r"\['m_layer3', 'm_layer4'\] still missing after 0.3s"):
+    with pytest.raises(
+        DataIntegrityError, match=r"\['m_layer3', 'm_layer4', 'm_sums1'\] still missing after 0.3s"
+    ):
         fragments.fetch_sample(st, m, retry_max_wait_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 2
-    assert len(st.keys()) == 2  # a failed sample is left for inspection, not half-removed
+    assert len(st.keys()) == 3  # a failed sample is left for inspection, not half-removed
 
 
 def test_wrong_size_object_raises_naming_key():
     st = MemoryStore()
-    m = make_manifest("w")
+    m = unsummed(make_manifest("w"))  # the size check alone (a same-size change is the checksum's)
     fragments.publish_stage(st, m, 0, *stage_payload(m, 0))
     layers, _ = stage_payload(m, 1)
     st.put_many([("w_layer3", layers[3][:-1].contiguous()), ("w_layer4", layers[4])])
@@ -106,17 +108,17 @@ def test_wrong_size_object_raises_naming_key():
 
 def test_wrong_input_ids_raise_naming_key():
     st = MemoryStore()
-    m = make_manifest("i")
+    m = unsummed(make_manifest("i"))  # the ids checks alone (the checksum would refuse first)
     fragments.publish_stage(st, m, 1, *stage_payload(m, 1))
     layers, _ = stage_payload(m, 0)
     st.put_many([("i_input_ids", torch.arange(16)), ("i_layer1", layers[1])])
     with pytest.raises(DataIntegrityError, match=r"i_input_ids.*input_ids_sha256"):
         fragments.fetch_sample(st, m, retry_max_wait_s=0)
-    m2 = make_manifest("j", sha=False)
+    m2 = unsummed(make_manifest("j", sha=False))
     publish_all(st, m2)
     with pytest.raises(DataIntegrityError, match=r"j_input_ids.*expected"):
         fragments.fetch_sample(st, m2, retry_max_wait_s=0, expected_input_ids=torch.arange(16))
-    m3 = make_manifest("k", sha=False)
+    m3 = unsummed(make_manifest("k", sha=False))
     fragments.publish_stage(st, m3, 1, *stage_payload(m3, 1))
     st.put_many([("k_input_ids", torch.full((16,), -5)), ("k_layer1", stage_payload(m3, 0)[0][1])])
     with pytest.raises(DataIntegrityError, match=r"k_input_ids.*negative"):
@@ -255,7 +257,7 @@ def test_mooncake_store_roundtrip_and_return_codes(fake_store):
     assert torch.equal(sample.last_hidden_states, tensor_for("mc_layer4", (16, 32), torch.bfloat16))
     assert s._store.objects == {}
     # One registration per sample buffer, not one per view.
-    assert s._store.registered[-1][1] == m.nbytes
+    assert s._store.registered[-1][1] == m.nbytes + sum(f.nbytes for f in m.sums)
     with pytest.raises(MissingKeysError):
         s.get_into(["nope"], [torch.empty(4)])
     s.put_many([("big", torch.zeros(8))])
@@ -328,10 +330,10 @@ def test_mooncake_module_is_not_imported_by_the_package():
 
 def _masked(key: str):
     from hpctoolkit.capture.manifest import with_loss_mask
+    from hpctoolkit.checksum import tensor_digest
 
-    m = with_loss_mask(make_manifest(key))
-    mask = (torch.arange(m.num_tokens) % 3 != 0).to(torch.uint8)
-    return m, mask
+    mask = (torch.arange(16) % 3 != 0).to(torch.uint8)
+    return with_loss_mask(make_manifest(key), tensor_digest(mask)), mask
 
 
 def test_loss_mask_travels_with_the_sample_through_the_store_and_is_removed():
@@ -377,7 +379,7 @@ def test_a_corrupted_mask_in_the_store_is_refused_on_fetch():
     m, _ = _masked("r")
     publish_all(st, m)
     st.put_many([("r_loss_mask", torch.full((16,), 7, dtype=torch.uint8))])
-    with pytest.raises(DataIntegrityError, match=r"r_loss_mask.*other than 0 and 1"):
+    with pytest.raises(DataIntegrityError, match=r"r_loss_mask.*do not match the manifest's checksum"):
         fragments.fetch_sample(st, m, retry_max_wait_s=0)
 
 
@@ -396,3 +398,73 @@ def test_loss_mask_is_a_tensor_in_offline_shards(tmp_path):
         assert torch.equal(f.get_tensor("s_loss_mask"), mask)
     back = ShardReader(tmp_path)[0]
     assert back.loss_mask is not None and torch.equal(back.loss_mask, mask)
+
+
+# -- checksums -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["c_input_ids", "c_layer1", "c_layer3", "c_layer4", "c_loss_mask"])
+def test_one_corrupted_byte_in_the_store_is_refused_naming_the_key(key):
+    """Same size, one bit: what a size check cannot see. The sample is never returned, and it is
+    left in the store for inspection."""
+    st = MemoryStore()
+    m, mask = _masked("c")
+    publish_all(st, m)
+    fragments.publish_loss_mask(st, m, mask)
+    raw = bytearray(st._objects[key])
+    raw[len(raw) // 2] ^= 0x01
+    st._objects[key] = bytes(raw)
+    with pytest.raises(DataIntegrityError, match=rf"sample 'c', object '{key}': its bytes do not match"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    left = st.keys()
+    assert key in left and len(left) == len(m.all_objects)
+
+
+def test_a_corrupted_sums_object_is_refused_too():
+    st = MemoryStore()
+    m = make_manifest("d")
+    publish_all(st, m)
+    raw = bytearray(st._objects["d_sums1"])
+    raw[0] ^= 0x80
+    st._objects["d_sums1"] = bytes(raw)
+    with pytest.raises(DataIntegrityError, match=r"object 'd_layer3'.*stage 1 published \('d_sums1'\)"):
+        fragments.fetch_sample(st, m, retry_max_wait_s=0)
+
+
+def test_the_stage_puts_its_sums_with_its_fragments():
+    st = MemoryStore()
+    m = make_manifest("e")
+    fragments.publish_stage(st, m, 1, *stage_payload(m, 1))
+    assert sorted(st.keys()) == ["e_layer3", "e_layer4", "e_sums1"]
+    assert len(st._objects["e_sums1"]) == 16
+
+
+def test_a_schema_1_sample_is_read_with_sizes_only():
+    st = MemoryStore()
+    m = unsummed(make_manifest("o"))
+    publish_all(st, m)
+    assert sorted(st.keys()) == ["o_input_ids", "o_layer1", "o_layer3", "o_layer4"]
+    s = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    assert torch.equal(s.last_hidden_states, tensor_for("o_layer4", (16, 32), torch.bfloat16))
+
+
+def test_a_corrupted_byte_in_a_spool_shard_is_refused_naming_the_object_and_shard(tmp_path):
+    from hpctoolkit.data.offline import ShardReader, ShardWriter
+
+    st = MemoryStore()
+    m, mask = _masked("t")
+    publish_all(st, m)
+    fragments.publish_loss_mask(st, m, mask)
+    with ShardWriter(tmp_path) as w:
+        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    shard = tmp_path / "shard-00000.safetensors"
+    saved = ShardReader(tmp_path).manifests()[0]
+    assert saved["schema_version"] == 2 and saved["sums"] == []
+    assert all(o["digest"].startswith("xxh3_64:") for o in [saved["input_ids"], *saved["fragments"]])
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0x04  # inside the last objects' bytes (the mask is last: 16 bytes)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        DataIntegrityError, match=rf"object 't_layer4' in shard {shard}: its bytes do not match"
+    ):
+        ShardReader(tmp_path)[0]

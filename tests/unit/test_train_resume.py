@@ -115,3 +115,35 @@ def test_checkpointer_round_trips_the_stream_position(tmp_path):
     assert meta["samples_consumed"] == {"epoch": 3, "offset": 7}
     assert SampleStream(lambda *a: iter(()), 0, 1, **meta["samples_consumed"]).position == stream.position
     torch.testing.assert_close(model.state_dict(), want)
+
+
+def test_resuming_a_finished_run_keeps_its_figures_then_a_damaged_newest_falls_back(tmp_path, capsys):
+    done = launch(_job(tmp_path), 1)
+    assert done["steps_this_run"] == 4 and done["final_loss"] is not None
+    again = launch(_job(tmp_path), 1)  # by hand, after the end: nothing to train
+    assert again["steps_this_run"] == 0 and again["resumed_from_step"] == 4
+    assert again["final_loss"] == done["final_loss"]
+    assert again["acceptance_length"] == done["acceptance_length"]
+    # Step 4's weights damaged on disk: step 2 is loaded instead, and the trainer says so.
+    shard = next((tmp_path / "checkpoints" / "step-00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-3])
+    redone = launch(_job(tmp_path), 1)
+    assert redone["resumed_from_step"] == 2 and redone["steps_this_run"] == 2
+    assert redone["final_loss"] == pytest.approx(done["final_loss"], rel=1e-5)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "unreadable" in x)
+    assert "step-00000004" in line and "step-00000002" in line
+
+
+def test_two_ranks_agree_to_fall_back_when_one_finds_its_file_damaged(tmp_path):
+    """Each rank checks a slice of the files; rank 0 alone may not see the damage, yet both ranks
+    load the same earlier checkpoint (a collective decision, or they would deadlock)."""
+    launch(_job(tmp_path), 2)
+    newest = tmp_path / "checkpoints" / "step-00000004"
+    meta = json.loads((newest / "meta.json").read_text())
+    odd = sorted(meta["files"])[1]  # in rank 1's slice
+    data = bytearray((newest / odd).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / odd).write_bytes(bytes(data))
+    again = launch(_job(tmp_path), 2)
+    assert again["resumed_from_step"] == 2 and again["steps_this_run"] == 2
+    assert (tmp_path / "checkpoints" / "step-00000004.unreadable").is_dir()
