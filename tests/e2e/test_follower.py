@@ -414,7 +414,7 @@ ROLES = {"single": node_single, "leader": node_leader, "follower": node_follower
 
 def _spawn(role: str, args: dict[str, Any], work: Path) -> tuple[subprocess.Popen, Path]:
     log = work / f"{role}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(REPO), str(REPO / "tests"))), PYTHONUNBUFFERED="1")
     with log.open("w") as f:
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), role, json.dumps(args)],
