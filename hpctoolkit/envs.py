@@ -66,7 +66,8 @@ HPCTOOLKIT_MIN_STEP_S = _register(
     "0",
     "Seconds: the training loop starts no step sooner than this after the previous one. For tests "
     "that must catch a run mid-training at a wall-clock moment (a Slurm time limit's signal) "
-    "whatever the machine's speed; 0, the default, never waits.",
+    "whatever the machine's speed. It paces a job's first attempt only (SLURM_RESTART_COUNT unset "
+    "or 0): a requeued attempt runs at full speed. 0, the default, never waits.",
 )
 HPCTOOLKIT_ENGINE_BACKEND = _register(
     "HPCTOOLKIT_ENGINE_BACKEND",

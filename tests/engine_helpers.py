@@ -207,7 +207,7 @@ def scenario_abort(args: dict[str, Any]) -> dict[str, Any]:
     time.sleep(args.get("settle_s", 2.0))  # a late publish would land by now
     keys = list_keys_via_master(args["metrics_address"])
     eng.shutdown()
-    named = sorted([m.input_ids.key, *(f.key for f in m.fragments)])
+    named = sorted(f.key for f in m.all_objects)  # input_ids, fragments, loss mask, per-stage sums
     return {"keys": keys, "captured_keys": named, "steps": steps}
 
 

@@ -18,7 +18,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.rundir.atomic import read_json, read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
-from hpctoolkit.rundir.ledger import PROMPT_KEY
+from hpctoolkit.rundir.ledger import PROMPT_KEY, restart_count
 from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate
@@ -305,7 +305,8 @@ def _train_steps(run: _Run) -> None:
             pending = None
             _report(run, step, *_finish_step(run, launched, step), tb, bar)
 
-    min_step_s = float(envs.get(envs.HPCTOOLKIT_MIN_STEP_S.name) or 0)
+    # The pacing hook holds the first attempt only: a requeued one has no wall-clock moment to wait for.
+    min_step_s = float(envs.get(envs.HPCTOOLKIT_MIN_STEP_S.name) or 0) if restart_count() == 0 else 0.0
     last_start = 0.0
     # Which samples each step read, per rank: what resume is checked against.
     with order_path.open("a") as order_log:

@@ -201,7 +201,13 @@ def role_processes(job: str) -> list[str]:
     """Our processes of `job` still alive on any host (roles, vLLM workers, the Mooncake master);
     not Slurm's own (the batch shell, srun, slurmstepd)."""
     slurm = ("srun", "/usr/bin/srun", "bash", "/bin/bash", "/usr/bin/bash", "sleep", "/usr/bin/sleep")
-    return [p for p in job_processes(job) if not p.split(" ", 1)[1].startswith(slurm)]
+    # The batch shell's own outcome check (`roles preempted`, a few seconds after the trainers
+    # ended) is the batch script's, not a role: the check after Slurm recorded the end covers it.
+    return [
+        p
+        for p in job_processes(job)
+        if not p.split(" ", 1)[1].startswith(slurm) and " -m hpctoolkit.roles preempted " not in p
+    ]
 
 
 def _fault(hosts, tmp_path, host: str, *, after_manifests: int) -> tuple[float, float, str]:

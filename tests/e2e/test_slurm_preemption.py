@@ -546,7 +546,7 @@ def _read(path: Path):
     return read_json(path)
 
 
-# Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
+# Time-limit variant (the requeued attempt runs unpaced): Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
 # runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
 # training), while the trainer is mid-way through its steps. The steps are paced to at least
 # MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any machine: a
