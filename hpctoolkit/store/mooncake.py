@@ -9,7 +9,10 @@ Lifetime
     `connect_timeout_s` (10 s by default) with a message naming the address; the native client
     would retry for about 90 s first. `close()` releases the client; it is bounded even when the
     master is already dead (the native close then blocks for about 20 s, so it is left to a daemon
-    thread).
+    thread). That thread is started with the first client, never by `close()`: `close()` may run
+    inside the garbage collector (a reader generator's `finally`), which can interrupt
+    `Thread.start` in this same thread while it holds threading's internal lock; a thread started
+    there waits for that lock forever (a trainer that never exited, CI of 2026-12-05).
 
 Concurrency
     One `MooncakeStore` per process and role. Calls from several threads are serialised by a lock;
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import re
 import socket
 import struct
@@ -100,6 +104,32 @@ _SERVICE_READY_ID = int.from_bytes(
     hashlib.md5(b"mooncake::WrappedMasterService::ServiceReady").digest()[:4], "big"
 )
 _hard_pin_warned = False
+
+# The closer: one daemon thread per process that runs native closes (`MooncakeStore.close`).
+_closes: queue.SimpleQueue[tuple[Any, threading.Event]] | None = None
+_closer_lock = threading.Lock()
+
+
+def _start_closer() -> queue.SimpleQueue[tuple[Any, threading.Event]]:
+    """The closer's queue, its thread started on the first call (from a client's creation)."""
+    global _closes
+    with _closer_lock:
+        if _closes is None:
+            q: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+            threading.Thread(target=_close_loop, args=(q,), name="mooncake-close", daemon=True).start()
+            _closes = q
+        return _closes
+
+
+def _close_loop(q: queue.SimpleQueue[tuple[Any, threading.Event]]) -> None:
+    while True:
+        store, done = q.get()
+        try:
+            store.close()
+        except Exception as err:  # noqa: BLE001  (a close that fails leaves nothing to do)
+            log.warning("Mooncake client close failed: %s", err)
+        finally:
+            done.set()
 
 
 class TransientStoreError(StoreError):
@@ -263,6 +293,7 @@ class MooncakeStore:
             check_reachable(self.address, self.cfg.connect_timeout_s)
             from mooncake.store import MooncakeDistributedStore
 
+            _start_closer()  # here, never in close() (see the module docstring)
             store = MooncakeDistributedStore()
             segment = self.cfg.segment_bytes if self.role == "writer" else 0
             rc = store.setup(
@@ -312,10 +343,14 @@ class MooncakeStore:
             store, self._store, self._closed = self._store, None, True
         if store is None:
             return
-        t = threading.Thread(target=store.close, name="mooncake-close", daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if t.is_alive():
+        closes = _closes  # started with the client; read without a lock (see the module docstring)
+        if closes is None:
+            store.close()
+            return
+        done = threading.Event()
+        # SimpleQueue.put is safe inside the garbage collector; no thread is started here.
+        closes.put((store, done))
+        if not done.wait(timeout_s):
             log.warning("Mooncake client close against %s did not finish in %.1fs", self.address, timeout_s)
 
     def __enter__(self) -> MooncakeStore:
