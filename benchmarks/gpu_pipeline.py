@@ -33,11 +33,33 @@ launch/install_wheelhouse.sh in 41 s; benchmarks/gpu_node.sh drove it):
   cap, so the batch stays full; a 135M model's decode step is far too small to fill an H200, so the
   host's per-step work (scheduling and sampling over 1024 sequences) is the likely limit, and
   vLLM's async scheduling, larger `max_num_seqs` and several engines per GPU are the next levers.
-* `capture` and `serve`: not run (the session's 30 device minutes went to the install, the GPU tier
-  and `make run`). What `make run` showed instead: 1024 samples (3.7M supervised tokens over the
-  run's passes) captured and published in 11.3 s once the engine was up (84 s), about 90 samples/s
-  one request per `generate()` call; the draft served at k=3 gave acceptance 1.27 on MT-Bench and
-  1.29 on HumanEval.
+* `capture` and `serve`: not run on 2026-12-04 (the session's 30 device minutes went to the
+  install, the GPU tier and `make run`). What `make run` showed instead: 1024 samples captured and
+  published in 11.3 s once the engine was up (84 s); the draft served at k=3 gave acceptance 1.27 on
+  MT-Bench and 1.29 on HumanEval.
+
+Results, one NVIDIA H200, 2026-12-05 (the same wheelhouse, install 46 s; `benchmarks/gpu_node.sh
+start install regen capture tier_new run serve`; the lease's 30 minutes ran out during tier_new,
+after an hour of failed machine starts had taken half of them):
+
+* `regen --max-num-seqs --capture-to-batch 1024 --engines 2`: with CUDA graphs captured up to 1024
+  tokens, 761,863 tokens in 33.2 s = **22.9k tokens/s** (engine start 200 s: capturing graphs to
+  1024 on an empty compile cache). Against 21.1k at vLLM's default graph sizes (to 512) on
+  2026-12-04, on another H200 lease, so not side by side: graphs for the full decode batch are
+  worth about 9 %, not the factor the goal needs, so the decode step's graph is not the limit. The
+  two engines sharing the GPU were both up and released, but the stage's 480 s limit ended them
+  before they finished: no figure. Next: that arm alone (`regen --max-num-seqs --capture-to-batch
+  --engines 2`), and a profile of one engine's step (host time in the scheduler and the output
+  path against the device's).
+* `capture --prompts 512 --iters 3`: 512 chat prompts, 25,844 tokens, one request per `generate()`
+  as `CaptureEngine.capture` runs them. Plain prefill 4.87 s (5.3k tokens/s), capture+publish
+  6.68 s (3.9k tokens/s): **ratio 1.37** (medians of passes 2 and 3; the first dropped; engine
+  starts 71 s and 90 s). The 1.05 goal is not met. Both arms are bound by the host: a plain
+  one-request step takes 9.5 ms for about 50 tokens, which leaves an H200 idle; capture adds 3.5 ms
+  a sample (the connector's copy-out and the publish, not yet split by a profile). The lever is
+  capture's shape: several requests per `generate()`. A batch can change a request's rounding
+  (other GEMM shapes), so the PP layouts' bitwise equality has to be shown for it first.
+* `serve`: not run (it needs `make run`'s draft; the lease ended before the run stage).
 """
 
 from __future__ import annotations
