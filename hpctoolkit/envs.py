@@ -110,6 +110,13 @@ HPCTOOLKIT_FAILURE_RECORD = _register(
     "Set by the local launcher for each role process: where `run_cli` writes the role's failure "
     "(its error class and message, JSON; `RunDir.failure`), which the launcher reads back.",
 )
+HPCTOOLKIT_RENDEZVOUS_FD = _register(
+    "HPCTOOLKIT_RENDEZVOUS_FD",
+    None,
+    "Set by the trainer role on rank 0 for itself: a socket already listening on the data-plane "
+    "address at MASTER_PORT, which the torch.distributed store serves on (`train.fsdp`), so the "
+    "rendezvous never binds all interfaces and no other process can take its port first.",
+)
 HPCTOOLKIT_PYTHON = _register(
     "HPCTOOLKIT_PYTHON",
     "python3",

@@ -13,7 +13,8 @@
 * `engine-follower` starts a `HeadlessFollower` with the leader's kwargs (both from
   `engine_llm_kwargs` with `engine_node_args`) and serves until its leader leaves. When the
   engine regenerates, it first serves the leader's generating engine the same way (its own
-  rendezvous, `regenerate_port`), until that leaves and the leader records `regenerated`.
+  rendezvous, `ports/engine<i>-generate.json`), until that leaves and the leader records
+  `regenerated`; then it waits for the leader's capture rendezvous (`ports/engine<i>.json`).
 """
 
 from __future__ import annotations
@@ -70,11 +71,8 @@ def _regenerate(
 
 def generation_node_args(ctx: NodeContext, proc: Process) -> NodeArgs:
     """This node's part of the generating engine: the capture engine's (`engine_node_args`), with
-    the generating rendezvous port on a multi-node engine."""
-    node = engine_node_args(ctx, proc, cores=_cores())
-    if node.master_port is not None:
-        node = dataclasses.replace(node, master_port=ctx.plan.engines[proc.engine or 0].regenerate_port)
-    return node
+    the generating engine's own rendezvous on a multi-node engine."""
+    return engine_node_args(ctx, proc, cores=_cores(), generating=True)
 
 
 def regenerates(cfg: RecipeConfig, engine: int) -> bool:
@@ -356,12 +354,13 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     target_dir = resolve_target(cfg.paths.target_model)
     # The leader's CaptureEngine makes this same call; only the node keys differ.
     sink = CaptureSink(store_address(ctx), cfg.store, attempt, e.index, str(ctx.run.faults(e.index)))
-    _, kwargs, env = engine_llm_kwargs(
-        cfg.engine, target_dir, sink, engine_node_args(ctx, proc, cores=_cores()), backend=detect_backend()
-    )
     stop = term_event()
     if regenerates(cfg, e.index):
         _follow_generation(ctx, proc, str(target_dir), stop)
+    # After the generation: the leader records its capture rendezvous only once that is done.
+    _, kwargs, env = engine_llm_kwargs(
+        cfg.engine, target_dir, sink, engine_node_args(ctx, proc, cores=_cores()), backend=detect_backend()
+    )
     os.environ.update(env)
     follower = HeadlessFollower.from_node_kwargs(kwargs)
     try:

@@ -23,6 +23,8 @@ Inside a run directory (every node of a Slurm job shares it):
                                  job these records belong to (`rundir.ledger.begin_attempt`)
     faults/engine<i>/            store errors the engine's workers recorded
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
+    ports/<listener>.json        a listener's address and the port its node picked at start
+                                 (`trainers`, `engine<i>`, `engine<i>-generate`; `roles.ports`)
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record (`SpoolDir`)
     train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json,
                                  draft_vocab.json, acceptance_per_position.png,
@@ -197,6 +199,14 @@ class RunDir:
 
     def host(self, node: int) -> Path:
         return self.root / "hosts" / f"n{node}.json"
+
+    @property
+    def ports(self) -> Path:
+        return self.root / "ports"
+
+    def port_record(self, listener: str) -> Path:
+        """Where `listener` (`plan.ports`) records the address and port it listens on."""
+        return self.ports / f"{listener}.json"
 
     @property
     def spool(self) -> Path:

@@ -195,6 +195,8 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
     stale = [run.master_record, run.ended, run.drained]
     if run.progress_dir.is_dir():
         stale += sorted(run.progress_dir.glob("*.json"))  # an earlier attempt's progress
+    if run.ports.is_dir():
+        stale += sorted(run.ports.glob("*.json"))  # an earlier attempt's ports, long closed
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
         stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))

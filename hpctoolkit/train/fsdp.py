@@ -38,9 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.trainers.base import FamilyTrainer
@@ -87,7 +89,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str) 
         backend = "gloo"
     owns = False
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        store = _listening_store(world_size) if init_method == "env://" and rank == 0 else None
+        if store is None:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         owns = True
     elif dist.get_world_size() != world_size:
         raise ConfigError(
@@ -95,6 +101,27 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str) 
         )
     host_group = dist.new_group(backend="gloo") if backend == "nccl" and world_size > 1 else None
     return DistContext(dist.get_rank(), world_size, dev, owns, host_group)
+
+
+def _listening_store(world_size: int) -> dist.Store | None:
+    """Rank 0's rendezvous store, served on the socket the trainer role already listens on
+    (`HPCTOOLKIT_RENDEZVOUS_FD`, on the data-plane address); None without one. torch's own env://
+    store listens on all interfaces whatever MASTER_ADDR says."""
+    fd = envs.get(envs.HPCTOOLKIT_RENDEZVOUS_FD.name)
+    if not fd:
+        return None
+    # Taken once: a second group in this process must not serve on the same descriptor.
+    os.environ.pop(envs.HPCTOOLKIT_RENDEZVOUS_FD.name, None)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=True,
+        timeout=default_pg_timeout,
+        master_listen_fd=int(fd),
+    )
+    # What env:// does to the store it makes; the other ranks join through env:// and expect it.
+    return dist.PrefixStore("default_pg", store)
 
 
 def build_mesh(ctx: DistContext, mode: str) -> DeviceMesh:
