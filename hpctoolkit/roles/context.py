@@ -53,7 +53,7 @@ class NodeContext:
     # This process's trainer rank when the local launcher started it (Slurm: SLURM_PROCID).
     local_rank_env: int = 0
     # The resolved recipe and its inputs as this process found them (`rundir.inputs`); None only
-    # for a context made by hand, which `start_attempt` refuses.
+    # for a context made by hand, from which no attempt starts (`pinned_of`).
     pinned: inputs.Pin | None = None
 
     def host(self, node: int) -> str:

@@ -68,8 +68,9 @@ def write_part(
 ) -> Path:
     """Rank `rank`'s part of the ledger of the checkpoint being written in `checkpoint_dir`:
     `prompts` maps each prompt index it trained on to its content key (or lists indices only)."""
-    keyed = dict(prompts) if isinstance(prompts, Mapping) else dict.fromkeys(prompts)
-    order = sorted({int(p) for p in keyed})
+    pairs = prompts.items() if isinstance(prompts, Mapping) else ((p, None) for p in prompts)
+    keyed = {int(p): k for p, k in pairs}
+    order = sorted(keyed)
     record = {"rank": rank, "step": step, "prompts": order, "keys": [keyed.get(p) for p in order]}
     return write_json_atomic(Path(checkpoint_dir) / part_name(rank), record)
 
