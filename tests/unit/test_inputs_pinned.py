@@ -346,6 +346,28 @@ def test_a_requeue_after_a_prompts_edit_is_refused_by_every_step(monkeypatch, ca
     assert json.loads(run.attempt.read_text())["restart"] == 0  # the refused attempt changed nothing
 
 
+def test_a_submitit_task_that_saw_other_inputs_than_task_0_is_refused(monkeypatch, tmp_path):
+    """Under submitit every task loads its context at once; at the first attempt one may do so
+    before task 0 pinned the inputs, so it checks them again once the attempt started."""
+    import os
+
+    from hpctoolkit.roles import dispatch
+    from hpctoolkit.slurm.env import SlurmEnvironment
+
+    prompts = rows_file(tmp_path / "prompts.jsonl", ["one", "two"])
+    ov = [f"paths.output_dir={tmp_path / 'out'}", f"data.prompts={prompts}"]
+    on_node(monkeypatch, "node5")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    late = context.load_context(SLURM_RECIPE, ov)  # nothing pinned yet: nothing to check
+    late_env = SlurmEnvironment.from_env(os.environ)
+    rows_file(prompts, ["one", "2"])  # node5 read the file before this edit reached node4
+    on_node(monkeypatch, "node4")
+    first = context.load_context(SLURM_RECIPE, ov)
+    dispatch._begin_attempt(first, SlurmEnvironment.from_env(os.environ))  # task 0 pins
+    with pytest.raises(ConfigError, match=r"prompts\.jsonl changed since this run started"):
+        dispatch._begin_attempt(late, late_env)
+
+
 def test_a_by_hand_resume_with_other_overrides_is_refused(monkeypatch, capsys, tmp_path):
     """A local run directory resumed by hand (`HPCTOOLKIT_RUN_ID`): the same recipe passes, a
     changed override is refused naming the key; a longer time limit is not a change."""
