@@ -7,8 +7,8 @@
 
 The first attempt writes it (`pin`, from `ledger.start_attempt`); every later attempt (a requeue,
 a by-hand resume) and every role on every node (`roles.context.load_context`) measures its inputs
-again (`roles.inputs.measure`) and `check`s them: a changed recipe or file is a `ConfigError`, one line naming it and both
-hashes. A file is keyed by its path as the recipe names it (a run's nodes share those paths); an
+again (`roles.inputs.measure`) and `check`s them: a changed recipe or file is a `ConfigError`, one
+line naming it and both hashes. A file is keyed by its path as the recipe names it (a run's nodes share those paths); an
 installed wheel's file by `pypi:` name or `wheel:<distribution>/<file>` (each node has its own
 site-packages). A run directory from before this record gets one at its next attempt.
 
