@@ -404,6 +404,27 @@ def test_the_check_step_refuses_an_edited_prompts_file_in_one_line(tmp_path):
     )
 
 
+def test_a_by_hand_resume_is_refused_at_submission(monkeypatch, capsys, tmp_path):
+    """`HPCTOOLKIT_RUN_ID=<run> python -m hpctoolkit.submit ...` checks the run's pins on the submit
+    host: a changed input is said before the job waits in the queue."""
+    from hpctoolkit import submit
+
+    prompts = rows_file(tmp_path / "prompts.jsonl", [f"p{i}" for i in range(16)])
+    ov = [f"paths.output_dir={tmp_path / 'out'}", f"data.prompts={prompts}", "data.num_samples=4"]
+    on_node(monkeypatch, "node4")
+    assert roles_main.main(["check", SLURM_RECIPE, *ov]) == 0  # the first job's check step
+    for name in SLURM_VARS:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HPCTOOLKIT_RUN_ID", "emulated-3node-j42")
+    assert submit.main([SLURM_RECIPE, *ov, "--dry-run"]) == 0
+    rows_file(prompts, [f"q{i}" for i in range(16)])
+    with pytest.raises(SystemExit) as done:
+        run_cli(submit.main, [SLURM_RECIPE, *ov, "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: run emulated-3node-j42: {prompts} changed since this run started")
+
+
 # --- the sample ledger's content keys ------------------------------------------------------------
 
 
