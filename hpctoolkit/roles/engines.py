@@ -6,9 +6,9 @@
   (`store.fragments.LossMasks`), appends each manifest to its queue, writes its done record, and
   keeps its store segment (where the fragments live) until the trainers write `drained`.
   A resumed run (`rundir.ledger`) captures only the prompts its checkpoint's ledger does not hold
-  (refusing one whose content changed), each manifest tagged with its prompt index and content
-  key, under this attempt's own key prefix, after removing
-  the fragments an earlier attempt's queue lists. On SIGUSR2 (preemption), or once the trainers'
+  (refusing, first, a trained one whose content changed), each manifest tagged with its prompt
+  index and content key, under this attempt's own key prefix, after removing the fragments an
+  earlier attempt's queue lists. On SIGUSR2 (preemption), or once the trainers'
   end record says they checkpointed on it, it stops capturing without failing the queue and waits
   as after the last sample.
 * `engine-follower` starts a `HeadlessFollower` with the leader's kwargs (both from
@@ -186,11 +186,27 @@ def _trainers_preempted(ctx: NodeContext) -> bool:
     return isinstance(ended, dict) and bool(ended.get("preempted"))
 
 
+def _refuse_changed_prompts(ctx: NodeContext, engine: int, keys: list[str]) -> None:
+    """Before anything is generated or captured: each of this engine's prompts that the attempt's
+    checkpoint trained on must still have the content it trained on (`keys`: by prompt, in order)."""
+    cfg = ctx.cfg
+    indices = range(engine, cfg.data.num_samples, cfg.engine.num_engines)
+    done = ledger.attempt_ledger(ctx.run)
+    changed = done.changed(dict(zip(indices, keys, strict=True))) if done is not None else []
+    if done is not None and changed:
+        index, then, now = changed[0]
+        raise ConfigError(
+            f"data: prompt {index} is not the prompt {done.checkpoint.name} trained on (content key "
+            f"{then} then, {now} now; {len(changed)} of engine {engine}'s prompts changed): the data "
+            "changed since the run started; put it back, or start a new run"
+        )
+
+
 def _left_to_capture(
     ctx: NodeContext, engine: int, mine: list[list[int]], keys: list[str]
 ) -> list[tuple[int, str, list[int]]]:
     """`(prompt index, content key, ids)` of this engine's prompts that no completed checkpoint
-    trained on. A prompt whose content is not the one the checkpoint trained on is refused."""
+    trained on."""
     cfg = ctx.cfg
     indices = range(engine, cfg.data.num_samples, cfg.engine.num_engines)
     if not len(indices) == len(mine) == len(keys):
@@ -199,20 +215,12 @@ def _left_to_capture(
             f"{cfg.data.num_samples} over {cfg.engine.num_engines} engine(s) gives it {len(indices)}"
         )
     done = ledger.attempt_ledger(ctx.run)
-    key_of = dict(zip(indices, keys, strict=True))
-    changed = done.changed(key_of) if done is not None else []
-    if done is not None and changed:
-        index, then, now = changed[0]
-        raise ConfigError(
-            f"data: prompt {index} is not the prompt {done.checkpoint.name} trained on (content key "
-            f"{then} then, {now} now; {len(changed)} of engine {engine}'s prompts changed): the data "
-            "changed since the run started; put it back, or start a new run"
-        )
     left = ledger.remaining(indices, done)
     if done is not None:
         say(
             f"engine {engine}: {done.checkpoint.name} trained {len(mine) - len(left)} of its prompts; capturing the other {len(left)}"
         )
+    key_of = dict(zip(indices, keys, strict=True))
     by_index = dict(zip(indices, mine, strict=True))
     return [(g, key_of[g], by_index[g]) for g in left]
 
@@ -266,6 +274,8 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
         wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)
         _remove_stale_fragments(ctx, e.index)
         target_dir = str(resolve_target(cfg.paths.target_model))
+        keys = row_keys(cfg.data, cfg.data.num_samples)[e.index :: cfg.engine.num_engines]
+        _refuse_changed_prompts(ctx, e.index, keys)
         samples = engine_prompts(ctx, proc, target_dir)
         # What a pruned draft vocabulary is chosen from: every sample's supervised tokens.
         _write_vocab_counts(ctx, e.index, samples, queue.run_prefix)
@@ -273,7 +283,6 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             # The generating engine has left: a follower node may now join the capture engine.
             write_json_atomic(ctx.run.regenerated(e.index), {"run_prefix": queue.run_prefix})
         masks = _loss_masks(ctx, samples)
-        keys = row_keys(cfg.data, cfg.data.num_samples)[e.index :: cfg.engine.num_engines]
         todo = _left_to_capture(ctx, e.index, [ids for ids, _ in samples], keys)
         t0 = time.monotonic()
         with CaptureEngine(
@@ -325,8 +334,8 @@ def _capture(
     preempted: threading.Event,
 ) -> None:
     """Capture `todo` in batches of `engine.capture_batch`: each manifest, tagged with its prompt
-    index and content key, gets its loss mask and joins the queue. Stops early, without failing, on preemption
-    (`preempted` is then set); a stopped step fails it."""
+    index and content key, gets its loss mask and joins the queue. Stops early, without failing, on
+    preemption (`preempted` is then set); a stopped step fails it."""
     mine = [ids for *_, ids in todo]
     batch = ctx.cfg.engine.capture_batch
     # Between batches: wait while the trainers leave too much unread in a segment.

@@ -465,12 +465,16 @@ def test_a_resumed_engine_refuses_a_prompt_that_changed(monkeypatch, tmp_path):
         ledger.write_part(d, r, 2, {})
     (d / "meta.json").write_text(json.dumps({"step": 2, "world_size": 4}))
     ids = [[i] for i in range(6)]
+    engines._refuse_changed_prompts(ctx, 0, keys)
     left = engines._left_to_capture(ctx, 0, ids, keys)
     assert [(g, k) for g, k, _ in left] == [(1, keys[1]), (3, keys[3]), (4, keys[4]), (5, keys[5])]
+    # A prompt no checkpoint trained on may change; a trained one may not.
+    rows_file(prompts, ["prompt 0", "other 1", "prompt 2", "prompt 3", "prompt 4", "prompt 5"])
+    engines._refuse_changed_prompts(ctx, 0, row_keys(ctx.cfg.data, 6))
     rows_file(prompts, ["prompt 0", "prompt 1", "another", "prompt 3", "prompt 4", "prompt 5"])
     now = row_keys(ctx.cfg.data, 6)
     with pytest.raises(
         ConfigError,
         match=rf"prompt 2 is not the prompt step-00000002 trained on \(content key {keys[2]} then, {now[2]} now",
     ):
-        engines._left_to_capture(ctx, 0, ids, now)
+        engines._refuse_changed_prompts(ctx, 0, now)
