@@ -6,7 +6,8 @@ on: the roles write every record atomically (`rundir.atomic`), so a reader sees 
 
 The phase (`plan.lifecycle.PHASES`) is the first whose records are not all there yet:
 
-    start     until a role leaves any record (config.yaml and attempt.json are the start's own)
+    start     until a role leaves any record (config.yaml, inputs.json and attempt.json are the
+              start's own)
     master    master.json (skipped with an external master, `store.master_address`)
     engines   until the trainers report a step (`progress/trainer.json`, `train/data_order/rank0.jsonl`)
     trainers  until `ended.json`
@@ -270,7 +271,7 @@ def read_records(run: RunDir) -> Records:
             found = _last_error(log)
             if found is not None:
                 errors[log.stem] = found
-    own = {run.config.name, run.attempt.name}
+    own = {run.config.name, run.inputs.name, run.attempt.name}
     return Records(
         run=run,
         config=config,

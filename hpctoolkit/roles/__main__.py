@@ -5,7 +5,7 @@ from __future__ import annotations
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.config.load import to_yaml
 from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
-from hpctoolkit.roles.context import load_context, select_process
+from hpctoolkit.roles.context import load_context, pinned_of, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
 from hpctoolkit.rundir import ledger
@@ -24,9 +24,10 @@ def main(argv: list[str]) -> int:
     args = parse(ap, argv)
     ctx = load_context(args.recipe, args.overrides)
     if args.role == ROLE_CHECK:
-        # Once per job, before any step: the run directory and the resolved recipe it ran with.
+        # Once per attempt, before any step: the run directory, its pinned inputs (refused when
+        # changed since the first attempt) and the resolved recipe it runs with.
         job_id = None if ctx.slurm is None else ctx.slurm.job_id
-        if ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), job_id):
+        if ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), pinned_of(ctx), job_id):
             print(f"attempt {ledger.restart_count()} of job {job_id}: cleared the earlier attempt's records")
         print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
         return 0

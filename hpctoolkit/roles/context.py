@@ -26,13 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.config.load import load_pinned
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
 from hpctoolkit.plan.ports import TRAINER_LISTENER, engine_listener
+from hpctoolkit.roles.inputs import measure as measure_inputs
 from hpctoolkit.roles.network import LOOPBACK, HostAddress, free_port, listen, local_address
+from hpctoolkit.rundir import inputs
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.env import SlurmEnvironment
@@ -64,6 +66,9 @@ class NodeContext:
     host_address: HostAddress = LOOPBACK_ADDRESS
     # This process's trainer rank when the local launcher started it (Slurm: SLURM_PROCID).
     local_rank_env: int = 0
+    # The resolved recipe and its inputs as this process found them (`rundir.inputs`); None only
+    # for a context made by hand, from which no attempt starts (`pinned_of`).
+    pinned: inputs.Pin | None = None
 
     def host(self, node: int) -> str:
         return self.hosts[node]
@@ -102,10 +107,21 @@ def check_digest(plan: Plan, recipe: str, env: Mapping[str, str]) -> None:
 def load_context(
     recipe: str, overrides: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> NodeContext:
+    """This process's place in the run of `recipe` with `overrides`: the plan (checked against the
+    batch script's digest), its node and run directory, and its inputs, checked against those the
+    run pinned at its start (`rundir.inputs`; a change is a `ConfigError`)."""
     env = os.environ if environ is None else environ
-    cfg = load_recipe(recipe, list(overrides))
+    cfg, recipe_yaml = load_pinned(recipe, list(overrides))
     plan = make_plan(cfg)
     check_digest(plan, recipe, env)
+    ctx = _place(cfg, plan, env)
+    # Every role on every node: the inputs it reads are those the run started with.
+    pinned = measure_inputs(cfg, recipe_yaml)
+    inputs.check(ctx.run, pinned)
+    return dataclasses.replace(ctx, pinned=pinned)
+
+
+def _place(cfg: RecipeConfig, plan: Plan, env: Mapping[str, str]) -> NodeContext:
     if SlurmEnvironment.detected(env):
         senv = SlurmEnvironment.from_env(env)
         if len(senv.nodelist) != plan.num_nodes:
@@ -127,6 +143,13 @@ def load_context(
     rank = int(env.get("RANK", "0"))
     here = local_address(cfg.cluster.network or LOOPBACK, LOCALHOST)
     return NodeContext(cfg, plan, 0, (LOCALHOST,), LOCALHOST, None, run, here, rank)
+
+
+def pinned_of(ctx: NodeContext) -> inputs.Pin:
+    """The inputs `load_context` measured; an attempt never starts from a context without them."""
+    if ctx.pinned is None:
+        raise AssertionError("a run's attempt starts from load_context, which measures its inputs")
+    return ctx.pinned
 
 
 def select_process(ctx: NodeContext, role: str) -> Process:

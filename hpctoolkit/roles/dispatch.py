@@ -36,7 +36,7 @@ from hpctoolkit.plan.placement import (
     Process,
 )
 from hpctoolkit.roles.child import Child
-from hpctoolkit.roles.context import NodeContext, load_context, note_host, store_address
+from hpctoolkit.roles.context import NodeContext, load_context, note_host, pinned_of, store_address
 from hpctoolkit.roles.dry import dry_roles
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
 from hpctoolkit.roles.evaluate import evaluate_in_fresh_process
@@ -237,10 +237,12 @@ def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
     """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
     starts it (`ledger.start_attempt`); the others wait for it."""
     from hpctoolkit.config.load import to_yaml
-    from hpctoolkit.rundir import ledger
+    from hpctoolkit.rundir import inputs, ledger
 
     restart = ledger.restart_count()
     if senv.proc_id == 0:
-        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), senv.job_id, restart=restart)
+        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), pinned_of(ctx), senv.job_id, restart=restart)
     else:
         ledger.wait_attempt(ctx.run, senv.job_id, restart)
+        # At the first attempt this task may have loaded its context before task 0 pinned the inputs.
+        inputs.check(ctx.run, pinned_of(ctx))

@@ -7,7 +7,10 @@ earlier one's results: a local run's id is `<recipe name>-<UTC time>-<4 hex>`, a
 
 Inside a run directory (every node of a Slurm job shares it):
 
-    config.yaml                  the resolved recipe of this run
+    config.yaml                  the resolved recipe of this run (this attempt's)
+    inputs.json                  the resolved recipe and the SHA-256 of every input it names, as the
+                                 first attempt found them; every attempt and role checks them
+                                 (`rundir.inputs`)
     master.json                  the Mooncake master's addresses (`roles.master`)
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
@@ -149,6 +152,11 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def inputs(self) -> Path:
+        """The pinned recipe and inputs (`rundir.inputs`)."""
+        return self.root / "inputs.json"
 
     @property
     def master_record(self) -> Path:
