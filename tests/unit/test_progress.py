@@ -5,7 +5,6 @@ terminal only."""
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import math
 import re
@@ -176,7 +175,9 @@ def test_the_trainer_reports_at_its_interval_and_at_the_last_step(tmp_path, monk
     steps = [int(m.group(1)) for m in map(STEP_LINE.match, lines) if m]
     assert len(steps) == len(lines), lines
     assert steps[-1] == 10 and steps == sorted(set(steps)), lines
-    assert 2 <= len(steps) <= 6 and all(b - a >= 2 for a, b in itertools.pairwise(steps[:-1])), lines
+    # Throttled: fewer lines than steps. (Not "never two steps in a row": on a loaded machine one
+    # paced step can itself outlast the interval.)
+    assert 2 <= len(steps) <= 6, lines
     assert record["step"] == 10 and record["total"] == 10 and record["role"] == "trainer"
     assert record["loss"] > 0 and record["samples_per_s"] > 0 and record["eta_s"] == 0
     assert record["time"] > 0
