@@ -8,6 +8,7 @@ from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
 from hpctoolkit.roles.context import load_context, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
+from hpctoolkit.roles.heartbeat import guard_process_group
 from hpctoolkit.roles.verdict import run_died
 from hpctoolkit.rundir import ledger
 
@@ -41,7 +42,9 @@ def main(argv: list[str]) -> int:
         return 0 if why else 1
     if args.role == ROLE_DIED:
         return run_died(ctx)
-    result = run_process(ctx, select_process(ctx, args.role))
+    proc = select_process(ctx, args.role)
+    guard_process_group()  # what the role starts ends with it, even when it is killed outright
+    result = run_process(ctx, proc)
     return result if isinstance(result, int) else 0
 
 

@@ -40,7 +40,7 @@ from hpctoolkit.roles.context import NodeContext, load_context, note_host, store
 from hpctoolkit.roles.dry import dry_roles
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
 from hpctoolkit.roles.evaluate import evaluate_in_fresh_process
-from hpctoolkit.roles.heartbeat import Heartbeat
+from hpctoolkit.roles.heartbeat import Heartbeat, guard_process_group
 from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
@@ -192,6 +192,7 @@ def _run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> s
         return line
     os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
     ctx = load_context(recipe, overrides)
+    guard_process_group()  # what the task starts ends with it, even when it is killed outright
     return follow(ctx, senv, proc, recipe, overrides)
 
 

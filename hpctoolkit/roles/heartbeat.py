@@ -57,3 +57,44 @@ class Heartbeat:
         self.leave(f"signal {signum}")
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+# The guard: a tiny process that outlives this one by an instant and ends what it left behind.
+# It ignores what Slurm and the launchers send a step's processes (a step's end goes to every one),
+# so only this process's death (PR_SET_PDEATHSIG, a signal nobody else sends) sets it off.
+_GUARD = r"""
+import ctypes, os, signal, sys
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+    signal.signal(s, signal.SIG_IGN)
+def end(*_):
+    os.killpg(group, signal.SIGKILL)
+death = signal.SIGRTMIN + 1
+signal.signal(death, end)
+ctypes.CDLL(None, use_errno=True).prctl(1, int(death), 0, 0, 0)
+if os.getppid() != parent:
+    end()
+while True:
+    signal.pause()
+"""
+
+
+def guard_process_group() -> bool:
+    """Make this role's process group end with it: vLLM's engine core and workers, the Mooncake
+    master binary, whatever it started, once it dies however it dies (SIGKILL included; a role
+    that leaves ends them itself first). Only for a process that leads its own group (each srun
+    task, each role of the embedded launcher), so no other process's group is ever ended."""
+    import subprocess
+    import sys
+
+    if os.getpgid(0) != os.getpid():
+        return False
+    subprocess.Popen(
+        [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), str(os.getpgid(0))],
+        # Nothing of the role's output: a launcher reading it to its end must not wait on this.
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
+    return True

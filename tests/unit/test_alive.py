@@ -4,6 +4,7 @@ it (`plan.lifecycle`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -217,3 +218,66 @@ def test_a_role_ended_by_sigterm_says_so_and_still_ends(tmp_path):
     finally:
         child.kill()
     assert alive.RoleRecord.read(path).left == "signal 15"
+
+
+GUARDED_CHILD = """
+import subprocess, sys, time
+from hpctoolkit.roles.heartbeat import guard_process_group
+assert guard_process_group()
+child = subprocess.Popen(["sleep", "60"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_what_a_killed_role_started_ends_with_it():
+    """The guard ends a role's process group once the role is killed outright (vLLM's engine core
+    and workers would otherwise outlive it); it ignores the SIGTERM a step's end sends them all."""
+    role = subprocess.Popen(
+        [sys.executable, "-c", GUARDED_CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert role.stdout is not None
+        grandchild = int(role.stdout.readline())
+        guard = [p for p in _children(role.pid) if p != grandchild]
+        assert len(guard) == 1
+        deadline = time.monotonic() + 10
+        while not _ignores_sigterm(guard[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # its interpreter is starting
+        os.kill(guard[0], signal.SIGTERM)  # as srun's step end: the guard stays
+        time.sleep(0.5)
+        assert _alive(guard[0]) and _alive(grandchild)
+        role.kill()
+        role.wait(10)
+        deadline = time.monotonic() + 10
+        while (_alive(grandchild) or _alive(guard[0])) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(grandchild) and not _alive(guard[0])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(role.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
