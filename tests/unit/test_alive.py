@@ -281,3 +281,19 @@ def _ignores_sigterm(pid: int) -> bool:
         if line.startswith("SigIgn:"):
             return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
     return False
+
+
+def test_the_embedded_launcher_names_a_role_killed_outright(tmp_path):
+    from hpctoolkit.roles.local import RoleProcess
+
+    p = RoleProcess(
+        "engine0",
+        ["bash", "-c", "echo starting; kill -9 $$"],
+        dict(os.environ),
+        tmp_path / "engine0.log",
+        tmp_path / "engine0.failure.json",
+    )
+    assert p.proc.wait(10) == -signal.SIGKILL
+    err = p.failure()
+    assert str(err).startswith("engine0 died (signal 9; log ")
+    p.stop()
