@@ -52,8 +52,9 @@ WATCH_POLL_S = 1
 # From a role's death (or failure) to the job's end, every process of the job gone: the watch
 # notices within WATCH_POLL_S (a peer's within `roles.watch`'s few seconds), names the role
 # (a few seconds of Python start-up on a loaded node), then ends the other steps (SIGTERM, then
-# SIGKILL after STOP_GRACE_S; under Slurm its KillWait), the drain skipped: tens of seconds, which
-# tests/e2e/test_kill.py holds to this bound on the emulated hosts; it leaves room for a loaded node.
+# SIGKILL after STOP_GRACE_S; under Slurm its KillWait), the drain skipped. Measured 4-6 s from the
+# kill to Slurm's FAILED on the emulated hosts (tests/e2e/test_kill.py holds it to this bound); the
+# bound leaves room for a loaded node and a role that needs its whole KillWait.
 DEATH_BOUND_S = 90
 
 # When a phase is entered (`enters`).
