@@ -104,6 +104,17 @@ HPCTOOLKIT_PLAN_DIGEST = _register(
     "Set by rendered batch scripts: the placement digest they were rendered for. A node whose own "
     "plan (recipe + overrides) differs refuses to start, so a stale script fails closed.",
 )
+HPCTOOLKIT_FAILED_STEP = _register(
+    "HPCTOOLKIT_FAILED_STEP",
+    None,
+    "Set by rendered batch scripts for `python -m hpctoolkit.roles died`: the step (its srun "
+    "--job-name) that exited non-zero; with HPCTOOLKIT_FAILED_STATUS, its exit status.",
+)
+HPCTOOLKIT_FAILED_STATUS = _register(
+    "HPCTOOLKIT_FAILED_STATUS",
+    "0",
+    "Set by rendered batch scripts with HPCTOOLKIT_FAILED_STEP: that step's exit status.",
+)
 HPCTOOLKIT_FAILURE_RECORD = _register(
     "HPCTOOLKIT_FAILURE_RECORD",
     None,

@@ -8,12 +8,16 @@ from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
 from hpctoolkit.roles.context import load_context, pinned_of, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
+from hpctoolkit.roles.heartbeat import guard_process_group
+from hpctoolkit.roles.verdict import run_died
 from hpctoolkit.rundir import ledger
 
 ROLE_CHECK = "check"
 # Not a role: exit 0 when this attempt's trainers checkpointed on SIGUSR2 (the batch script asks).
 ROLE_PREEMPTED = "preempted"
-ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE, ROLE_PREEMPTED)
+# Not a role: name the role of a failed step that died (the batch script asks; `roles.verdict`).
+ROLE_DIED = "died"
+ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE, ROLE_PREEMPTED, ROLE_DIED)
 
 
 def main(argv: list[str]) -> int:
@@ -37,7 +41,11 @@ def main(argv: list[str]) -> int:
         why = ledger.preempted_attempt(ctx.run)
         print(f"preempted: {why}" if why else f"run {ctx.run_id}: no checkpoint on SIGUSR2 in this attempt")
         return 0 if why else 1
-    result = run_process(ctx, select_process(ctx, args.role))
+    if args.role == ROLE_DIED:
+        return run_died(ctx)
+    proc = select_process(ctx, args.role)
+    guard_process_group()  # what the role starts ends with it, even when it is killed outright
+    result = run_process(ctx, proc)
     return result if isinstance(result, int) else 0
 
 

@@ -83,6 +83,10 @@ class RoleProcess:
         self._pump.join(timeout=5)
         where = f"(exit code {self.proc.returncode}; log {self.log})"
         rec = read_json(self.record)
+        code = self.proc.returncode
+        if (not isinstance(rec, dict) or not rec.get("said")) and code is not None and code < 0:
+            # Killed outright (SIGKILL, the OOM killer): it said nothing; its status says how.
+            return RoleFailedError(f"{self.name} died ({lifecycle.how_ended(code)}; log {self.log})")
         if not isinstance(rec, dict) or not rec.get("said"):
             lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
             return RoleFailedError(f"{self.name} failed: {lines[-1] if lines else 'no output'} {where}")

@@ -28,6 +28,9 @@ Inside a run directory (every node of a Slurm job shares it):
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
     ports/<listener>.json        a listener's address and the port its node picked at start
                                  (`trainers`, `engine<i>`, `engine<i>-generate`; `roles.ports`)
+    hosts/n<k>.<pid>.probe       a role process's probe listener and its role (`roles.watch`)
+    alive/<role>.json            a role process's record of itself: its heartbeat (mtime) and how
+                                 it left (`rundir.alive`); faults/died.json: the role that died
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record (`SpoolDir`)
     train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json,
                                  draft_vocab.json, acceptance_per_position.png,

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.rundir import inputs
+from hpctoolkit.rundir import alive
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir
 
@@ -237,6 +238,10 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
         stale += sorted(run.progress_dir.glob("*.json"))  # an earlier attempt's progress
     if run.ports.is_dir():
         stale += sorted(run.ports.glob("*.json"))  # an earlier attempt's ports, long closed
+    # An earlier attempt's role records and probes: its roles, ended with the job, must not
+    # look dead to this attempt's watch (`rundir.alive`, `roles.watch`).
+    stale += [alive.died_path(run.root), *sorted(alive.alive_dir(run.root).glob("*.json"))]
+    stale += sorted((run.root / "hosts").glob("*.probe"))
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
         stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))

@@ -14,7 +14,8 @@ Preemption uses submitit's machinery: Slurm sends SIGUSR2 `cluster.signal_before
 limit (or `scancel --signal=USR2`) to every task; the trainers checkpoint (`train.preempt`), the
 engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's handler) waits for
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
-the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
+the same run directory (`rundir.ledger`). A task that dies or fails ends the job's one step
+(`srun --kill-on-bad-exit`). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed; with
 `evaluate.enabled`, trainer rank 0's task then waits for the drain and runs the evaluate role
 (`roles.dispatch.follow`), in the order `plan.lifecycle` gives every backend.
@@ -171,9 +172,13 @@ def make_executor(
     python = None if prefix is None else " ".join(shlex.quote(a) for a in prefix)
     executor = submitit.SlurmExecutor(folder=str(folder), python=python)
     params = executor_parameters(cfg, plan)
+    # One step holds every task: a task that dies or fails (a non-zero exit) ends the others, so
+    # the job ends instead of its peers waiting on it (`plan.lifecycle`'s watch).
+    srun_args = ["--kill-on-bad-exit=1"]
     if cfg.paths.output_dir and not dry:
         log = str(Path(cfg.paths.output_dir) / "slurm-%j.out")
-        params["srun_args"] = ["--output", log, "--error", log]
+        srun_args += ["--output", log, "--error", log]
+    params["srun_args"] = srun_args
     executor.update_parameters(**params)
     return executor
 
