@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir import inputs
-from hpctoolkit.rundir import alive
+from hpctoolkit.rundir import alive, inputs
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir
 
