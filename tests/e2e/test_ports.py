@@ -8,10 +8,9 @@ import dataclasses
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from store_fixtures import ROOT, needs_mooncake, small_store_cfg
+from store_fixtures import ROOT, listening, needs_mooncake, small_store_cfg
 
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir
@@ -23,32 +22,6 @@ pytestmark = [pytest.mark.real]
 # Any address of the loopback net proves the bind address is the one given (127.0.0.1 could be a
 # default); 0.0.0.0 / :: would be every interface.
 DATA_PLANE = "127.0.0.2"
-
-
-def _hex_ip(hexip: str) -> str:
-    if len(hexip) == 8:
-        return ".".join(str(int(hexip[i : i + 2], 16)) for i in (6, 4, 2, 0))
-    return "::" if int(hexip, 16) == 0 else f"v6:{hexip}"
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket (IPv4 and IPv6) `pid` listens on, from /proc."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                hexip, hexport = cols[1].split(":")
-                out.add((_hex_ip(hexip), int(hexport, 16)))
-    return out
 
 
 @needs_mooncake
