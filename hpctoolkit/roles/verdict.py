@@ -1,6 +1,6 @@
 """`python -m hpctoolkit.roles died`: after a step of the batch script exited non-zero, name the
-role of it that died first (`rundir.alive.culprit`) in the run's one line, unless a peer's watch named it
-first (`rundir.alive.claim_death`). A step whose roles all recorded how they left failed rather
+role of it that died first (`rundir.alive.culprit`) in the run's one line, or the role a peer's watch
+claimed first (`rundir.alive.claim_death`); said once however many steps ask. A step whose roles all recorded how they left failed rather
 than died: its own error line is the run's, and this says nothing."""
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ def run_died(ctx: NodeContext) -> int:
         status = int(envs.get(envs.HPCTOOLKIT_FAILED_STATUS.name) or "0")
     except ValueError:
         raise ConfigError(f"{envs.HPCTOOLKIT_FAILED_STATUS.name} is not an exit status") from None
+    root = ctx.run.root
     line = name_the_dead(ctx, step, status)
-    if line:
+    claim = alive.claimed(root)
+    if line is None and claim is not None:
+        # A peer's watch claimed the death first. Its own line may never reach the job's output
+        # (srun ends that role's step while it unwinds), so the batch script, which outlives every
+        # step, says the run's one line from the claim.
+        line = alive.died_line(str(claim.get("role")), str(claim.get("host")), str(claim.get("how")))
+    if line and alive.announce_once(root):
         print(f"hpctoolkit: {line}", flush=True)
-    return 0 if line or alive.claimed(ctx.run.root) else 1
+    return 0 if line or claim else 1

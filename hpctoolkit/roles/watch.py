@@ -170,7 +170,9 @@ class PeerWatch:
         if dead.key == record.key:
             how += f"; nothing listens on {probe.address}:{probe.port}"
         if alive.claim_death(root, dead.key, dead.role, dead.host, how, by=self.ctx.nodename):
-            return alive.died_line(dead.role, dead.host, how)
+            # Not the run's died line: in a batch job the batch script says that one from the
+            # claim (this role's own output may be cut off as srun ends its step).
+            return f"stopping: {dead.role} (node {dead.host}) is dead ({how})"
         return f"stopping: another role of the run is dead ({alive.died_path(root)} names it)"
 
     def _check(self, node: int) -> str | None:

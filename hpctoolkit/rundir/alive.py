@@ -161,6 +161,16 @@ def claim_death(root: Path, key: str, role: str, host: str, how: str, by: str) -
     return True
 
 
+def announce_once(root: Path) -> bool:
+    """True for the first caller only: the batch script says the run's died line once, however many
+    of its failed steps ask (`roles.verdict`)."""
+    try:
+        os.close(os.open(died_path(root).with_suffix(".said"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
 def claimed(root: Path) -> dict[str, Any] | None:
     rec = read_json(died_path(root))
     return rec if isinstance(rec, dict) else None

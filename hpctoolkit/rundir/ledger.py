@@ -239,7 +239,8 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
         stale += sorted(run.ports.glob("*.json"))  # an earlier attempt's ports, long closed
     # An earlier attempt's role records and probes: its roles, ended with the job, must not
     # look dead to this attempt's watch (`rundir.alive`, `roles.watch`).
-    stale += [alive.died_path(run.root), *sorted(alive.alive_dir(run.root).glob("*.json"))]
+    died = alive.died_path(run.root)
+    stale += [died, died.with_suffix(".said"), *sorted(alive.alive_dir(run.root).glob("*.json"))]
     stale += sorted((run.root / "hosts").glob("*.probe"))
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))

@@ -151,13 +151,29 @@ def test_the_watch_names_a_peer_whose_process_is_gone_once(tmp_path):
     reasons = [watch._check(2) for _ in range(DEAD_ROUNDS)]
     assert reasons[:-1] == [None] * (DEAD_ROUNDS - 1)
     assert reasons[-1].startswith(
-        "engine 0 leader (node host3) died (its process 4242 is gone, no end record"
+        "stopping: engine 0 leader (node host3) is dead (its process 4242 is gone, no end record"
     )
     assert json.loads(alive.died_path(ctx.run.root).read_text())["key"] == "engine0-0"
     # Another watcher (trainer rank 1's, on host2) does not name it again.
     other = PeerWatch(_ctx(tmp_path, 1))
     last = [other._check(2) for _ in range(DEAD_ROUNDS)][-1]
     assert last is not None and "died (" not in last and "names it" in last
+
+
+def test_the_batch_script_says_a_watchers_claim_once(tmp_path, monkeypatch, capsys):
+    # The engine leader's watch claimed the master's death, then srun ended its step before its
+    # own line reached the output: the batch script's `roles died` says the run's one line, once
+    # however many failed steps ask.
+    from hpctoolkit.plan import lifecycle
+    from hpctoolkit.roles.verdict import run_died
+
+    ctx = _ctx(tmp_path, 0)
+    assert alive.claim_death(ctx.run.root, "master", "master", "host1", "its process 9 is gone", by="host3")
+    monkeypatch.setenv("HPCTOOLKIT_FAILED_STEP", lifecycle.TRAINER_STEP)
+    monkeypatch.setenv("HPCTOOLKIT_FAILED_STATUS", "1")
+    assert run_died(ctx) == 0 and run_died(ctx) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if " died (" in x]
+    assert said == ["hpctoolkit: master (node host1) died (its process 9 is gone)"]
 
 
 def test_the_watch_lets_a_peer_that_left_go(tmp_path):
