@@ -546,12 +546,13 @@ def _read(path: Path):
     return read_json(path)
 
 
-# Time-limit variant (the requeued attempt runs unpaced): Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
+# Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
 # runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
-# training), while the trainer is mid-way through its steps. The steps are paced to at least
-# MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any machine: a
-# 2-core AVX2 machine trained about 22 steps a second once the engine was up (~50 s), a 2-core
-# AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal).
+# training), while the trainer is mid-way through its steps. The first attempt's steps are paced
+# to at least MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any
+# machine: a 2-core AVX2 machine trained about 22 steps a second once the engine was up (~50 s), a
+# 2-core AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal). The
+# requeued attempt runs unpaced (the hook paces a job's first attempt only).
 # While the requeued job waits, the test raises its time limit (as an operator would with
 # `scontrol update`; the roles read the limit at start), so the resumed attempt trains to the same
 # final step as an uninterrupted run.
