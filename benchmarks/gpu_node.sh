@@ -12,9 +12,10 @@
 #   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
 #                                            tail and copy the results into $OUT (when set)
 #
-# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), run
-# (`make run` with that venv: the GPU default), bench (benchmarks/gpu_pipeline.py on make run's
-# draft). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
+# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), tier_new
+# (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
+# (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
+# capture, serve (after run). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
 # $HPC/results/stages.txt; the stages go on after a failed one.
 set -uo pipefail
 HPC=${HPC:-/opt/hpc}
@@ -45,6 +46,34 @@ stage_run() {
   local rc=$?
   find runs/local_gpu -name summary.json -exec cp {} "$res/summary.json" \;
   return $rc
+}
+
+# The first runs on CUDA of tests written after the last GPU session, ahead of the whole tier.
+NEW_GPU_TESTS=(
+  "tests/e2e/test_engine_real.py::test_a_request_aborted_mid_prefill_leaves_no_fragment"
+  "tests/gpu/test_gpu_vllm.py::test_graphs_round_as_compiled_without_graphs"
+  "tests/gpu/test_gpu_vllm.py::test_no_stale_rows_under_graphs"
+  "tests/gpu/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones"
+)
+
+stage_tier_new() {
+  timeout 420 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
+    --junitxml "$res/tier_new.xml" "${NEW_GPU_TESTS[@]}"
+}
+
+# The benchmark's parts one at a time, so that a lease cut short keeps the parts that finished.
+stage_regen() {
+  timeout 480 "$py" benchmarks/gpu_pipeline.py regen --max-num-seqs --json "$res/regen.json"
+}
+
+stage_capture() {
+  timeout 420 "$py" benchmarks/gpu_pipeline.py capture --json "$res/capture.json"
+}
+
+stage_serve() {
+  export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
+  [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
+  timeout 420 "$py" benchmarks/gpu_pipeline.py serve --export "$export_dir" --json "$res/serve.json"
 }
 
 stage_bench() {
@@ -94,11 +123,14 @@ case ${1:-} in
     last=$(find "$res" -name "*.log" -printf "%T@ %p\n" 2>/dev/null | sort -n | tail -1 | cut -d" " -f2)
     [ -n "$last" ] && { echo "--- tail of $last"; tail -n 40 "$last"; }
     if [ -n "${OUT:-}" ]; then
-      # At most 8 files come back: the four stages' logs and what they wrote.
-      for s in install tier run bench; do
-        [ -f "$res/$s.log" ] && tail -c 4000000 "$res/$s.log" > "$OUT/$s.log"
+      # At most 8 files come back: stages.txt, and one archive of every stage's log (its last 4 MB)
+      # and what the stages wrote.
+      cp "$res/stages.txt" "$OUT/" 2>/dev/null
+      tmp=$(mktemp -d)
+      for f in "$res"/*; do
+        case $f in *.log) tail -c 4000000 "$f" > "$tmp/$(basename "$f")";; *) cp "$f" "$tmp/";; esac
       done
-      for f in stages.txt bench.json tier.xml summary.json; do [ -f "$res/$f" ] && cp "$res/$f" "$OUT/"; done
+      tar -czf "$OUT/results.tgz" -C "$tmp" . && rm -rf "$tmp"
     fi;;
   *) echo "usage: gpu_node.sh stage PART... | start [STAGE...] | wait SECONDS" >&2; exit 2;;
 esac

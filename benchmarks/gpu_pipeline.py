@@ -1,6 +1,7 @@
 """The pipeline's figures on one CUDA GPU: regeneration, capture against plain prefill, serving.
 
-    python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 512 1024]
+    python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 1024]
+                                              [--capture-to-batch 1024] [--engines 2] [--engine-seqs 512]
     python benchmarks/gpu_pipeline.py capture [--prompts 512] [--iters 3]
     python benchmarks/gpu_pipeline.py serve   --export runs/local_gpu/export [--k 3]
     python benchmarks/gpu_pipeline.py all     --export runs/local_gpu/export --json OUT.json
@@ -9,8 +10,11 @@ Every engine runs in a process of its own (vLLM frees nothing within a process),
 Instruct (the packaged target, bf16, CUDA graphs on), on `builtin:chat` prompts rendered by the
 model's own template: the embedded GPU default's data.
 
-* `regen`: plain greedy generation of every prompt up to `--tokens`, all submitted at once, once
-  per `--max-num-seqs` (each an engine of its own): output tokens/s. Goal >= 50k tokens/s.
+* `regen`: plain greedy generation of every prompt up to `--tokens`, all submitted at once, each
+  arm an engine of its own: per `--max-num-seqs` with vLLM's default CUDA graph sizes (at most 512
+  tokens on Hopper, so a decode step of more sequences runs without a graph), per
+  `--capture-to-batch` with graphs captured up to that batch, and `--engines` engines sharing the
+  GPU (each on its share of the prompts): output tokens/s. Goal >= 50k tokens/s.
 * `capture`: the production `CaptureEngine` (connector, Mooncake master, publish) against the same
   engine without the capture parts running the same prompts the same way (one request per
   `generate()` call, `max_tokens=1`), `--iters` passes each, medians: the ratio of times. Goal
@@ -97,6 +101,9 @@ def _child(part: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_regen(a: dict[str, Any]) -> dict[str, Any]:
+    """One generating engine. With `ready`/`go` files (the concurrent arm) it says when it is up and
+    waits for the go before it generates, so that engines sharing a GPU start one at a time (vLLM
+    refuses to profile memory while another engine allocates beside it) and generate together."""
     import os
 
     from hpctoolkit.engine.env import detect_backend, engine_env
@@ -105,22 +112,33 @@ def child_regen(a: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = _chat_prompts(a["prompts"])
+    prompts = _chat_prompts(a["prompts"])[a.get("first", 0) :: a.get("stride", 1)]
+    extra: dict[str, Any] = {}
+    if a.get("capture_size"):
+        extra["compilation_config"] = {"max_cudagraph_capture_size": a["capture_size"]}
     t0 = time.monotonic()
     llm = LLM(
         model=_target(), dtype="bfloat16", max_model_len=1024, max_num_seqs=a["max_num_seqs"],
-        max_num_batched_tokens=a["max_num_batched_tokens"], gpu_memory_utilization=0.5, seed=0,
-        enable_prefix_caching=False,
+        max_num_batched_tokens=a["max_num_batched_tokens"], gpu_memory_utilization=a.get("mem", 0.5),
+        seed=0, enable_prefix_caching=False, **extra,
     )  # fmt: skip
     start = time.monotonic() - t0
     params = SamplingParams(
         max_tokens=a["tokens"], temperature=0.0, ignore_eos=a["ignore_eos"], detokenize=False
     )
+    if a.get("ready"):
+        Path(a["ready"]).touch()
+        while not Path(a["go"]).exists():
+            time.sleep(0.05)
     t1 = time.monotonic()
+    wall1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     took = time.monotonic() - t1
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {**a, "engine_start_s": start, "seconds": took, "output_tokens": toks, "tokens_per_s": toks / took}
+    return {
+        **a, "engine_start_s": start, "seconds": took, "output_tokens": toks, "tokens_per_s": toks / took,
+        "wall_start": wall1, "wall_end": wall1 + took,
+    }  # fmt: skip
 
 
 def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
@@ -219,16 +237,72 @@ CHILDREN = {"regen": child_regen, "prefill": child_prefill, "serve": child_serve
 # ------------------------------------------------------------------------------- parts
 
 
-def part_regen(ns: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
-    for seqs in ns.max_num_seqs:
-        r = _child(
-            "regen",
-            {"prompts": ns.prompts, "tokens": ns.tokens, "max_num_seqs": seqs,
-             "max_num_batched_tokens": max(8192, seqs * 16), "ignore_eos": False},
+def _child_proc(part: str, args: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
+    """`part` in a fresh interpreter, its output to `log` (a pipe nobody reads would fill and stop it)."""
+    with log.open("wb") as f:
+        return subprocess.Popen(
+            [sys.executable, __file__, "--child", part, json.dumps(args)],
+            stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
         )  # fmt: skip
-        print(f"regen max_num_seqs={seqs}: {r['output_tokens']} tokens in {r['seconds']:.1f} s = "
-              f"{r['tokens_per_s']:.0f} tokens/s (engine start {r['engine_start_s']:.0f} s)", flush=True)  # fmt: skip
+
+
+def _child_result(proc: subprocess.Popen[bytes], log: Path, what: str) -> dict[str, Any]:
+    proc.wait()
+    out = log.read_text(errors="replace")
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-4000:]}")
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
+
+
+def _regen_together(base: dict[str, Any], engines: int, scratch: Path) -> dict[str, Any]:
+    """`engines` generating engines on one GPU, each on every `engines`-th prompt: started one after
+    another, released together; tokens/s over the span from the first start to the last end."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(engines):
+        ready, go = scratch / f"ready{i}", scratch / "go"
+        ready.unlink(missing_ok=True)
+        go.unlink(missing_ok=True)
+        args = {
+            **base,
+            "first": i,
+            "stride": engines,
+            "mem": 0.8 / engines,
+            "ready": str(ready),
+            "go": str(go),
+        }
+        procs.append(_child_proc("regen", args, scratch / f"engine{i}.log"))
+        while not ready.exists():
+            if procs[-1].poll() is not None:
+                _child_result(procs[-1], scratch / f"engine{i}.log", f"regen engine {i} of {engines}")
+            time.sleep(0.2)
+    (scratch / "go").touch()
+    rows = [_child_result(p, scratch / f"engine{i}.log", f"regen engine {i}") for i, p in enumerate(procs)]
+    span = max(r["wall_end"] for r in rows) - min(r["wall_start"] for r in rows)
+    toks = sum(r["output_tokens"] for r in rows)
+    return {**base, "engines": engines, "seconds": span, "output_tokens": toks, "tokens_per_s": toks / span,
+            "engine_start_s": max(r["engine_start_s"] for r in rows), "per_engine": rows}  # fmt: skip
+
+
+def part_regen(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """One arm per `--max-num-seqs` value (vLLM's default graph sizes: at most 512 on Hopper), then
+    the same with graphs captured up to the batch (`--capture-to-batch`), then `--engines` engines
+    sharing the GPU, `--engine-seqs` sequences each, graphs to that batch."""
+    rows = []
+    arms: list[tuple[int, int, int]] = [(s, 0, 1) for s in ns.max_num_seqs]
+    arms += [(s, s, 1) for s in ns.capture_to_batch]
+    arms += [(ns.engine_seqs, ns.engine_seqs, e) for e in ns.engines if e > 1]
+    for seqs, capture, engines in arms:
+        base = {"prompts": ns.prompts, "tokens": ns.tokens, "max_num_seqs": seqs, "capture_size": capture,
+                "max_num_batched_tokens": max(8192, seqs * 16), "ignore_eos": False}  # fmt: skip
+        if engines == 1:
+            r = _child("regen", base)
+        else:
+            r = _regen_together(base, engines, Path("/tmp/regen-together"))
+        print(f"regen max_num_seqs={seqs} graphs to {capture or 'default'} engines={engines}: "
+              f"{r['output_tokens']} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:.0f} tokens/s "
+              f"(engine start {r['engine_start_s']:.0f} s)", flush=True)  # fmt: skip
         rows.append(r)
     return rows
 
@@ -273,7 +347,10 @@ def main() -> int:
     ap.add_argument("part", choices=["regen", "capture", "serve", "all"])
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--max-num-seqs", type=int, nargs="*", default=[1024])
+    ap.add_argument("--capture-to-batch", type=int, nargs="*", default=[1024])
+    ap.add_argument("--engines", type=int, nargs="*", default=[2])
+    ap.add_argument("--engine-seqs", type=int, default=512)
     ap.add_argument("--capture-prompts", type=int, default=512)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--export", default="")

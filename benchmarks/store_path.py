@@ -238,7 +238,7 @@ def main() -> None:
         return
 
     from hpctoolkit.store.master import launch_master
-    from hpctoolkit.store.mooncake import count_keys_via_master
+    from hpctoolkit.store.probe import count_keys_via_master
 
     log_dir = Path(tempfile.mkdtemp(prefix="store_path_"))
     master = launch_master(_cfg(args), log_dir)

@@ -188,7 +188,7 @@ def scenario_abort(args: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hpctoolkit.store.mooncake import list_keys_via_master
+    from hpctoolkit.store.probe import list_keys_via_master
 
     eng = _engine(args)
     engine = eng._llm.llm_engine

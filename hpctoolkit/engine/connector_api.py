@@ -28,7 +28,7 @@ MANIFEST_PARAM = "hpctoolkit_manifest"
 # Key of our settings inside `kv_connector_extra_config`.
 EXTRA_CONFIG_KEY = "hpctoolkit"
 DEFAULT_STORE_FACTORY = "hpctoolkit.store.mooncake:MooncakeStore"
-DEFAULT_REACHABILITY_CHECK = "hpctoolkit.store.mooncake:check_reachable"
+DEFAULT_REACHABILITY_CHECK = "hpctoolkit.store.probe:check_reachable"
 
 
 @dataclass(frozen=True)

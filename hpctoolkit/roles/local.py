@@ -207,7 +207,7 @@ def start_run(cfg: RecipeConfig, recipe: str, overrides: Sequence[str]) -> RunDi
 def preflight(cfg: RecipeConfig, plan: Plan) -> None:
     """What can fail before a run directory exists: a given master that does not answer."""
     if plan.master is None:
-        from hpctoolkit.store.mooncake import check_reachable
+        from hpctoolkit.store.probe import check_reachable
 
         check_reachable(plan.external_master or "", cfg.store.connect_timeout_s)
 

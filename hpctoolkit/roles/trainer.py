@@ -219,7 +219,7 @@ def _metrics_address(ctx: NodeContext) -> str | None:
 
 def _count_keys(metrics: str | None) -> int | None:
     """Keys the master holds; None for an external master whose metrics address the recipe omits."""
-    from hpctoolkit.store.mooncake import count_keys_via_master
+    from hpctoolkit.store.probe import count_keys_via_master
 
     return None if metrics is None else count_keys_via_master(metrics)
 

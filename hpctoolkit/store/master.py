@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.store.config import StoreConfig
-from hpctoolkit.store.mooncake import check_reachable, master_healthy
+from hpctoolkit.store.probe import check_reachable, master_healthy
 
 MASTER_BINARY = "mooncake_master"
 LOG_NAME = "mooncake_master.log"

@@ -4,12 +4,15 @@ Lifetime
     `MooncakeStore` builds its native client lazily, on the first call that needs it, never in its
     constructor: the client registers memory, which perturbs vLLM's KV-cache memory profiling if it
     happens inside the engine constructor. What the engine constructor does instead is
-    `check_reachable`, which opens one TCP connection and asks the master's RPC service whether it
-    is ready. It needs no client, and an unreachable or wrong address fails within
+    `probe.check_reachable`, which opens one TCP connection and asks the master's RPC service
+    whether it is ready. It needs no client, and an unreachable or wrong address fails within
     `connect_timeout_s` (10 s by default) with a message naming the address; the native client
     would retry for about 90 s first. `close()` releases the client; it is bounded even when the
     master is already dead (the native close then blocks for about 20 s, so it is left to a daemon
-    thread).
+    thread). That thread is started with the first client, never by `close()`: `close()` may run
+    inside the garbage collector (a reader generator's `finally`), which can interrupt
+    `Thread.start` in this same thread while it holds threading's internal lock; a thread started
+    there waits for that lock forever (a trainer that never exited, CI of 2026-12-05).
 
 Concurrency
     One `MooncakeStore` per process and role. Calls from several threads are serialised by a lock;
@@ -41,15 +44,10 @@ Failure
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
-import socket
-import struct
+import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -60,6 +58,7 @@ import torch
 from hpctoolkit.errors import StoreError
 from hpctoolkit.store.api import MissingKeysError
 from hpctoolkit.store.config import StoreConfig
+from hpctoolkit.store.probe import check_reachable, split_address
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +90,33 @@ LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 _UNAVAILABLE_CODES = frozenset({RPC_FAIL, -1010})  # -1010: UNAVAILABLE_IN_CURRENT_STATUS
 
-# coro_rpc, the master's RPC framing: a 20-byte request header, a 16-byte response header.
-_CORO_RPC_MAGIC = 0x15
-_REQ_HEADER = struct.Struct("<BBBBIIII")
-_RESP_HEADER = struct.Struct("<BBBBIII")
-# coro_rpc names a handler by the first 4 bytes of the MD5 of its qualified C++ name.
-_SERVICE_READY_ID = int.from_bytes(
-    hashlib.md5(b"mooncake::WrappedMasterService::ServiceReady").digest()[:4], "big"
-)
 _hard_pin_warned = False
+
+# The closer: one daemon thread per process that runs native closes (`MooncakeStore.close`).
+_closes: queue.SimpleQueue[tuple[Any, threading.Event]] | None = None
+_closer_lock = threading.Lock()
+
+
+def _start_closer() -> queue.SimpleQueue[tuple[Any, threading.Event]]:
+    """The closer's queue, its thread started on the first call (from a client's creation)."""
+    global _closes
+    with _closer_lock:
+        if _closes is None:
+            q: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+            threading.Thread(target=_close_loop, args=(q,), name="mooncake-close", daemon=True).start()
+            _closes = q
+        return _closes
+
+
+def _close_loop(q: queue.SimpleQueue[tuple[Any, threading.Event]]) -> None:
+    while True:
+        store, done = q.get()
+        try:
+            store.close()
+        except Exception as err:  # noqa: BLE001  (a close that fails leaves nothing to do)
+            log.warning("Mooncake client close failed: %s", err)
+        finally:
+            done.set()
 
 
 class TransientStoreError(StoreError):
@@ -112,101 +129,6 @@ class StoreUnavailableError(TransientStoreError):
 
 def code_name(code: int) -> str:
     return f"{code} ({ERROR_NAMES.get(code, 'unknown')})"
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise StoreError(f"Mooncake master address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def check_reachable(address: str, timeout_s: float = 10.0) -> str:
-    """Fail within `timeout_s` unless a Mooncake master answers at `address` ("host:port").
-
-    Opens one TCP connection and calls the master's `ServiceReady` RPC (coro_rpc framing), so a
-    port that accepts connections but is not a Mooncake master also fails. Builds no Mooncake
-    client. Returns the version string the master reports. Raises `StoreError` naming the address.
-    """
-    host, port = split_address(address)
-    deadline = time.monotonic() + timeout_s
-
-    def remaining() -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no answer within {timeout_s:g}s")
-        return left
-
-    seq = int(time.monotonic_ns() & 0xFFFFFFFF)
-    try:
-        with socket.create_connection((host, port), timeout=remaining()) as sock:
-            sock.settimeout(remaining())
-            sock.sendall(_REQ_HEADER.pack(_CORO_RPC_MAGIC, 0, 0, 0, seq, _SERVICE_READY_ID, 0, 0))
-            head = _recv_exact(sock, _RESP_HEADER.size, remaining)
-            magic, _ver, err, _msg, rseq, length, _attach = _RESP_HEADER.unpack(head)
-            if magic != _CORO_RPC_MAGIC or rseq != seq:
-                raise ConnectionError("the port answered, but not with Mooncake's coro_rpc framing")
-            if err != 0:
-                raise ConnectionError(f"ServiceReady returned coro_rpc error {err}")
-            body = _recv_exact(sock, min(length, 4096), remaining)
-    except (OSError, TimeoutError, ConnectionError) as err:
-        raise StoreError(f"Mooncake master at {address} is unreachable: {err}") from err
-    # The body is struct_pack'ed; the version string is its printable tail.
-    m = re.search(rb"(\d+\.\d+[\w.\-+]*)$", body)
-    return m.group(1).decode() if m else ""
-
-
-def _recv_exact(sock: socket.socket, n: int, remaining: Any) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(remaining())
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the connection was closed before a reply arrived")
-        buf += chunk
-    return bytes(buf)
-
-
-def _http_get(address: str, path: str, timeout_s: float) -> str:
-    url = f"http://{address}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.read().decode()
-    except (OSError, urllib.error.URLError) as err:
-        raise StoreError(f"Mooncake master metrics server at {address} is unreachable: {err}") from err
-
-
-def master_healthy(metrics_address: str, timeout_s: float = 2.0) -> bool:
-    """True when the master's HTTP `/health` says it serves."""
-    try:
-        return '"service_ready":true' in _http_get(metrics_address, "/health", timeout_s).replace(" ", "")
-    except StoreError:
-        return False
-
-
-def count_keys_via_master(metrics_address: str | None, timeout_s: float = 5.0) -> int:
-    """The number of keys the master holds, read from its `/metrics` (`master_key_count`).
-
-    This asks the master itself, not our bookkeeping, so it also counts objects published by
-    processes that have since exited. `metrics_address` is the master's HTTP server
-    (`MasterProcess.metrics_address`, or `store.master_metrics_address` for an external master).
-    """
-    if not metrics_address:
-        raise StoreError(
-            "counting keys needs the master's metrics address (store.master_metrics_address for a "
-            "master this run did not launch)"
-        )
-    text = _http_get(metrics_address, "/metrics", timeout_s)
-    m = re.search(r"^master_key_count\s+(\d+(?:\.\d+)?)\s*$", text, re.MULTILINE)
-    if m is None:
-        raise StoreError(f"Mooncake master at {metrics_address}: /metrics has no master_key_count")
-    return int(float(m.group(1)))
-
-
-def list_keys_via_master(metrics_address: str, timeout_s: float = 5.0) -> list[str]:
-    """The keys the master holds (its `/get_all_keys` endpoint), for error messages and debugging."""
-    text = _http_get(metrics_address, "/get_all_keys", timeout_s)
-    return [k for k in text.split() if k]
 
 
 def _merge_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -263,6 +185,7 @@ class MooncakeStore:
             check_reachable(self.address, self.cfg.connect_timeout_s)
             from mooncake.store import MooncakeDistributedStore
 
+            _start_closer()  # here, never in close() (see the module docstring)
             store = MooncakeDistributedStore()
             segment = self.cfg.segment_bytes if self.role == "writer" else 0
             rc = store.setup(
@@ -312,10 +235,14 @@ class MooncakeStore:
             store, self._store, self._closed = self._store, None, True
         if store is None:
             return
-        t = threading.Thread(target=store.close, name="mooncake-close", daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if t.is_alive():
+        closes = _closes  # started with the client; read without a lock (see the module docstring)
+        if closes is None:
+            store.close()
+            return
+        done = threading.Event()
+        # SimpleQueue.put is safe inside the garbage collector; no thread is started here.
+        closes.put((store, done))
+        if not done.wait(timeout_s):
             log.warning("Mooncake client close against %s did not finish in %.1fs", self.address, timeout_s)
 
     def __enter__(self) -> MooncakeStore:

@@ -165,7 +165,8 @@ def check_fidelity(
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.master import launch_master
-    from hpctoolkit.store.mooncake import MooncakeStore, count_keys_via_master, list_keys_via_master
+    from hpctoolkit.store.mooncake import MooncakeStore
+    from hpctoolkit.store.probe import count_keys_via_master, list_keys_via_master
 
     with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
         args = _engine_args(

@@ -20,7 +20,7 @@ from hpctoolkit.store.master import (
     pick_free_port,
     resolve_master,
 )
-from hpctoolkit.store.mooncake import check_reachable, count_keys_via_master, master_healthy
+from hpctoolkit.store.probe import check_reachable, count_keys_via_master, master_healthy
 
 pytestmark = [pytest.mark.real, needs_mooncake]
 

@@ -29,13 +29,8 @@ from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store import fragments
 from hpctoolkit.store.master import launch_master, pick_free_port
-from hpctoolkit.store.mooncake import (
-    MooncakeStore,
-    StoreUnavailableError,
-    check_reachable,
-    count_keys_via_master,
-    list_keys_via_master,
-)
+from hpctoolkit.store.mooncake import MooncakeStore, StoreUnavailableError
+from hpctoolkit.store.probe import check_reachable, count_keys_via_master, list_keys_via_master
 
 pytestmark = [pytest.mark.real, needs_mooncake]
 

@@ -61,6 +61,7 @@ def _rank_worker(rank: int, world: int, out_dir: str, init: str) -> None:
     torch.set_num_threads(1)
     err = os.open(Path(out_dir) / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(err, 2)
+    os.close(err)
     ctx = init_distributed(rank, world, init, "cpu")
     target = resolve_target("builtin:tiny-qwen3")
     mine = _samples()[rank * 2 : rank * 2 + 2]
