@@ -61,14 +61,36 @@ class Heartbeat:
 
 # The guard: a tiny process that outlives this one by an instant and ends what it left behind.
 # It ignores what Slurm and the launchers send a step's processes (a step's end goes to every one),
-# so only this process's death (PR_SET_PDEATHSIG, a signal nobody else sends) sets it off.
+# so only this process's death (PR_SET_PDEATHSIG, a signal nobody else sends) sets it off. It ends
+# the members of the group that carry this task's SLURM_LOCALID (or none, as this process): a Slurm
+# step puts all of a node's tasks in task 0's group, and task 0's end must not kill its siblings
+# (submitit's tasks, which outlive it by the time they take to hand back their results).
 _GUARD = r"""
 import ctypes, os, signal, sys
-parent, group = int(sys.argv[1]), int(sys.argv[2])
+parent, group, localid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
     signal.signal(s, signal.SIG_IGN)
+def ours(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            stat = f.read()
+        if int(stat[stat.rindex(b")") + 2:].split()[2]) != group:
+            return False
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            env = f.read().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False
+    ids = [e[14:] for e in env if e.startswith(b"SLURM_LOCALID=")]
+    return (ids[0].decode() if ids else "") == localid
 def end(*_):
-    os.killpg(group, signal.SIGKILL)
+    for _ in range(3):  # again, for what forked while the first pass ran
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) != os.getpid() and ours(int(name)):
+                try:
+                    os.kill(int(name), signal.SIGKILL)
+                except OSError:
+                    pass
+    os._exit(0)
 death = signal.SIGRTMIN + 1
 signal.signal(death, end)
 ctypes.CDLL(None, use_errno=True).prctl(1, int(death), 0, 0, 0)
@@ -82,15 +104,24 @@ while True:
 def guard_process_group() -> bool:
     """Make this role's process group end with it: vLLM's engine core and workers, the Mooncake
     master binary, whatever it started, once it dies however it dies (SIGKILL included; a role
-    that leaves ends them itself first). Only for a process that leads its own group (each srun
-    task, each role of the embedded launcher), so no other process's group is ever ended."""
+    that leaves ends them itself first). Only for a process that leads its own group (each role of
+    the embedded launcher, task 0 of each node's share of a step), so no other process's group is
+    ever ended; in a step's group only this task's processes (its SLURM_LOCALID) are."""
     import subprocess
     import sys
 
     if os.getpgid(0) != os.getpid():
         return False
     subprocess.Popen(
-        [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), str(os.getpgid(0))],
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            _GUARD,
+            str(os.getpid()),
+            str(os.getpgid(0)),
+            os.environ.get("SLURM_LOCALID", ""),
+        ],
         # Nothing of the role's output: a launcher reading it to its end must not wait on this.
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

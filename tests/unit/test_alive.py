@@ -274,6 +274,41 @@ def test_what_a_killed_role_started_ends_with_it():
             os.killpg(role.pid, signal.SIGKILL)
 
 
+def test_a_killed_task_0_leaves_its_sibling_tasks_alone():
+    """A Slurm step puts a node's tasks in task 0's process group. Task 0's guard ends what task 0
+    started, and never a sibling task (SLURM_LOCALID 1), which would fail a step whose tasks all
+    succeeded (submitit's tasks outlive task 0 while they hand back their results)."""
+    role = subprocess.Popen(
+        [sys.executable, "-c", GUARDED_CHILD], stdout=subprocess.PIPE, text=True, process_group=0,
+        env={**os.environ, "SLURM_LOCALID": "0"},
+    )  # fmt: skip
+    sibling = None
+    try:
+        assert role.stdout is not None
+        grandchild = int(role.stdout.readline())
+        sibling = subprocess.Popen(
+            ["sleep", "60"], process_group=role.pid, env={**os.environ, "SLURM_LOCALID": "1"}
+        )
+        assert os.getpgid(sibling.pid) == role.pid
+        guard = [p for p in _children(role.pid) if p != grandchild]
+        deadline = time.monotonic() + 10
+        while not _ignores_sigterm(guard[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # its interpreter is starting
+        role.kill()
+        role.wait(10)
+        deadline = time.monotonic() + 10
+        while (_alive(grandchild) or _alive(guard[0])) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(grandchild) and not _alive(guard[0])
+        assert sibling.poll() is None, "task 0's guard killed its sibling task"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(role.pid, signal.SIGKILL)
+        if sibling is not None:
+            sibling.kill()
+            sibling.wait()
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for p in Path("/proc").iterdir():
