@@ -15,7 +15,7 @@ from store_fixtures import ROOT, listening, needs_mooncake, small_store_cfg
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.store.master import launch_master
-from hpctoolkit.store.mooncake import check_reachable, master_healthy
+from hpctoolkit.store.probe import check_reachable, master_healthy
 
 pytestmark = [pytest.mark.real]
 
