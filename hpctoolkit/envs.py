@@ -104,11 +104,29 @@ HPCTOOLKIT_PLAN_DIGEST = _register(
     "Set by rendered batch scripts: the placement digest they were rendered for. A node whose own "
     "plan (recipe + overrides) differs refuses to start, so a stale script fails closed.",
 )
+HPCTOOLKIT_FAILED_STEP = _register(
+    "HPCTOOLKIT_FAILED_STEP",
+    None,
+    "Set by rendered batch scripts for `python -m hpctoolkit.roles died`: the step (its srun "
+    "--job-name) that exited non-zero; with HPCTOOLKIT_FAILED_STATUS, its exit status.",
+)
+HPCTOOLKIT_FAILED_STATUS = _register(
+    "HPCTOOLKIT_FAILED_STATUS",
+    "0",
+    "Set by rendered batch scripts with HPCTOOLKIT_FAILED_STEP: that step's exit status.",
+)
 HPCTOOLKIT_FAILURE_RECORD = _register(
     "HPCTOOLKIT_FAILURE_RECORD",
     None,
     "Set by the local launcher for each role process: where `run_cli` writes the role's failure "
     "(its error class and message, JSON; `RunDir.failure`), which the launcher reads back.",
+)
+HPCTOOLKIT_RENDEZVOUS_FD = _register(
+    "HPCTOOLKIT_RENDEZVOUS_FD",
+    None,
+    "Set by the trainer role on rank 0 for itself: a socket already listening on the data-plane "
+    "address at MASTER_PORT, which the torch.distributed store serves on (`train.fsdp`), so the "
+    "rendezvous never binds all interfaces and no other process can take its port first.",
 )
 HPCTOOLKIT_PYTHON = _register(
     "HPCTOOLKIT_PYTHON",

@@ -6,7 +6,8 @@ on: the roles write every record atomically (`rundir.atomic`), so a reader sees 
 
 The phase (`plan.lifecycle.PHASES`) is the first whose records are not all there yet:
 
-    start     until a role leaves any record (config.yaml and attempt.json are the start's own)
+    start     until a role leaves any record (config.yaml, inputs.json and attempt.json are the
+              start's own)
     master    master.json (skipped with an external master, `store.master_address`)
     engines   until the trainers report a step (`progress/trainer.json`, `train/data_order/rank0.jsonl`)
     trainers  until `ended.json`
@@ -18,7 +19,8 @@ The phase (`plan.lifecycle.PHASES`) is the first whose records are not all there
 A failure is what a role left: `ended.json` with `ok: false` (the trainers; `preempted` when a
 SIGUSR2 checkpointed them), an engine's `manifests/engine<i>.failed`, a role's `error: ...` line as
 the last line of its log (`logs/<role>.log`, the embedded run's). The report then names the phase
-and the role where the run stopped. `read_records` is the only I/O; `report` is pure.
+and the role where the run stopped. It also lists where this run's listeners listen: the master's
+addresses (`master.json`) and the ports picked at start (`ports/<listener>.json`, `plan.ports`). `read_records` is the only I/O; `report` is pure.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Records:
     summary: dict[str, Any] | None = None
     attempt: dict[str, Any] | None = None
     role_errors: dict[str, tuple[float, str]] = field(default_factory=dict)  # role -> (mtime, line)
+    ports: dict[str, str] = field(default_factory=dict)  # listener -> address:port (ports/*.json)
     started: bool = True  # anything in the run directory but the start's own records
 
 
@@ -206,9 +209,23 @@ def report(r: Records, now: float) -> Report:
     ):
         if line:
             lines.append(f"{name:<8} {line}")
+    listening = _listening(r)
+    if listening:
+        lines.append(f"ports    {listening}")
     if failure is not None and (r.run.logs / f"{role}.log").exists():
         lines.append(f"log      {r.run.log(str(role))}")
     return Report(phase, state, role, lines)
+
+
+def _listening(r: Records) -> str:
+    """Where the run's listeners listen, as recorded (the master's, then the picked ports)."""
+    found = {}
+    if r.master:
+        found["master"] = str(r.master.get("address"))
+        if r.master.get("metrics_address"):
+            found["master metrics"] = str(r.master["metrics_address"])
+    found.update(sorted(r.ports.items()))
+    return ", ".join(f"{name} {where}" for name, where in found.items())
 
 
 def _last_error(log: Path) -> tuple[float, str] | None:
@@ -254,7 +271,7 @@ def read_records(run: RunDir) -> Records:
             found = _last_error(log)
             if found is not None:
                 errors[log.stem] = found
-    own = {run.config.name, run.attempt.name}
+    own = {run.config.name, run.inputs.name, run.attempt.name}
     return Records(
         run=run,
         config=config,
@@ -272,8 +289,18 @@ def read_records(run: RunDir) -> Records:
         summary=_dict(read_json(run.summary)),
         attempt=_dict(read_json(run.attempt)),
         role_errors=errors,
+        ports=_ports(run),
         started=any(p.name not in own for p in run.root.iterdir()),
     )
+
+
+def _ports(run: RunDir) -> dict[str, str]:
+    out = {}
+    for path in sorted(run.ports.glob("*.json")) if run.ports.is_dir() else []:
+        rec = _dict(read_json(path))
+        if rec and rec.get("port"):
+            out[path.stem] = f"{rec.get('address')}:{rec['port']}"
+    return out
 
 
 def find_run(path: str | os.PathLike) -> RunDir:

@@ -10,9 +10,10 @@ either prints that plan (`--dry-run`; `--json`: as one JSON object), prints the 
 to Slurm (`cluster.backend: slurm`). Before a dry run or a submission ends, the files the run reads
 (target, draft, prompts) must exist; every data row the run reads is read and normalised, and each
 file must hold the rows the run takes from it (`data.num_samples`, plus the held-out evaluation's);
-`engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so); and
+`engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so);
 where `sinfo` reports node memory the busiest node's store segments, buffers and workers must fit
-in it. Every field of the recipe is checked against its declared kind first (`config/fields.py`).
+in it; and a job resuming a run by hand (`HPCTOOLKIT_RUN_ID`) must have the recipe and inputs the
+run was pinned to (`rundir.inputs`). Every field of the recipe is checked against its declared kind first (`config/fields.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.config.couplings import store_sizing
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.config.load import load_pinned
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
@@ -53,6 +54,20 @@ def check_files(cfg: RecipeConfig) -> None:
         from hpctoolkit.rundir.atomic import read_json_object
 
         read_json_object(cfg.data.draft_vocab, "data.draft_vocab")
+
+
+def check_resumed_inputs(cfg: RecipeConfig, recipe_yaml: str) -> None:
+    """A job that resumes a run by hand (`HPCTOOLKIT_RUN_ID` names its directory) is refused here,
+    at submission, when its recipe or an input differs from what the run pinned; its steps would
+    refuse it anyway, after the queue wait (`rundir.inputs`)."""
+    from hpctoolkit import envs
+    from hpctoolkit.roles.inputs import measure
+    from hpctoolkit.rundir import inputs
+    from hpctoolkit.rundir.layout import RunDir
+
+    run_id = envs.get(envs.HPCTOOLKIT_RUN_ID.name)
+    if cfg.cluster.backend == "slurm" and run_id:
+        inputs.check(RunDir.of(cfg.paths.output_dir, run_id), measure(cfg, recipe_yaml))
 
 
 def check_data(cfg: RecipeConfig) -> int:
@@ -159,11 +174,12 @@ def main(argv: list[str]) -> int:
             render_sbatch(cfg, make_plan(cfg), recipe_path=args.recipe, overrides=args.overrides)
         )
         return 0
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg, recipe_yaml = load_pinned(args.recipe, args.overrides)
     plan = make_plan(cfg)
     sized = store_sizing(cfg, plan)
     check_files(cfg)
     check_data(cfg)
+    check_resumed_inputs(cfg, recipe_yaml)
     if cfg.engine.extra_args:
         from hpctoolkit.engine.vllm_args import check_extra_args
 

@@ -39,6 +39,33 @@ needs_mooncake = pytest.mark.skipif(
 )
 
 
+def _hex_ip(hexip: str) -> str:
+    if len(hexip) == 8:
+        return ".".join(str(int(hexip[i : i + 2], 16)) for i in (6, 4, 2, 0))
+    return "::" if int(hexip, 16) == 0 else f"v6:{hexip}"
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket (IPv4 and IPv6) `pid` listens on, read from /proc (no
+    ss/netstat needed)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                hexip, hexport = cols[1].split(":")
+                out.add((_hex_ip(hexip), int(hexport, 16)))
+    return out
+
+
 def small_store_cfg(**kw: Any) -> StoreConfig:
     """Small segments so several clients fit on a 2-core, 24 GiB test machine."""
     base: dict[str, Any] = {

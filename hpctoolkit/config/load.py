@@ -159,9 +159,17 @@ def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Reci
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose, then check the couplings across sections (which read the target and draft configs)."""
-    cfg = resolve_precision(fill_from_draft(compose(path, overrides)))
+    return load_pinned(path, overrides)[0]
+
+
+def load_pinned(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple[RecipeConfig, str]:
+    """`load_recipe`, and the resolved recipe as YAML before this host decided its `auto`
+    precisions (`config.precision`): the same text on every host of a run, whatever its CPU or
+    GPU, which the run directory pins (`rundir.inputs`)."""
+    portable = fill_from_draft(compose(path, overrides))
+    cfg = resolve_precision(portable)
     check_couplings(cfg)
-    return cfg
+    return cfg, to_yaml(portable)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

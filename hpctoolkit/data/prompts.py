@@ -14,6 +14,8 @@ The mixed rows keep source order, or are shuffled with `data.shuffle_seed`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,6 +137,21 @@ def load_rows(cfg: DataConfig, num: int, *, offset: int = 0, seed: int = 0) -> l
     counts = shares([s.weight for s in srcs], num + offset)
     parts = [list(_source_rows(s, n, cfg, seed)) if n else [] for s, n in zip(srcs, counts, strict=True)]
     return _mixed(parts, cfg)[offset : offset + num]
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """What identifies a normalised row's content: the first 16 hex digits of the SHA-256 of its
+    fields as canonical JSON, without `origin` (where it came from is not what it says). The sample
+    ledger keeps it beside each trained prompt index (`rundir.ledger`), so a resume sees an index
+    that now holds another prompt."""
+    fields = {k: v for k, v in row.items() if k != "origin"}
+    text = json.dumps(fields, sort_keys=True, ensure_ascii=False, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def row_keys(cfg: DataConfig, num: int) -> list[str]:
+    """`row_key` of each of the first `num` rows of the mix (in prompt-index order)."""
+    return [row_key(dict(r)) for r in load_rows(cfg, num)]
 
 
 def _clean(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

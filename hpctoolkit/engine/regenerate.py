@@ -22,7 +22,7 @@ their decoded text. `regenerate_rows` takes any `generate(prompts, max_tokens, s
 vLLM one (`vllm_generator`) runs the target in this process, so call it from a child process.
 
 A multi-node engine generates over all of its nodes, as it captures: the leader's generating
-engine (`generation_kwargs` with the node's keys and the plan's `regenerate_port`) waits for each
+engine (`generation_kwargs` with the node's keys and a rendezvous of its own) waits for each
 follower node's workers (`follow_generation`, a headless follower of that engine), and a follower
 tells that it is done by its rendezvous port closing.
 """
@@ -282,7 +282,7 @@ def generation_kwargs(
     engine is (its PP x TP over its nodes, dtype, lengths and batching, `engine.extra_args`),
     without the capture parts. `node` as for `engine_llm_kwargs` (`roles.context.engine_node_args`):
     a multi-node engine's leader and followers each pass their own, with the generating
-    rendezvous port (`EnginePlacement.regenerate_port`) as `master_port`. `backend`: detected
+    rendezvous (`engine_node_args(..., generating=True)`) as `master_port`. `backend`: detected
     when None."""
     from hpctoolkit.engine.env import detect_backend
 

@@ -9,6 +9,14 @@ is skipped with an external master; evaluate runs only when enabled and the run 
 trainers exited 0 and no SIGUSR2 came: the time limit is near, so the engines are not waited for
 either). The trainers' status decides the run (`outcome`); a failed evaluate fails a clean run.
 `walk` is the whole path for given statuses: what the tests (and every backend's) compare against.
+
+The watch: from the engines phase until the trainers end, every started role is watched. One that
+dies (SIGKILL, the OOM killer: no end record) or fails ends the run within `DEATH_BOUND_S`, its
+peers ended, with one line naming it (`role_label`): the batch script watches its steps
+(`WATCH_POLL_S`), the embedded launcher its processes, submitit's one step ends on a bad exit
+(`srun --kill-on-bad-exit`), and on several hosts each role also watches the others' processes
+(`roles.watch`). Each role process keeps a record of itself that says whether it left and how
+(`rundir.alive`); a role whose record says it did not leave, and whose process is gone, died.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from hpctoolkit.plan.placement import (
     ROLE_MASTER,
     ROLE_TRAINER,
     Plan,
+    Process,
 )
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 
@@ -38,12 +47,64 @@ MASTER_START_TIMEOUT_S = 120
 # Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's; under Slurm, srun's
 # KillWait). The master, ended last, leaves within it: it only stops its store.
 STOP_GRACE_S = 15
+# How often the launcher (the batch script, the embedded launcher) looks at its roles' processes.
+WATCH_POLL_S = 1
+# From a role's death (or failure) to the job's end, every process of the job gone: the watch
+# notices within WATCH_POLL_S (a peer's within `roles.watch`'s few seconds), names the role
+# (a few seconds of Python start-up on a loaded node), then ends the other steps (SIGTERM, then
+# SIGKILL after STOP_GRACE_S; under Slurm its KillWait), the drain skipped. Measured 4-6 s from the
+# kill to Slurm's FAILED on the emulated hosts (tests/e2e/test_kill.py holds it to this bound); the
+# bound leaves room for a loaded node and a role that needs its whole KillWait.
+DEATH_BOUND_S = 90
 
 # When a phase is entered (`enters`).
 ALWAYS = "always"
 OWN_MASTER = "the plan places a master (skipped with store.master_address)"
 STARTED = "the earlier phases started"
 CLEAN_AND_ENABLED = "evaluate.enabled, the trainers exited 0 and no SIGUSR2 came"
+
+
+def role_key(proc: Process) -> str:
+    """A role process's name in the run's records (`rundir.alive`) and, but for the trainers (one
+    step of all ranks), the batch script's step: master, engine<i>-<node_rank>, trainer<rank>."""
+    if proc.role in (ROLE_ENGINE_LEADER, ROLE_ENGINE_FOLLOWER):
+        return f"engine{proc.engine}-{proc.node_rank}"
+    if proc.role == ROLE_TRAINER:
+        return f"trainer{proc.node_rank}"
+    return proc.role
+
+
+def role_label(proc: Process) -> str:
+    """How the one line of a run that lost a role names it."""
+    if proc.role == ROLE_ENGINE_LEADER:
+        return f"engine {proc.engine} leader"
+    if proc.role == ROLE_ENGINE_FOLLOWER:
+        return f"engine {proc.engine} follower (node_rank {proc.node_rank})"
+    if proc.role == ROLE_TRAINER:
+        return f"trainer rank {proc.node_rank}"
+    return proc.role
+
+
+TRAINER_STEP = "trainer"
+
+
+def step_processes(plan: Plan, step: str) -> tuple[Process, ...]:
+    """The processes of the batch script's step `step` (its srun --job-name): every trainer rank
+    for the trainers' step, else the one process whose `role_key` it is."""
+    procs = plan.processes()
+    if step == TRAINER_STEP:
+        return tuple(p for p in procs if p.role == ROLE_TRAINER)
+    return tuple(p for p in procs if p.role != ROLE_TRAINER and role_key(p) == step)
+
+
+def how_ended(status: int) -> str:
+    """A step's or process's exit status in words: a status above 128 is the shell's and srun's
+    way to say a signal ended it (a negative one, Popen's)."""
+    if status < 0:
+        return f"signal {-status}"
+    if status > 128:
+        return f"signal {status - 128}"
+    return f"exit status {status}"
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ owns `engine.gpus_per_node` GPUs from index 0. vLLM numbers ranks TP-innermost
 (rank = pp_rank * tp + tp_rank, node_rank k holding ranks k*g .. k*g+g-1), which fixes the stage of
 each GPU.
 
-The ports every listener uses, the master's bind address and the rule that no two listeners
-share a port live in `plan.ports`.
+Where every listener binds (its node's data-plane address), which ports are picked at start and
+the rule that no two named ports clash live in `plan.ports`.
 
 The plan is a control-plane record: metadata only, frozen, and `to_dict()` is JSON-ready. Its
 `digest()` is baked into rendered batch scripts so a node refuses to run a stale script.
@@ -35,9 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.ports import (
-    ENGINE_PORT_BASE,
-    REGENERATE_PORT_OFFSET,
-    TRAINER_PORT,
+    PICKED,
     MasterPlacement,
     check_ports,
     place_master,
@@ -80,14 +78,9 @@ class EnginePlacement:
     nnodes: int
     tp: int
     pp: int
+    # A multi-node engine's vLLM rendezvous listens on its leader's node, on a port picked at
+    # start (`plan.ports`).
     nodes: tuple[EngineNode, ...]
-    # vLLM multi-node rendezvous: master_addr is the leader node's host, master_port this.
-    master_port: int
-
-    @property
-    def regenerate_port(self) -> int:
-        """The generating engine's rendezvous port (`data.regenerate_tokens` on several nodes)."""
-        return self.master_port + REGENERATE_PORT_OFFSET
 
     @property
     def leader(self) -> EngineNode:
@@ -118,9 +111,9 @@ class TrainerPlacement:
     ranks_per_node: int
     fsdp_mode: str
     device: str
+    # The torch.distributed rendezvous (several ranks) listens on the first trainer node, on a
+    # port picked at start (`plan.ports`).
     ranks: tuple[TrainerRank, ...]
-    # torch.distributed rendezvous: the first trainer node's host, this port.
-    master_port: int
 
 
 @dataclass(frozen=True)
@@ -261,14 +254,16 @@ class Plan:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
         if self.external_master:
             lines.append(f"  mooncake master: external at {self.external_master}")
-        for e in self.engines:
+        for e in (e for e in self.engines if e.nnodes > 1):
             lines.append(
-                f"  engine {e.index} rendezvous: master_addr = host of {self.host_label(e.leader.node)}, "
-                f"master_port = {e.master_port}"
+                f"  engine {e.index} rendezvous: data-plane address of {self.host_label(e.leader.node)}, "
+                f"port {PICKED} (ports/engine{e.index}.json)"
             )
-        lines.append(
-            f"  trainer rendezvous: MASTER_ADDR = host of {self.host_label(t.nodes[0])}, MASTER_PORT = {t.master_port}"
-        )
+        if t.world_size > 1:
+            lines.append(
+                f"  trainer rendezvous: data-plane address of {self.host_label(t.nodes[0])}, "
+                f"port {PICKED} (ports/trainers.json)"
+            )
         return "\n".join(lines)
 
 
@@ -365,7 +360,6 @@ def make_plan(cfg: RecipeConfig) -> Plan:
             tp=e.tp_size,
             pp=e.pp_size,
             nodes=_engine_nodes(e.tp_size, e.nnodes, e.gpus_per_node, own + i * e.nnodes),
-            master_port=ENGINE_PORT_BASE + i,
         )
         for i in range(e.num_engines)
     )
@@ -391,7 +385,7 @@ def _slurm_trainer(cfg: RecipeConfig, per_node: int, first_gpu: int) -> TrainerP
         for r in range(t.world_size)
     )
     nodes = tuple(range(cfg.cluster.trainer_nodes))
-    return TrainerPlacement(nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks, TRAINER_PORT)
+    return TrainerPlacement(nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks)
 
 
 def _local_plan(cfg: RecipeConfig) -> Plan:
@@ -409,7 +403,7 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
             gpus = tuple(range(next_gpu, next_gpu + e.gpus_per_node))
             next_gpu += e.gpus_per_node
             nodes.append(EngineNode(0, k, gpus, tuple(r // e.tp_size for r in world_ranks)))
-        engines.append(EnginePlacement(i, e.nnodes, e.tp_size, e.pp_size, tuple(nodes), ENGINE_PORT_BASE + i))
+        engines.append(EnginePlacement(i, e.nnodes, e.tp_size, e.pp_size, tuple(nodes)))
     on_gpu = t.device == "cuda"
     ranks: list[TrainerRank] = []
     for r in range(t.world_size):
@@ -420,9 +414,7 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
             f"cluster.gpus_per_node={pool} is too few for the local backend: the engines take "
             f"{e.num_engines * e.world_size} device(s) and the trainers {t.world_size if on_gpu else 0}"
         )
-    trainer = TrainerPlacement(
-        (0,), t.world_size, t.world_size, t.fsdp_mode, t.device, tuple(ranks), TRAINER_PORT
-    )
+    trainer = TrainerPlacement((0,), t.world_size, t.world_size, t.fsdp_mode, t.device, tuple(ranks))
     master, external = place_master(cfg.store, 0, local=True)
     plan = Plan("local", 1, pool, (LOCALHOST,), master, external, tuple(engines), trainer)
     _check_ports(plan, cfg)
@@ -431,23 +423,15 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
 
 
 def _check_ports(plan: Plan, cfg: RecipeConfig) -> None:
-    """No two listeners of the plan share a port on one node (`ports.check_ports`)."""
-    listeners = []
+    """The ports the recipe names do not clash (`ports.check_ports`); the others are picked at start."""
     if plan.master is not None:
-        m = plan.master
-        listeners.append((m.node, m.port, f"the Mooncake master (store.master_port={m.port})"))
-        metrics = cfg.store.metrics_port
-        listeners.append((m.node, metrics, f"its metrics (store.metrics_port={metrics})"))
-    t = plan.trainer
-    listeners.append((t.nodes[0], t.master_port, f"the trainers' rendezvous (port {t.master_port})"))
-    for e in plan.engines:
-        listeners.append(
-            (e.leader.node, e.master_port, f"engine {e.index}'s vLLM rendezvous (port {e.master_port})")
+        m, metrics = plan.master, cfg.store.metrics_port
+        check_ports(
+            [
+                (m.node, m.port, f"the Mooncake master (store.master_port={m.port})"),
+                (m.node, metrics, f"its metrics (store.metrics_port={metrics})"),
+            ]
         )
-        if e.nnodes > 1 and cfg.data.regenerate_tokens:
-            what = f"engine {e.index}'s generating rendezvous (port {e.regenerate_port})"
-            listeners.append((e.leader.node, e.regenerate_port, what))
-    check_ports(listeners)
 
 
 def _assert_consistent(plan: Plan) -> None:

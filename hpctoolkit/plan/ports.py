@@ -1,10 +1,18 @@
 """The ports and bind addresses of a run's listeners, and the rule that no two share a port. Pure.
 
-Ports are fixed rules rather than picked at start: processes on other nodes must know them before
-the process that listens on them is up. The listeners `placement.make_plan` places: the Mooncake
-master and its metrics, each engine's vLLM rendezvous (on its leader's node) and, for a multi-node
-engine that regenerates, its generating engine's, and the trainers' torch.distributed rendezvous
-(on the first trainer node). It checks them with `check_ports`.
+Every listener a run starts binds the data-plane address of its node (`cluster.network`;
+loopback on the local backend), never all interfaces, and listens on a port picked when it
+starts, not on a fixed one: two runs on one node (non-exclusive nodes, two local runs) must not
+clash. The node that hosts a listener picks its port and records it in the run directory
+(`ports/<listener>.json`, `roles.ports`; the Mooncake master's in `master.json`) before it
+listens; the processes on other nodes wait for that record, bounded. A port the recipe names
+(`store.master_port`, `store.metrics_port`) is used as given and checked here (`check_ports`).
+
+The listeners: the Mooncake master and its metrics (on node 0); each multi-node engine's vLLM
+rendezvous (on its leader's node) and, when it regenerates, its generating engine's (a rendezvous
+of its own: its followers tell that it left by its port closing, so it must not be the capture
+engine's, which opens right after); and the trainers' torch.distributed rendezvous (on the first
+trainer node; none for one rank).
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ from hpctoolkit.errors import ConfigError
 if TYPE_CHECKING:
     from hpctoolkit.store.config import StoreConfig
 
-STORE_DEFAULT_PORT = 50051  # mooncake_master's own default
-ENGINE_PORT_BASE = 29600  # engine e's vLLM rendezvous: ENGINE_PORT_BASE + e (unique on one host)
-# A multi-node engine that regenerates first runs a generating engine over the same nodes, with a
-# rendezvous of its own: its followers tell that it left by its port closing, so it must not be
-# the capture engine's, which opens right after.
-REGENERATE_PORT_OFFSET = 100
-TRAINER_PORT = 29500  # torch.distributed rendezvous of the FSDP ranks
+PICKED = "picked at start"
+# The names of the listeners' port records (`RunDir.port_record`).
+TRAINER_LISTENER = "trainers"
+
+
+def engine_listener(engine: int, generating: bool = False) -> str:
+    """The port record name of engine `engine`'s vLLM rendezvous (or its generating engine's)."""
+    return f"engine{engine}" + ("-generate" if generating else "")
 
 
 @dataclass(frozen=True)
@@ -32,10 +41,10 @@ class MasterPlacement:
     """The Mooncake master this run launches (None in `Plan.master` when it connects to one)."""
 
     node: int
-    # Interface the master binds: a fixed address, or None for "the host name of its node" (Slurm:
-    # a loopback default would be unreachable from the other nodes).
+    # Interface the master binds: a fixed address, or None for "the data-plane address of its
+    # node" (Slurm: a loopback default would be unreachable from the other nodes).
     bind_host: str | None
-    # 0 only on the local backend: a free port is picked at start.
+    # 0: a free port is picked at start (recorded in master.json).
     port: int
     rule: str
 
@@ -45,13 +54,9 @@ def place_master(store: StoreConfig, node: int, local: bool) -> tuple[MasterPlac
     if store.master_address:
         return None, store.master_address
     loopback = store.bind_host in ("127.0.0.1", "localhost", "::1")
-    if local:
-        port = store.master_port
-        rule = f"bind {store.bind_host}, port " + (str(port) if port else "picked free at start")
-        return MasterPlacement(node, store.bind_host, port, rule), None
-    port = store.master_port or STORE_DEFAULT_PORT
-    bind = None if loopback else store.bind_host
-    rule = f"bind {bind or 'host of its node'}:{port}"
+    port = store.master_port
+    bind = store.bind_host if local or not loopback else None
+    rule = f"bind {bind or 'data-plane address of its node'}, port " + (str(port) if port else PICKED)
     return MasterPlacement(node, bind, port, rule), None
 
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.config.load import to_yaml
 from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
-from hpctoolkit.roles.context import load_context, select_process
+from hpctoolkit.roles.context import load_context, pinned_of, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate
+from hpctoolkit.roles.heartbeat import guard_process_group
+from hpctoolkit.roles.verdict import run_died
 from hpctoolkit.rundir import ledger
 
 ROLE_CHECK = "check"
 # Not a role: exit 0 when this attempt's trainers checkpointed on SIGUSR2 (the batch script asks).
 ROLE_PREEMPTED = "preempted"
-ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE, ROLE_PREEMPTED)
+# Not a role: name the role of a failed step that died (the batch script asks; `roles.verdict`).
+ROLE_DIED = "died"
+ALL_ROLES = (ROLE_CHECK, *ROLES, ROLE_EVALUATE, ROLE_PREEMPTED, ROLE_DIED)
 
 
 def main(argv: list[str]) -> int:
@@ -24,9 +28,10 @@ def main(argv: list[str]) -> int:
     args = parse(ap, argv)
     ctx = load_context(args.recipe, args.overrides)
     if args.role == ROLE_CHECK:
-        # Once per job, before any step: the run directory and the resolved recipe it ran with.
+        # Once per attempt, before any step: the run directory, its pinned inputs (refused when
+        # changed since the first attempt) and the resolved recipe it runs with.
         job_id = None if ctx.slurm is None else ctx.slurm.job_id
-        if ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), job_id):
+        if ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), pinned_of(ctx), job_id):
             print(f"attempt {ledger.restart_count()} of job {job_id}: cleared the earlier attempt's records")
         print(f"plan {ctx.plan.digest()} matches; this is n{ctx.node} ({ctx.nodename})", flush=True)
         return 0
@@ -36,7 +41,11 @@ def main(argv: list[str]) -> int:
         why = ledger.preempted_attempt(ctx.run)
         print(f"preempted: {why}" if why else f"run {ctx.run_id}: no checkpoint on SIGUSR2 in this attempt")
         return 0 if why else 1
-    result = run_process(ctx, select_process(ctx, args.role))
+    if args.role == ROLE_DIED:
+        return run_died(ctx)
+    proc = select_process(ctx, args.role)
+    guard_process_group()  # what the role starts ends with it, even when it is killed outright
+    result = run_process(ctx, proc)
     return result if isinstance(result, int) else 0
 
 

@@ -4,12 +4,21 @@ Which engine, node_rank or FSDP rank a process is comes from the plan and its en
 (`SLURMD_NODENAME` in the job's node list and `SLURM_PROCID` on Slurm; `RANK` from the local
 launcher), never from hand-passed numbers, and a process that finds itself where the plan did not
 put it stops with a `ConfigError`.
+
+Ports are per run (`plan.ports`): the node that hosts a listener picks the port when the
+listener starts (`roles.network.listen` / `free_port`) and records it, with the data-plane
+address it binds, in `ports/<listener>.json` (`publish_port`):
+`{"run_id", "listener", "node", "nodename", "address", "port"}`. The processes on other nodes wait
+for that record, bounded (`endpoint_of`). It is written before the listener is up, so a peer may
+still wait for the port to open (vLLM and torch retry their connects). `python -m hpctoolkit.status`
+shows them; a new attempt of a Slurm job removes an earlier attempt's (`rundir.ledger`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.config.load import load_pinned
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
-from hpctoolkit.roles.network import LOOPBACK, HostAddress, local_address
+from hpctoolkit.plan.ports import TRAINER_LISTENER, engine_listener
+from hpctoolkit.roles.inputs import measure as measure_inputs
+from hpctoolkit.roles.network import LOOPBACK, HostAddress, free_port, listen, local_address
+from hpctoolkit.rundir import inputs
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.env import SlurmEnvironment
@@ -33,6 +45,10 @@ MASTER_RECORD_TIMEOUT_S = 120.0
 LOOPBACK_ADDRESS = HostAddress(LOOPBACK, "127.0.0.1")
 # Another node's address record (its roles start with this one).
 HOST_RECORD_TIMEOUT_S = 120.0
+# A listener's port record: its node's role starts with this one, but writes the record only once
+# its own start-up (a master to reach, prompts to load, for an engine's capture rendezvous the
+# generating engine to finish) is done.
+PORT_RECORD_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,9 @@ class NodeContext:
     host_address: HostAddress = LOOPBACK_ADDRESS
     # This process's trainer rank when the local launcher started it (Slurm: SLURM_PROCID).
     local_rank_env: int = 0
+    # The resolved recipe and its inputs as this process found them (`rundir.inputs`); None only
+    # for a context made by hand, from which no attempt starts (`pinned_of`).
+    pinned: inputs.Pin | None = None
 
     def host(self, node: int) -> str:
         return self.hosts[node]
@@ -88,10 +107,21 @@ def check_digest(plan: Plan, recipe: str, env: Mapping[str, str]) -> None:
 def load_context(
     recipe: str, overrides: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> NodeContext:
+    """This process's place in the run of `recipe` with `overrides`: the plan (checked against the
+    batch script's digest), its node and run directory, and its inputs, checked against those the
+    run pinned at its start (`rundir.inputs`; a change is a `ConfigError`)."""
     env = os.environ if environ is None else environ
-    cfg = load_recipe(recipe, list(overrides))
+    cfg, recipe_yaml = load_pinned(recipe, list(overrides))
     plan = make_plan(cfg)
     check_digest(plan, recipe, env)
+    ctx = _place(cfg, plan, env)
+    # Every role on every node: the inputs it reads are those the run started with.
+    pinned = measure_inputs(cfg, recipe_yaml)
+    inputs.check(ctx.run, pinned)
+    return dataclasses.replace(ctx, pinned=pinned)
+
+
+def _place(cfg: RecipeConfig, plan: Plan, env: Mapping[str, str]) -> NodeContext:
     if SlurmEnvironment.detected(env):
         senv = SlurmEnvironment.from_env(env)
         if len(senv.nodelist) != plan.num_nodes:
@@ -113,6 +143,13 @@ def load_context(
     rank = int(env.get("RANK", "0"))
     here = local_address(cfg.cluster.network or LOOPBACK, LOCALHOST)
     return NodeContext(cfg, plan, 0, (LOCALHOST,), LOCALHOST, None, run, here, rank)
+
+
+def pinned_of(ctx: NodeContext) -> inputs.Pin:
+    """The inputs `load_context` measured; an attempt never starts from a context without them."""
+    if ctx.pinned is None:
+        raise AssertionError("a run's attempt starts from load_context, which measures its inputs")
+    return ctx.pinned
 
 
 def select_process(ctx: NodeContext, role: str) -> Process:
@@ -215,22 +252,72 @@ def read_master_record(ctx: NodeContext, timeout_s: float = MASTER_RECORD_TIMEOU
     )
 
 
-def trainer_env(ctx: NodeContext, proc: Process) -> dict[str, str]:
-    """torch.distributed's variables for one FSDP rank; pure."""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a listener of this run listens: its node's data-plane address and its picked port."""
+
+    address: str
+    port: int
+
+
+def publish_port(ctx: NodeContext, listener: str, port: int) -> Endpoint:
+    """Record that `listener` (`plan.ports`) listens on this node's data-plane address at `port`."""
+    here = Endpoint(ctx.host_address.address, port)
+    record = {"run_id": ctx.run_id, "listener": listener, "node": ctx.node, "nodename": ctx.nodename}
+    write_json_atomic(ctx.run.port_record(listener), {**record, "address": here.address, "port": port})
+    return here
+
+
+def endpoint_of(
+    ctx: NodeContext, listener: str, node: int, timeout_s: float = PORT_RECORD_TIMEOUT_S
+) -> Endpoint:
+    """Where `listener` on node `node` listens, once that node recorded it (a bounded wait)."""
+    path = ctx.run.port_record(listener)
+    record = _wait_record(
+        path,
+        lambda r: r.get("run_id") == ctx.run_id and bool(r.get("port")),
+        timeout_s,
+        f"node n{node} ({ctx.host(node)}) did not record the port of {listener} in {path} within "
+        f"{timeout_s:.0f}s; did its role fail to start?",
+    )
+    return Endpoint(str(record["address"]), int(record["port"]))
+
+
+def trainer_rendezvous(ctx: NodeContext, proc: Process) -> tuple[Endpoint | None, socket.socket | None]:
+    """The trainers' torch.distributed rendezvous (None for one rank), and on rank 0 the socket its
+    store serves on: rank 0 listens on its node's data-plane address and records the port; the
+    other ranks wait for the record."""
     t = ctx.plan.trainer
-    return {
+    if t.world_size == 1:
+        return None, None
+    if proc.node_rank == 0:
+        sock = listen(ctx.host_address.address)
+        return publish_port(ctx, TRAINER_LISTENER, int(sock.getsockname()[1])), sock
+    return endpoint_of(ctx, TRAINER_LISTENER, t.nodes[0]), None
+
+
+def trainer_env(ctx: NodeContext, proc: Process, rendezvous: Endpoint | None) -> dict[str, str]:
+    """torch.distributed's variables for one FSDP rank (`trainer_rendezvous`); pure."""
+    t = ctx.plan.trainer
+    env = {
         "RANK": str(proc.node_rank),
         "LOCAL_RANK": str(proc.local_rank),
         "WORLD_SIZE": str(t.world_size),
         "LOCAL_WORLD_SIZE": str(t.ranks_per_node),
-        "MASTER_ADDR": address_of(ctx, t.nodes[0]),
-        "MASTER_PORT": str(t.master_port),
     }
+    if rendezvous is not None:
+        env.update(MASTER_ADDR=rendezvous.address, MASTER_PORT=str(rendezvous.port))
+    return env
 
 
-def engine_node_args(ctx: NodeContext, proc: Process, cores: Sequence[int] | None = None) -> NodeArgs:
+def engine_node_args(
+    ctx: NodeContext, proc: Process, cores: Sequence[int] | None = None, *, generating: bool = False
+) -> NodeArgs:
     """This engine node's part of `engine_llm_kwargs` (and `CaptureEngine`): its address and its
-    cores on Slurm, and for a multi-node engine its node_rank and the rendezvous."""
+    cores on Slurm, and for a multi-node engine its node_rank and the rendezvous (of its generating
+    engine with `generating`): the leader picks a free port on its data-plane address and records
+    it (vLLM binds it itself), the followers wait for the record. Call it right before the engine
+    starts: the leader's pick is free only a moment (`roles.network.free_port`)."""
     if proc.engine is None or proc.node_rank is None:
         raise AssertionError(f"{proc} is not an engine process")
     e = ctx.plan.engines[proc.engine]
@@ -241,10 +328,12 @@ def engine_node_args(ctx: NodeContext, proc: Process, cores: Sequence[int] | Non
             node, host_ip=ctx.host_address.address, cores=None if cores is None else tuple(cores)
         )
     if e.nnodes > 1:
+        listener = engine_listener(e.index, generating)
+        if proc.node_rank == 0:
+            where = publish_port(ctx, listener, free_port(ctx.host_address.address))
+        else:
+            where = endpoint_of(ctx, listener, e.leader.node)
         node = dataclasses.replace(
-            node,
-            node_rank=proc.node_rank,
-            master_addr=address_of(ctx, e.leader.node),
-            master_port=e.master_port,
+            node, node_rank=proc.node_rank, master_addr=where.address, master_port=where.port
         )
     return node

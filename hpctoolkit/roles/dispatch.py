@@ -36,10 +36,11 @@ from hpctoolkit.plan.placement import (
     Process,
 )
 from hpctoolkit.roles.child import Child
-from hpctoolkit.roles.context import NodeContext, load_context, note_host, store_address
+from hpctoolkit.roles.context import NodeContext, load_context, note_host, pinned_of, store_address
 from hpctoolkit.roles.dry import dry_roles
 from hpctoolkit.roles.engines import run_engine_follower, run_engine_leader
 from hpctoolkit.roles.evaluate import evaluate_in_fresh_process
+from hpctoolkit.roles.heartbeat import Heartbeat, guard_process_group
 from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
@@ -99,9 +100,18 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
         # gloo and NCCL (trainers, vLLM's workers) use the data-plane interface too.
         ifname = ctx.host_address.ifname
         os.environ.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
-        if ctx.slurm is None or ctx.plan.num_nodes == 1:
-            return ROLE_FUNCS[proc.role](ctx, proc)
-        return _watched(ctx, proc)
+        # The role's record of itself: a peer tells its death from its leaving by it.
+        beat = Heartbeat(ctx, proc).start()
+        try:
+            if ctx.slurm is None or ctx.plan.num_nodes == 1:
+                code = ROLE_FUNCS[proc.role](ctx, proc)
+            else:
+                code = _watched(ctx, proc, beat)
+        except BaseException:
+            beat.leave("failed")
+            raise
+        beat.leave("ok")
+        return code
     line = dry_line(ctx, proc)
     if dry_set is not None and ROLE_MASTER not in dry_set and ctx.plan.master and proc.role != ROLE_MASTER:
         # The master runs for real: prove this node reaches it at the planned address.
@@ -112,10 +122,11 @@ def run_process(ctx: NodeContext, proc: Process, *, dry: bool | None = None) -> 
     return line
 
 
-def _watched(ctx: NodeContext, proc: Process) -> int:
-    """Run the role while watching the job's other hosts; a lost host is the error, whatever the
-    role itself then saw (an interrupted wait, a failed put, a stopped capture)."""
-    probe = Probe(ctx)
+def _watched(ctx: NodeContext, proc: Process, beat: Heartbeat) -> int:
+    """Run the role while watching the job's other hosts and role processes; a lost host or a dead
+    role is the error, whatever the role itself then saw (an interrupted wait, a failed put, a
+    stopped capture). How the role left is recorded before its probe closes (`roles.watch`)."""
+    probe = Probe(ctx, beat.key)
     watch = PeerWatch(ctx).start()
     try:
         code = ROLE_FUNCS[proc.role](ctx, proc)
@@ -123,11 +134,13 @@ def _watched(ctx: NodeContext, proc: Process) -> int:
         # A lost host is the cause of whatever the role then saw (a failed get, a stalled wait).
         watch.stop()
         lost = watch.lost or (watch.verdict() if isinstance(err, Exception) else None)
+        beat.leave("failed")
         if lost:
             raise StoreError(lost) from err
         raise
     finally:
         watch.stop()
+        beat.leave("ok")  # the first call counts: "failed" when the role raised
         probe.close()
     if watch.lost:
         raise StoreError(watch.lost)
@@ -179,6 +192,7 @@ def _run_task(plan: Plan, recipe: str, overrides: Sequence[str], dry: bool) -> s
         return line
     os.environ[envs.HPCTOOLKIT_PLAN_DIGEST.name] = plan.digest()
     ctx = load_context(recipe, overrides)
+    guard_process_group()  # what the task starts ends with it, even when it is killed outright
     return follow(ctx, senv, proc, recipe, overrides)
 
 
@@ -237,10 +251,12 @@ def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
     """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
     starts it (`ledger.start_attempt`); the others wait for it."""
     from hpctoolkit.config.load import to_yaml
-    from hpctoolkit.rundir import ledger
+    from hpctoolkit.rundir import inputs, ledger
 
     restart = ledger.restart_count()
     if senv.proc_id == 0:
-        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), senv.job_id, restart=restart)
+        ledger.start_attempt(ctx.run, to_yaml(ctx.cfg), pinned_of(ctx), senv.job_id, restart=restart)
     else:
         ledger.wait_attempt(ctx.run, senv.job_id, restart)
+        # At the first attempt this task may have loaded its context before task 0 pinned the inputs.
+        inputs.check(ctx.run, pinned_of(ctx))

@@ -5,15 +5,17 @@
   set), publishes each sample's loss mask beside its fragments and names it in the manifest
   (`store.fragments.LossMasks`), appends each manifest to its queue, writes its done record, and
   keeps its store segment (where the fragments live) until the trainers write `drained`.
-  A resumed run (`rundir.ledger`) captures only the prompts its checkpoint's ledger does not hold,
-  each manifest tagged with its prompt index, under this attempt's own key prefix, after removing
-  the fragments an earlier attempt's queue lists. On SIGUSR2 (preemption), or once the trainers'
+  A resumed run (`rundir.ledger`) captures only the prompts its checkpoint's ledger does not hold
+  (refusing, first, a trained one whose content changed), each manifest tagged with its prompt
+  index and content key, under this attempt's own key prefix, after removing the fragments an
+  earlier attempt's queue lists. On SIGUSR2 (preemption), or once the trainers'
   end record says they checkpointed on it, it stops capturing without failing the queue and waits
   as after the last sample.
 * `engine-follower` starts a `HeadlessFollower` with the leader's kwargs (both from
   `engine_llm_kwargs` with `engine_node_args`) and serves until its leader leaves. When the
   engine regenerates, it first serves the leader's generating engine the same way (its own
-  rendezvous, `regenerate_port`), until that leaves and the leader records `regenerated`.
+  rendezvous, `ports/engine<i>-generate.json`), until that leaves and the leader records
+  `regenerated`; then it waits for the leader's capture rendezvous (`ports/engine<i>.json`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.console import speaker
-from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
@@ -70,11 +72,8 @@ def _regenerate(
 
 def generation_node_args(ctx: NodeContext, proc: Process) -> NodeArgs:
     """This node's part of the generating engine: the capture engine's (`engine_node_args`), with
-    the generating rendezvous port on a multi-node engine."""
-    node = engine_node_args(ctx, proc, cores=_cores())
-    if node.master_port is not None:
-        node = dataclasses.replace(node, master_port=ctx.plan.engines[proc.engine or 0].regenerate_port)
-    return node
+    the generating engine's own rendezvous on a multi-node engine."""
+    return engine_node_args(ctx, proc, cores=_cores(), generating=True)
 
 
 def regenerates(cfg: RecipeConfig, engine: int) -> bool:
@@ -185,14 +184,33 @@ def _trainers_preempted(ctx: NodeContext) -> bool:
     return isinstance(ended, dict) and bool(ended.get("preempted"))
 
 
-def _left_to_capture(ctx: NodeContext, engine: int, mine: list[list[int]]) -> list[tuple[int, list[int]]]:
-    """`(prompt index, ids)` of this engine's prompts that no completed checkpoint trained on."""
+def _refuse_changed_prompts(ctx: NodeContext, engine: int, keys: list[str]) -> None:
+    """Before anything is generated or captured: each of this engine's prompts that the attempt's
+    checkpoint trained on must still have the content it trained on (`keys`: by prompt, in order)."""
     cfg = ctx.cfg
     indices = range(engine, cfg.data.num_samples, cfg.engine.num_engines)
-    if len(indices) != len(mine):
+    done = ledger.attempt_ledger(ctx.run)
+    changed = done.changed(dict(zip(indices, keys, strict=True))) if done is not None else []
+    if done is not None and changed:
+        index, then, now = changed[0]
+        raise ConfigError(
+            f"data: prompt {index} is not the prompt {done.checkpoint.name} trained on (content key "
+            f"{then} then, {now} now; {len(changed)} of engine {engine}'s prompts changed): the data "
+            "changed since the run started; put it back, or start a new run"
+        )
+
+
+def _left_to_capture(
+    ctx: NodeContext, engine: int, mine: list[list[int]], keys: list[str]
+) -> list[tuple[int, str, list[int]]]:
+    """`(prompt index, content key, ids)` of this engine's prompts that no completed checkpoint
+    trained on."""
+    cfg = ctx.cfg
+    indices = range(engine, cfg.data.num_samples, cfg.engine.num_engines)
+    if not len(indices) == len(mine) == len(keys):
         raise DataIntegrityError(
-            f"engine {engine} has {len(mine)} prompts, but data.num_samples={cfg.data.num_samples} "
-            f"over {cfg.engine.num_engines} engine(s) gives it {len(indices)}"
+            f"engine {engine} has {len(mine)} prompts ({len(keys)} keys), but data.num_samples="
+            f"{cfg.data.num_samples} over {cfg.engine.num_engines} engine(s) gives it {len(indices)}"
         )
     done = ledger.attempt_ledger(ctx.run)
     left = ledger.remaining(indices, done)
@@ -200,8 +218,9 @@ def _left_to_capture(ctx: NodeContext, engine: int, mine: list[list[int]]) -> li
         say(
             f"engine {engine}: {done.checkpoint.name} trained {len(mine) - len(left)} of its prompts; capturing the other {len(left)}"
         )
+    key_of = dict(zip(indices, keys, strict=True))
     by_index = dict(zip(indices, mine, strict=True))
-    return [(g, by_index[g]) for g in left]
+    return [(g, key_of[g], by_index[g]) for g in left]
 
 
 def _remove_stale_fragments(ctx: NodeContext, engine: int) -> None:
@@ -232,6 +251,7 @@ def _objects(manifest: dict) -> list[dict]:
 
 
 def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
+    from hpctoolkit.data.prompts import row_keys
     from hpctoolkit.engine.engine import CaptureEngine
     from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.targets.resolve import resolve_target
@@ -252,6 +272,8 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
         wait_reachable(store_address(ctx), MASTER_REACH_TIMEOUT_S)
         _remove_stale_fragments(ctx, e.index)
         target_dir = str(resolve_target(cfg.paths.target_model))
+        keys = row_keys(cfg.data, cfg.data.num_samples)[e.index :: cfg.engine.num_engines]
+        _refuse_changed_prompts(ctx, e.index, keys)
         samples = engine_prompts(ctx, proc, target_dir)
         # What a pruned draft vocabulary is chosen from: every sample's supervised tokens.
         _write_vocab_counts(ctx, e.index, samples, queue.run_prefix)
@@ -259,7 +281,7 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
             # The generating engine has left: a follower node may now join the capture engine.
             write_json_atomic(ctx.run.regenerated(e.index), {"run_prefix": queue.run_prefix})
         masks = _loss_masks(ctx, samples)
-        todo = _left_to_capture(ctx, e.index, [ids for ids, _ in samples])
+        todo = _left_to_capture(ctx, e.index, [ids for ids, _ in samples], keys)
         t0 = time.monotonic()
         with CaptureEngine(
             cfg.engine,
@@ -305,14 +327,14 @@ def _capture(
     eng: CaptureEngine,
     queue: QueueWriter,
     masks: LossMasks,
-    todo: list[tuple[int, list[int]]],
+    todo: list[tuple[int, str, list[int]]],
     stop: threading.Event,
     preempted: threading.Event,
 ) -> None:
     """Capture `todo` in batches of `engine.capture_batch`: each manifest, tagged with its prompt
-    index, gets its loss mask and joins the queue. Stops early, without failing, on preemption
-    (`preempted` is then set); a stopped step fails it."""
-    mine = [ids for _, ids in todo]
+    index and content key, gets its loss mask and joins the queue. Stops early, without failing, on
+    preemption (`preempted` is then set); a stopped step fails it."""
+    mine = [ids for *_, ids in todo]
     batch = ctx.cfg.engine.capture_batch
     # Between batches: wait while the trainers leave too much unread in a segment.
     gate = backpressure.for_engine(ctx, engine, say, prefix=queue.run_prefix)
@@ -327,8 +349,9 @@ def _capture(
         gate.wait(stop)
         # A batch's manifests come back once all of its fragments are published.
         captured = eng.capture(mine[i : i + batch])
-        for raw, (index, _) in zip(captured, todo[i : i + batch], strict=True):
-            m = dataclasses.replace(raw, extra={**raw.extra, ledger.PROMPT_KEY: index})
+        for raw, (index, key, _) in zip(captured, todo[i : i + batch], strict=True):
+            tags = {ledger.PROMPT_KEY: index, ledger.CONTENT_KEY: key}
+            m = dataclasses.replace(raw, extra={**raw.extra, **tags})
             m = masks.publish(m)
             queue.append(m.to_json())
             gate.published(m)
@@ -356,12 +379,13 @@ def run_engine_follower(ctx: NodeContext, proc: Process) -> int:
     target_dir = resolve_target(cfg.paths.target_model)
     # The leader's CaptureEngine makes this same call; only the node keys differ.
     sink = CaptureSink(store_address(ctx), cfg.store, attempt, e.index, str(ctx.run.faults(e.index)))
-    _, kwargs, env = engine_llm_kwargs(
-        cfg.engine, target_dir, sink, engine_node_args(ctx, proc, cores=_cores()), backend=detect_backend()
-    )
     stop = term_event()
     if regenerates(cfg, e.index):
         _follow_generation(ctx, proc, str(target_dir), stop)
+    # After the generation: the leader records its capture rendezvous only once that is done.
+    _, kwargs, env = engine_llm_kwargs(
+        cfg.engine, target_dir, sink, engine_node_args(ctx, proc, cores=_cores()), backend=detect_backend()
+    )
     os.environ.update(env)
     follower = HeadlessFollower.from_node_kwargs(kwargs)
     try:

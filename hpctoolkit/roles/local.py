@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpctoolkit import console, envs, errors
-from hpctoolkit.config.load import to_yaml
+from hpctoolkit.config.load import load_pinned, to_yaml
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
+from hpctoolkit.roles.inputs import measure as measure_inputs
 from hpctoolkit.roles.results import merge_summary, trainer_line
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json
@@ -82,6 +83,10 @@ class RoleProcess:
         self._pump.join(timeout=5)
         where = f"(exit code {self.proc.returncode}; log {self.log})"
         rec = read_json(self.record)
+        code = self.proc.returncode
+        if (not isinstance(rec, dict) or not rec.get("said")) and code is not None and code < 0:
+            # Killed outright (SIGKILL, the OOM killer): it said nothing; its status says how.
+            return RoleFailedError(f"{self.name} died ({lifecycle.how_ended(code)}; log {self.log})")
         if not isinstance(rec, dict) or not rec.get("said"):
             lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
             return RoleFailedError(f"{self.name} failed: {lines[-1] if lines else 'no output'} {where}")
@@ -190,10 +195,12 @@ class RoleGroup:
             p.stop()
 
 
-def start_run(cfg: RecipeConfig) -> RunDir:
-    """A new run directory with this run's resolved recipe; never one an earlier run used."""
+def start_run(cfg: RecipeConfig, recipe: str, overrides: Sequence[str]) -> RunDir:
+    """A new run directory with this run's resolved recipe and its inputs pinned (each role checks
+    them when it starts); never one an earlier run used."""
     run = RunDir.of(cfg.paths.output_dir, local_run_id(cfg.name))
-    ledger.start_attempt(run, to_yaml(cfg), None, fresh=True)
+    _, recipe_yaml = load_pinned(recipe, overrides)
+    ledger.start_attempt(run, to_yaml(cfg), measure_inputs(cfg, recipe_yaml), None, fresh=True)
     return run
 
 
@@ -224,7 +231,7 @@ def run_local(
     shape = lifecycle.RunShape.of(plan, cfg.evaluate.enabled)
     enter = on_phase or (lambda _name: None)
     enter("start")
-    run = start_run(cfg)
+    run = start_run(cfg, recipe, overrides)
     t0 = time.monotonic()
     group = RoleGroup(run, recipe, overrides, plan, role_argv)
     # Ended from outside (Ctrl-C, a batch system's SIGTERM): end the roles too.

@@ -1,6 +1,7 @@
 """The `master` role: launch the Mooncake master, record its addresses in the run directory, and
-stay up until the run ends (the trainers' `ended.json`), this process is told to stop, or the
-job's time limit passes.
+stay up until the run ends (the trainers' `ended.json`, then every engine's close record, at most
+`ENGINES_CLOSE_TIMEOUT_S` after it), this process is told to stop, or the job's time limit passes
+(under Slurm: Slurm ends the step; a dead peer ends it sooner, `plan.lifecycle`'s watch).
 
 Under submitit the master is global task 0, whose SIGUSR2 handler (submitit's, which the master
 leaves alone) requeues the job. A run on an external master (`store.master_address`) places no
@@ -18,6 +19,7 @@ from dataclasses import replace
 from hpctoolkit.config.fields import slurm_time_seconds
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
@@ -32,11 +34,15 @@ END_POLL_S = 0.5
 say = speaker("master")
 
 
-def _run_over(ctx: NodeContext) -> bool:
-    """The trainers ended and no engine still holds a store segment."""
+# Once the trainers ended, the engines' close records within the drain's grace, and then some.
+ENGINES_CLOSE_TIMEOUT_S = lifecycle.ENGINES_DRAIN_GRACE_S + 2 * lifecycle.STOP_GRACE_S
+
+
+def _open_engines(ctx: NodeContext) -> list[int] | None:
+    """None before the trainers ended; then the engines still holding a store segment."""
     if read_json(ctx.run.ended) is None:
-        return False
-    return all(read_json(ctx.run.engine_closed(e.index)) is not None for e in ctx.plan.engines)
+        return None
+    return [e.index for e in ctx.plan.engines if read_json(ctx.run.engine_closed(e.index)) is None]
 
 
 def _deadline(ctx: NodeContext) -> float:
@@ -67,10 +73,20 @@ def run_master(ctx: NodeContext, proc: Process) -> int:
         write_json_atomic(ctx.run.master_record, record)
         say(f"Mooncake master at {master.address} on {ctx.nodename}")
         deadline = _deadline(ctx)
+        ended_at: float | None = None
         while not stop.wait(END_POLL_S):
-            if _run_over(ctx):
+            engines = _open_engines(ctx)
+            if engines == []:
                 say("the trainers are done and every engine has left; stopping")
                 break
+            if engines is not None:
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > ENGINES_CLOSE_TIMEOUT_S:
+                    say(
+                        f"the trainers are done but engine(s) {engines} did not close their store segments "
+                        f"within {ENGINES_CLOSE_TIMEOUT_S}s; stopping"
+                    )
+                    break
             if not master.alive():
                 raise StoreError(
                     f"the Mooncake master at {master.address} exited during the run; see {ctx.run.logs}"

@@ -9,6 +9,16 @@ trainers' `MASTER_ADDR`. Other hosts learn it from the run directory (`hosts/n<k
 a name lookup: a node's name need not resolve, nor resolve to its data-plane address.
 
 `choose` is pure; `interfaces` reads this host's IPv4 interface addresses (ioctl, no subprocess).
+
+Ports are picked per run, on that address, when a listener starts (`plan.ports`), in one of two ways:
+
+* `listen`: bind port 0 and keep the socket listening; the process hands it to the server that
+  serves on it (the trainers' torch.distributed store, `train.fsdp`). No other process can take
+  the port in between.
+* `free_port`: bind port 0, read the port, close; for servers that bind by themselves (vLLM's
+  multi-node rendezvous). Another process on the node may take the port between the pick and the
+  server's bind (a small race, as with any picked port): the server then fails at start with
+  "address already in use" and the run stops with that line, never a hang.
 """
 
 from __future__ import annotations
@@ -73,3 +83,21 @@ def choose(network: str, ifaces: dict[str, str], host: str) -> HostAddress:
 
 def local_address(network: str, host: str) -> HostAddress:
     return choose(network, interfaces(), host)
+
+
+def listen(address: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `address:port` (0: a free port); the caller owns it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {address}:{port}: {err.strerror}") from None
+    return sock
+
+
+def free_port(address: str) -> int:
+    """A port free on `address` a moment ago (see the module docstring for the race)."""
+    with listen(address) as sock:
+        return int(sock.getsockname()[1])

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hpctoolkit import envs
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.figures import figure
@@ -26,6 +27,7 @@ from hpctoolkit.roles.context import (
     read_master_record,
     store_address,
     trainer_env,
+    trainer_rendezvous,
 )
 from hpctoolkit.roles.results import (
     finished,
@@ -63,8 +65,13 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
     from hpctoolkit.train.run import train
 
     cfg = ctx.cfg
-    # One process per rank; train() joins env:// when RANK/WORLD_SIZE are set.
-    os.environ.update(trainer_env(ctx, proc))
+    # One process per rank; train() joins env:// when RANK/WORLD_SIZE are set. Rank 0's store
+    # serves on the socket it already listens on: the data-plane address, never all interfaces.
+    rendezvous, listening = trainer_rendezvous(ctx, proc)
+    os.environ.update(trainer_env(ctx, proc, rendezvous))
+    if listening is not None:
+        # Handed over: the store owns the descriptor from here (train.fsdp).
+        os.environ[envs.HPCTOOLKIT_RENDEZVOUS_FD.name] = str(listening.detach())
     if cfg.training.data_source == "offline":
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")

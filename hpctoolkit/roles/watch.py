@@ -1,16 +1,23 @@
 """Every role of a multi-host run watches the other hosts of the job over the data-plane network,
-so a host whose link goes down ends the run in seconds, naming that host, instead of leaving its
-peers blocked in a collective or a put until some transport timeout an hour later.
+and every other role process of the job, so a host whose link goes down, or a role that dies
+without a word (SIGKILL, the OOM killer), ends the run in seconds, naming that host or role,
+instead of leaving its peers blocked in a collective or a put until some transport timeout an hour
+later.
 
-Each role process listens on its node's address (`Probe`, any port) and records the port in the run
-directory (`hosts/n<k>.<pid>.probe`). A watcher connects to every other node's probes once a
-second: an accepted or a refused connection means the host answers (a refusal: its role is gone,
-the host is not); a timeout or an unreachable route, `MISSES` rounds in a row, means it is lost.
-This host's own link going down is told apart (its interface is down) and named as such.
+Each role process listens on its node's address (`Probe`, any port) and records the port and its
+role in the run directory (`hosts/n<k>.<pid>.probe`). A watcher connects to every other role
+process's probe once a second (its own host's too). What that says is `rundir.alive.role_state`'s
+rule: an accepted connection is a live role; a refused one means the host answers but the process
+is gone, which is a death when the role's record (`rundir.alive`) says it never left and, after
+`DEAD_ROUNDS` rounds, its probe record is still there (a role that leaves records how, then closes
+its probe, then removes the probe record); a timeout or an unreachable route from every probe of a
+host, `MISSES` rounds in a row, means the host is lost. This host's own link going down is told
+apart (its interface is down) and named as such.
 
-On a loss the watcher records it under `faults/`, prints the one line, interrupts the role (which
-unwinds and ends what it started) and, should the role be stuck in a C call that never returns
-(a gloo collective), ends its process group after `GRACE_S`.
+On a loss the watcher records it under `faults/`, prints the one line (a death: only the first to
+claim it, `rundir.alive.claim_death`; the others stop with a line that points there), interrupts
+the role (which unwinds and ends what it started) and, should the role be stuck in a C call that
+never returns (a gloo collective), ends its process group after `GRACE_S`.
 """
 
 from __future__ import annotations
@@ -26,19 +33,23 @@ import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from hpctoolkit.plan.lifecycle import role_key
 from hpctoolkit.roles.context import NodeContext
+from hpctoolkit.rundir import alive
 from hpctoolkit.rundir.atomic import write_json_atomic
 
 PERIOD_S = 1.0
 CONNECT_TIMEOUT_S = 1.0
 MISSES = 4
+# Rounds a probe must refuse, its record still there, before its role is called dead.
+DEAD_ROUNDS = 2
 GRACE_S = 15.0
 _SIOCGIFFLAGS = 0x8913
 _IFF_UP = 0x1
 _IFF_RUNNING = 0x40
-_ANSWERED = (0, errno.ECONNREFUSED)
 
 
 def link_up(ifname: str) -> bool:
@@ -52,24 +63,32 @@ def link_up(ifname: str) -> bool:
     return bool(flags & _IFF_UP and flags & _IFF_RUNNING)
 
 
-def answers(address: str, port: int) -> bool:
-    """A TCP connect to address:port is accepted or refused within the timeout (the host is there)."""
+def connect(address: str, port: int) -> str:
+    """What a TCP connect to address:port did within the timeout: `alive.ACCEPTED` (a process
+    listens), `alive.REFUSED` (the host is there, nothing listens) or `alive.SILENT`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(CONNECT_TIMEOUT_S)
         try:
-            return s.connect_ex((address, port)) in _ANSWERED
+            code = s.connect_ex((address, port))
         except OSError:
-            return False
+            return alive.SILENT
+    return {0: alive.ACCEPTED, errno.ECONNREFUSED: alive.REFUSED}.get(code, alive.SILENT)
+
+
+def answers(address: str, port: int) -> bool:
+    """The host at `address` answered a connect to `port` (accepted or refused)."""
+    return connect(address, port) != alive.SILENT
 
 
 class Probe:
     """This process's listener on its node's address; accepts and closes, nothing else."""
 
-    def __init__(self, ctx: NodeContext):
+    def __init__(self, ctx: NodeContext, key: str = ""):
         self.sock = socket.create_server((ctx.host_address.address, 0))
         self.port = self.sock.getsockname()[1]
         self.record = ctx.run.root / "hosts" / f"n{ctx.node}.{os.getpid()}.probe"
-        write_json_atomic(self.record, {"address": ctx.host_address.address, "port": self.port})
+        # `key`: the role's record (`rundir.alive`), which says whether it left.
+        write_json_atomic(self.record, {"address": ctx.host_address.address, "port": self.port, "key": key})
         threading.Thread(target=self._serve, name="hpctoolkit-probe", daemon=True).start()
 
     def _serve(self) -> None:
@@ -85,28 +104,40 @@ class Probe:
         self.record.unlink(missing_ok=True)
 
 
-def _probes(root: Path, node: int) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class _ProbeRecord:
+    path: Path
+    address: str
+    port: int
+    key: str
+
+
+def _probes(root: Path, node: int, skip_pid: int | None = None) -> list[_ProbeRecord]:
     import json
 
     out = []
-    for path in (root / "hosts").glob(f"n{node}.*.probe"):
+    for path in sorted((root / "hosts").glob(f"n{node}.*.probe")):
+        if skip_pid is not None and path.name == f"n{node}.{skip_pid}.probe":
+            continue
         try:
             rec = json.loads(path.read_text())
-            out.append((str(rec["address"]), int(rec["port"])))
+            out.append(_ProbeRecord(path, str(rec["address"]), int(rec["port"]), str(rec.get("key", ""))))
         except (OSError, ValueError, KeyError):
             continue
     return out
 
 
 class PeerWatch:
-    """Watch every other node of the plan; on a loss, end this role with one line naming the host."""
+    """Watch every other node of the plan and every other role process; on a loss, end this role
+    with one line naming the host or the role."""
 
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx
         self.lost: str | None = None
         self._stop = threading.Event()
         self._misses: dict[int, int] = {}
-        self._seen: dict[int, tuple[str, int]] = {}
+        self._seen: dict[int, list[_ProbeRecord]] = {}
+        self._refused: dict[Path, int] = {}
         self._thread = threading.Thread(target=self._run, name="hpctoolkit-peer-watch", daemon=True)
 
     def start(self) -> PeerWatch:
@@ -116,12 +147,48 @@ class PeerWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def _dead(self, probe: _ProbeRecord, state: str) -> str | None:
+        """The line for a role whose probe refused `DEAD_ROUNDS` rounds while its record says it
+        never left and its probe record stayed (a clean exit removes it)."""
+        root = self.ctx.run.root
+        record = alive.RoleRecord.read(alive.record_path(root, probe.key)) if probe.key else None
+        if alive.role_state(state, record) != alive.DEAD or record is None:
+            self._refused.pop(probe.path, None)
+            return None
+        self._refused[probe.path] = self._refused.get(probe.path, 0) + 1
+        if self._refused[probe.path] < DEAD_ROUNDS or not probe.path.exists():
+            return None
+        # The first of the run's roles to end is the cause: one ended with a failure of its own
+        # makes the others' deaths (srun ending them) no news; an earlier silent one is the death.
+        keys = [role_key(p) for p in self.ctx.plan.processes()]
+        records = alive.read_records(root, keys)
+        first = alive.culprit(records)
+        dead = records.get(first) if first else None
+        if dead is None:
+            return "stopping: another role of the run failed (its error line says how)"
+        how = f"its process {dead.pid} is gone, no end record"
+        if dead.key == record.key:
+            how += f"; nothing listens on {probe.address}:{probe.port}"
+        if alive.claim_death(root, dead.key, dead.role, dead.host, how, by=self.ctx.nodename):
+            # Not the run's died line: in a batch job the batch script says that one from the
+            # claim (this role's own output may be cut off as srun ends its step).
+            return f"stopping: {dead.role} (node {dead.host}) is dead ({how})"
+        return f"stopping: another role of the run is dead ({alive.died_path(root)} names it)"
+
     def _check(self, node: int) -> str | None:
-        probes = _probes(self.ctx.run.root, node) or ([self._seen[node]] if node in self._seen else [])
+        own = node == self.ctx.node
+        probes = _probes(self.ctx.run.root, node, os.getpid() if own else None)
+        if not probes and not own:
+            probes = self._seen.get(node, [])  # its roles' records are gone: still ask
         if not probes:
-            return None  # its roles have not started yet
-        self._seen[node] = probes[0]
-        if any(answers(a, p) for a, p in probes):
+            return None  # its roles have not started yet (or this is the only one here)
+        self._seen[node] = probes
+        states = [(p, connect(p.address, p.port)) for p in probes]
+        for p, state in states:
+            dead = self._dead(p, state)
+            if dead:
+                return dead
+        if own or any(state != alive.SILENT for _, state in states):
             self._misses[node] = 0
             return None
         self._misses[node] = self._misses.get(node, 0) + 1
@@ -134,28 +201,28 @@ class PeerWatch:
                 f"cluster.network ({ifname} is down)"
             )
         return (
-            f"host {self.ctx.host(node)} ({probes[0][0]}, node n{node}) stopped answering on "
+            f"host {self.ctx.host(node)} ({probes[0].address}, node n{node}) stopped answering on "
             f"cluster.network for {MISSES * PERIOD_S:.0f}s"
         )
 
     def verdict(self, timeout_s: float = (MISSES + 2) * (PERIOD_S + CONNECT_TIMEOUT_S)) -> str | None:
-        """After the role failed: was a host lost? Watch until one is (its reason) or every other
-        host answered in one round (None), at most `timeout_s`."""
+        """After the role failed: was a host lost, or did a role die? Watch until one is (its
+        reason) or every other host answered in one round with no death pending (None), at most
+        `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while self.lost is None and time.monotonic() < deadline:
-            reasons = [self._check(n) for n in range(self.ctx.plan.num_nodes) if n != self.ctx.node]
+            reasons = [self._check(n) for n in range(self.ctx.plan.num_nodes)]
             lost = next((r for r in reasons if r), None)
             if lost:
                 return lost
-            if all(self._misses.get(n, 0) == 0 for n in self._seen):
+            if all(self._misses.get(n, 0) == 0 for n in self._seen) and not self._refused:
                 return None
             time.sleep(PERIOD_S)
         return self.lost
 
     def _run(self) -> None:
-        others = [n for n in range(self.ctx.plan.num_nodes) if n != self.ctx.node]
         while not self._stop.wait(PERIOD_S):
-            for node in others:
+            for node in range(self.ctx.plan.num_nodes):
                 reason = self._check(node)
                 if reason:
                     self._fail(reason)

@@ -7,7 +7,10 @@ earlier one's results: a local run's id is `<recipe name>-<UTC time>-<4 hex>`, a
 
 Inside a run directory (every node of a Slurm job shares it):
 
-    config.yaml                  the resolved recipe of this run
+    config.yaml                  the resolved recipe of this run (this attempt's)
+    inputs.json                  the resolved recipe and the SHA-256 of every input it names, as the
+                                 first attempt found them; every attempt and role checks them
+                                 (`rundir.inputs`)
     master.json                  the Mooncake master's addresses (`roles.master`)
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
@@ -23,6 +26,11 @@ Inside a run directory (every node of a Slurm job shares it):
                                  job these records belong to (`rundir.ledger.begin_attempt`)
     faults/engine<i>/            store errors the engine's workers recorded
     hosts/n<k>.json              node k's data-plane address, recorded by its roles
+    ports/<listener>.json        a listener's address and the port its node picked at start
+                                 (`trainers`, `engine<i>`, `engine<i>-generate`; `roles.ports`)
+    hosts/n<k>.<pid>.probe       a role process's probe listener and its role (`roles.watch`)
+    alive/<role>.json            a role process's record of itself: its heartbeat (mtime) and how
+                                 it left (`rundir.alive`); faults/died.json: the role that died
     spool/rank<r>/, read-rank<r>.json   each trainer rank's replay copy and read record (`SpoolDir`)
     train/                       checkpoints/, tensorboard/, draft/, export/, train_summary.json,
                                  draft_vocab.json, acceptance_per_position.png,
@@ -149,6 +157,11 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def inputs(self) -> Path:
+        """The pinned recipe and inputs (`rundir.inputs`)."""
+        return self.root / "inputs.json"
+
+    @property
     def master_record(self) -> Path:
         return self.root / "master.json"
 
@@ -197,6 +210,14 @@ class RunDir:
 
     def host(self, node: int) -> Path:
         return self.root / "hosts" / f"n{node}.json"
+
+    @property
+    def ports(self) -> Path:
+        return self.root / "ports"
+
+    def port_record(self, listener: str) -> Path:
+        """Where `listener` (`plan.ports`) records the address and port it listens on."""
+        return self.ports / f"{listener}.json"
 
     @property
     def spool(self) -> Path:

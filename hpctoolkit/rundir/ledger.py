@@ -9,12 +9,16 @@ is what ties the two together; it is part of the checkpoint itself, so it cannot
     train/checkpoints/step-N/meta.json                     written last: the checkpoint (and so
                                                            its ledger) counts from then on
 
-A part is `{"rank", "step", "prompts": [global prompt index, ...]}`: every prompt rank r trained
-on in a step <= N (its first pass over the store). The prompt index is the position in the run's
-prompt list (`data.prompts` after loading); an engine leader tags each manifest with it
-(`manifest.extra["prompt"]`), and engine i captures prompts `i::num_engines`. The ledger of a
-run is the union of the parts of its newest complete checkpoint; a part missing there fails
-closed (`DataIntegrityError`), never "nothing trained".
+A part is `{"rank", "step", "prompts": [global prompt index, ...], "keys": [content key, ...]}`:
+every prompt rank r trained on in a step <= N (its first pass over the store), and beside each the
+key of its content (`data.prompts.row_key`; None where a manifest carried none; a part from before
+the keys has no "keys" and reads as all None). The prompt index is the position in the run's
+prompt list (`data.prompts` after loading); an engine leader tags each manifest with it and its key
+(`manifest.extra["prompt"]`, `["prompt_key"]`), and engine i captures prompts `i::num_engines`.
+A resumed engine refuses a prompt whose content key differs from the ledger's (`changed`): an
+index alone would skip a new prompt that took a trained one's place, or repeat a moved one. The
+ledger of a run is the union of the parts of its newest complete checkpoint; a part missing there
+fails closed (`DataIntegrityError`), never "nothing trained".
 
 The attempt record `attempt.json` (`{"job_id", "restart", "resume_step"}`) marks which attempt of a Slurm job
 the run directory's records belong to. `begin_attempt` removes what an earlier attempt left that
@@ -33,15 +37,17 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.rundir import alive, inputs
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir
 
-# The manifest `extra` key an engine leader puts the sample's prompt index under.
+# The manifest `extra` keys an engine leader puts the sample's prompt index and content key under.
 PROMPT_KEY = "prompt"
+CONTENT_KEY = "prompt_key"
 META = "meta.json"
 STEP_DIR = re.compile(r"step-\d+")
 # Trainers exit with this status when they checkpointed on SIGUSR2 and want the job requeued.
@@ -54,14 +60,24 @@ def part_name(rank: int) -> str:
     return f"ledger-rank{rank}.json"
 
 
-def write_part(checkpoint_dir: str | os.PathLike[str], rank: int, step: int, prompts: Iterable[int]) -> Path:
-    """Rank `rank`'s part of the ledger of the checkpoint being written in `checkpoint_dir`."""
-    record = {"rank": rank, "step": step, "prompts": sorted({int(p) for p in prompts})}
+def write_part(
+    checkpoint_dir: str | os.PathLike[str],
+    rank: int,
+    step: int,
+    prompts: Mapping[int, str | None] | Iterable[int],
+) -> Path:
+    """Rank `rank`'s part of the ledger of the checkpoint being written in `checkpoint_dir`:
+    `prompts` maps each prompt index it trained on to its content key (or lists indices only)."""
+    pairs = prompts.items() if isinstance(prompts, Mapping) else ((p, None) for p in prompts)
+    keyed = {int(p): k for p, k in pairs}
+    order = sorted(keyed)
+    record = {"rank": rank, "step": step, "prompts": order, "keys": [keyed.get(p) for p in order]}
     return write_json_atomic(Path(checkpoint_dir) / part_name(rank), record)
 
 
-def read_part(checkpoint_dir: str | os.PathLike[str], rank: int) -> list[int]:
-    """Rank `rank`'s trained prompts in a complete checkpoint; raises if its part is missing."""
+def read_part(checkpoint_dir: str | os.PathLike[str], rank: int) -> dict[int, str | None]:
+    """Rank `rank`'s trained prompts in a complete checkpoint, each with its content key (None when
+    the part has none); raises if its part is missing."""
     path = Path(checkpoint_dir) / part_name(rank)
     record = read_json(path)
     if not isinstance(record, dict) or not isinstance(record.get("prompts"), list):
@@ -69,7 +85,11 @@ def read_part(checkpoint_dir: str | os.PathLike[str], rank: int) -> list[int]:
             f"{path} is missing or unreadable: checkpoint {Path(checkpoint_dir).name} does not say "
             "which samples it trained on, so a resume could skip or repeat some"
         )
-    return [int(p) for p in record["prompts"]]
+    prompts = [int(p) for p in record["prompts"]]
+    keys = record.get("keys")
+    if not isinstance(keys, list) or len(keys) != len(prompts):
+        keys = [None] * len(prompts)  # a part from before the content keys
+    return {p: (str(k) if k is not None else None) for p, k in zip(prompts, keys, strict=True)}
 
 
 def complete_checkpoints(checkpoints: str | os.PathLike[str]) -> list[Path]:
@@ -89,9 +109,20 @@ class Ledger:
     step: int
     checkpoint: Path
     prompts: frozenset[int]
+    # Each trained prompt's content key, where its part recorded one.
+    keys: Mapping[int, str] = field(default_factory=dict)
 
     def of_engine(self, engine: int, num_engines: int) -> frozenset[int]:
         return frozenset(p for p in self.prompts if p % num_engines == engine)
+
+    def changed(self, keys: Mapping[int, str]) -> list[tuple[int, str, str]]:
+        """`(index, key at the checkpoint, key now)` of each trained prompt whose content is no
+        longer the one it trained on (`keys`: the content key of each prompt index now)."""
+        return [
+            (p, self.keys[p], keys[p])
+            for p in sorted(self.prompts)
+            if p in self.keys and p in keys and self.keys[p] != keys[p]
+        ]
 
 
 def read_ledger(checkpoints: str | os.PathLike[str], step: int | None = None) -> Ledger | None:
@@ -108,10 +139,11 @@ def read_ledger(checkpoints: str | os.PathLike[str], step: int | None = None) ->
         return None
     latest = done[-1]
     meta = json.loads((latest / META).read_text())
-    prompts: set[int] = set()
+    prompts: dict[int, str | None] = {}
     for rank in range(int(meta["world_size"])):
         prompts.update(read_part(latest, rank))
-    return Ledger(int(meta["step"]), latest, frozenset(prompts))
+    keys = {p: k for p, k in prompts.items() if k is not None}
+    return Ledger(int(meta["step"]), latest, frozenset(prompts), keys)
 
 
 def preempted_attempt(run: RunDir) -> str | None:
@@ -166,16 +198,24 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
 
 
 def start_attempt(
-    run: RunDir, config_yaml: str, job_id: str | None, *, fresh: bool = False, restart: int | None = None
+    run: RunDir,
+    config_yaml: str,
+    pinned: inputs.Pin,
+    job_id: str | None,
+    *,
+    fresh: bool = False,
+    restart: int | None = None,
 ) -> bool:
     """The lifecycle's `start` phase, the one way every backend begins an attempt: make the run
-    directory (`fresh`: a new one, refused if the id is taken, as a local run's always is), write
-    its `config.yaml` atomically and, in a Slurm job, clear an earlier attempt's records
-    (`begin_attempt`). True when there were such records."""
+    directory (`fresh`: a new one, refused if the id is taken, as a local run's always is), pin its
+    inputs at the first attempt or refuse any that changed since (`rundir.inputs`: `ConfigError`,
+    before anything of the run is touched), write its `config.yaml` atomically and, in a Slurm
+    job, clear an earlier attempt's records (`begin_attempt`). True when there were such records."""
     if fresh:
         run.create()
     else:
         run.root.mkdir(parents=True, exist_ok=True)
+    inputs.pin(run, pinned)
     write_text_atomic(run.config, config_yaml)
     if job_id is None:
         return False
@@ -195,6 +235,13 @@ def begin_attempt(run: RunDir, job_id: str, restart: int) -> bool:
     stale = [run.master_record, run.ended, run.drained]
     if run.progress_dir.is_dir():
         stale += sorted(run.progress_dir.glob("*.json"))  # an earlier attempt's progress
+    if run.ports.is_dir():
+        stale += sorted(run.ports.glob("*.json"))  # an earlier attempt's ports, long closed
+    # An earlier attempt's role records and probes: its roles, ended with the job, must not
+    # look dead to this attempt's watch (`rundir.alive`, `roles.watch`).
+    died = alive.died_path(run.root)
+    stale += [died, died.with_suffix(".said"), *sorted(alive.alive_dir(run.root).glob("*.json"))]
+    stale += sorted((run.root / "hosts").glob("*.probe"))
     if run.manifests.is_dir():
         stale += sorted(run.manifests.glob("engine*.closed"))
         stale += sorted(run.manifests.glob("engine*.done")) + sorted(run.manifests.glob("engine*.failed"))

@@ -14,7 +14,8 @@ Preemption uses submitit's machinery: Slurm sends SIGUSR2 `cluster.signal_before
 limit (or `scancel --signal=USR2`) to every task; the trainers checkpoint (`train.preempt`), the
 engines stop capturing, and task 0 (`RoleTask.checkpoint`, called by submitit's handler) waits for
 the trainers' end record within the lead time, then submitit requeues the job, which resumes from
-the same run directory (`rundir.ledger`). The job ends when its tasks do: the trainers write
+the same run directory (`rundir.ledger`). A task that dies is noticed by its peers (their watch
+and bounded waits; not `srun --kill-on-bad-exit`, which would end a requeue). The job ends when its tasks do: the trainers write
 `ended.json`, the engines leave once drained, the master once every engine closed; with
 `evaluate.enabled`, trainer rank 0's task then waits for the drain and runs the evaluate role
 (`roles.dispatch.follow`), in the order `plan.lifecycle` gives every backend.
@@ -171,9 +172,15 @@ def make_executor(
     python = None if prefix is None else " ".join(shlex.quote(a) for a in prefix)
     executor = submitit.SlurmExecutor(folder=str(folder), python=python)
     params = executor_parameters(cfg, plan)
+    # Not `--kill-on-bad-exit`: task 0 exits non-zero when submitit requeues the job on USR2, and
+    # srun would then kill the other tasks mid-checkpoint and the job end FAILED (seen in
+    # test_submitit_usr2_requeues_on_an_external_master). A dead task is noticed by its peers'
+    # watch and the roles' bounded waits instead.
+    srun_args: list[str] = []
     if cfg.paths.output_dir and not dry:
         log = str(Path(cfg.paths.output_dir) / "slurm-%j.out")
-        params["srun_args"] = ["--output", log, "--error", log]
+        srun_args += ["--output", log, "--error", log]
+    params["srun_args"] = srun_args
     executor.update_parameters(**params)
     return executor
 

@@ -348,25 +348,73 @@ def _trainer_lines(plan: Plan) -> list[str]:
         ),
         "",
         "# The time limit is near: the trainers checkpoint on SIGUSR2 (srun forwards it to its tasks).",
-        "usr2=0",
         "late=0",
         "# shellcheck disable=SC2317  # invoked by the trap below",
         "on_usr2() {",
-        "  usr2=1",
         "  late=1",
         '  echo "SIGUSR2: asking the trainers to checkpoint" >&2',
         '  kill -USR2 "$trainer_pid" 2>/dev/null || true',
         "}",
         "trap on_usr2 USR2",
         "",
-        "# The run ends with the trainers; the trap interrupts wait, so then wait again.",
+        *_watch_lines(plan),
+        'echo "trainers exited with status $rc"',
+    ]
+
+
+def _watch_lines(plan: Plan) -> list[str]:
+    """The lifecycle's watch: until the trainers end, a step that exits non-zero ends the run; its
+    role is named (`roles.verdict`: the one of the step that died, when none said how it left)."""
+    steps = [("master", "master_pid")] if plan.master is not None else []
+    steps += [
+        (f"engine{e.index}-{n.node_rank}", f"engine{e.index}_node{n.node_rank}_pid")
+        for e in plan.engines
+        for n in e.nodes
+    ]
+    poll = lifecycle.WATCH_POLL_S
+    return [
+        "# The run ends with the trainers. Until then every step is watched: one that exits non-zero",
+        "# (a role failed, or died without a word: SIGKILL, the OOM killer) ends the run; the others",
+        "# are ended below. A service step that exits 0 (an engine once drained) only leaves the watch.",
+        "watched=(" + " ".join(f'{name} "${var}"' for name, var in steps) + ")",
+        "failed_step=''",
+        "failed_status=0",
         "rc=0",
         "while :; do",
-        "  usr2=0",
-        '  wait "$trainer_pid" && rc=0 || rc=$?',
-        "  ((usr2)) || break",
+        "  # kill -0 fails once bash has reaped the step; wait then returns its status at once.",
+        '  if ! kill -0 "$trainer_pid" 2>/dev/null; then',
+        '    wait "$trainer_pid" && rc=0 || rc=$?',
+        "    break",
+        "  fi",
+        "  for ((i = 0; i < ${#watched[@]}; i += 2)); do",
+        "    pid=${watched[i + 1]}",
+        '    if [[ -z $pid ]] || kill -0 "$pid" 2>/dev/null; then continue; fi',
+        "    watched[i + 1]=''",
+        "    st=0",
+        '    wait "$pid" || st=$?',
+        "    if ((st != 0)); then",
+        "      failed_step=${watched[i]} failed_status=$st",
+        "      break 2",
+        "    fi",
+        "  done",
+        f"  sleep {poll}",
         "done",
-        'echo "trainers exited with status $rc"',
+        "if [[ -n $failed_step ]]; then",
+        '  echo "step $failed_step exited with status $failed_status before the trainers ended; ending the run" >&2',
+        *_died_lines("$failed_step", "$failed_status", indent="  "),
+        '  kill -TERM "$trainer_pid" 2>/dev/null || true',
+        '  wait "$trainer_pid" 2>/dev/null || true',
+        "  rc=1",
+        "fi",
+    ]
+
+
+def _died_lines(step: str, status: str, indent: str) -> list[str]:
+    """Name the role of a failed step that died without a word (`roles.verdict`; nothing when each
+    of its roles said how it left: their own error line is the run's)."""
+    return [
+        f"{indent}HPCTOOLKIT_FAILED_STEP={step} HPCTOOLKIT_FAILED_STATUS={status} \\",
+        f'{indent}  "${{RUN[@]}}" -m {ROLES_MODULE} died "$RECIPE" "${{OVERRIDES[@]}}" || true',
     ]
 
 
@@ -410,6 +458,11 @@ def _end_lines(shape: lifecycle.RunShape) -> list[str]:
         f"if ((rc != 0 && rc != {PREEMPTED_EXIT})) && "
         '"${RUN[@]}" -m hpctoolkit.roles preempted "$RECIPE" "${OVERRIDES[@]}"; then',
         f"  rc={PREEMPTED_EXIT}",
+        "fi",
+        "# Not preempted: a trainer rank that died without a word is named (the first rank to fail ends",
+        "# the others: srun --kill-on-bad-exit).",
+        f"if ((rc != 0 && rc != {PREEMPTED_EXIT})) && [[ -z $failed_step ]]; then",
+        *_died_lines(lifecycle.TRAINER_STEP, "$rc", indent="  "),
         "fi",
         f"# {PREEMPTED_EXIT}: every trainer rank wrote its part of a checkpoint on SIGUSR2; the job goes",
         "# back to the queue and resumes from it in the same run directory (same job id).",

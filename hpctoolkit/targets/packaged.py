@@ -14,7 +14,6 @@ a half-written one (a killed process) is never used and is redone.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -25,6 +24,7 @@ from typing import Any
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.inputs import sha256_file
 
 PREFIX = "pypi:"
 STAMP = ".hpctoolkit-converted"
@@ -91,17 +91,9 @@ def source_file(target: PackagedTarget) -> Path:
     return path
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verified_source(target: PackagedTarget) -> Path:
     path = source_file(target)
-    got = file_sha256(path)
+    got = sha256_file(path)
     if got != target.sha256:
         raise ConfigError(
             f"paths.target_model: {path} has SHA-256 {got[:16]}..., not the pinned {target.sha256[:16]}... "

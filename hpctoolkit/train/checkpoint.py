@@ -32,7 +32,7 @@ import json
 import logging
 import pickle
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +79,12 @@ class Checkpointer:
         *,
         samples_consumed: dict[str, int],
         meta: dict[str, Any],
-        prompts: Iterable[int] = (),
+        prompts: Mapping[int, str | None] | Iterable[int] = (),
     ) -> Path:
         """Collective: every rank calls it at the same step. `samples_consumed` is this rank's
         `SampleStream.position` (`{"epoch", "offset"}`); `load` returns it under the same key.
-        `prompts`: the prompts this rank trained on up to `step` (its part of the sample ledger)."""
+        `prompts`: the prompts this rank trained on up to `step`, each with its content key (its
+        part of the sample ledger)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".partial")
         if self.ctx.is_main:
@@ -199,7 +200,7 @@ class Checkpointer:
         log.info("resumed from %s at step %d", path, meta["step"])
         # A checkpoint from before the ledger has none; a live resume refuses it (`read_ledger`).
         has_part = (path / ledger.part_name(self.ctx.rank)).is_file()
-        prompts = ledger.read_part(path, self.ctx.rank) if has_part else []
+        prompts = ledger.read_part(path, self.ctx.rank) if has_part else {}
         return {**meta, "samples_consumed": extra["samples_consumed"], "prompts": prompts}
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hpctoolkit.errors import ConfigError
+from hpctoolkit import envs
+from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.trainers.base import FamilyTrainer
 
@@ -73,6 +75,42 @@ class DistContext:
             dist.destroy_process_group()
 
 
+# Every rank joins the process group within this of the first (they start together; a rank that
+# died or never started is named instead of waited for).
+GROUP_JOIN_TIMEOUT_S = 600
+# One collective waits for its slowest rank at most this long (torch's own default, made explicit:
+# a rank may wait that long on the engines for its next batch while the others wait in a collective).
+COLLECTIVE_TIMEOUT_S = 1800
+
+
+def _join_group(backend: str, init_method: str, rank: int, world_size: int) -> None:
+    """`init_process_group`, its rendezvous bounded by `GROUP_JOIN_TIMEOUT_S` (a StoreError naming
+    what it waited for) and its collectives by `COLLECTIVE_TIMEOUT_S`."""
+    join = timedelta(seconds=GROUP_JOIN_TIMEOUT_S)
+    try:
+        store = _listening_store(world_size, join) if init_method == "env://" and rank == 0 else None
+        if store is None:
+            made, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=join))
+            # What init_process_group does to a store it makes, and what rank 0's listening store
+            # is: every rank must use the same key prefix.
+            store = dist.PrefixStore("default_pg", made)
+    except (RuntimeError, ValueError) as err:  # DistStoreError is a RuntimeError
+        where = init_method
+        if init_method.startswith("env://"):
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise StoreError(
+            f"trainer rank {rank}: the {world_size} trainer ranks did not all join the process group at "
+            f"{where} within {GROUP_JOIN_TIMEOUT_S}s ({' '.join(str(err).split())[:200]})"
+        ) from err
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> DistContext:
     """Join (or, for one in-process rank, create) the default process group."""
     if device == "cuda":
@@ -87,7 +125,7 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str) 
         backend = "gloo"
     owns = False
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        _join_group(backend, init_method, rank, world_size)
         owns = True
     elif dist.get_world_size() != world_size:
         raise ConfigError(
@@ -95,6 +133,27 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str) 
         )
     host_group = dist.new_group(backend="gloo") if backend == "nccl" and world_size > 1 else None
     return DistContext(dist.get_rank(), world_size, dev, owns, host_group)
+
+
+def _listening_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Rank 0's rendezvous store, served on the socket the trainer role already listens on
+    (`HPCTOOLKIT_RENDEZVOUS_FD`, on the data-plane address); None without one. torch's own env://
+    store listens on all interfaces whatever MASTER_ADDR says."""
+    fd = envs.get(envs.HPCTOOLKIT_RENDEZVOUS_FD.name)
+    if not fd:
+        return None
+    # Taken once: a second group in this process must not serve on the same descriptor.
+    os.environ.pop(envs.HPCTOOLKIT_RENDEZVOUS_FD.name, None)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        master_listen_fd=int(fd),
+    )
+    # What env:// does to the store it makes; the other ranks join through env:// and expect it.
+    return dist.PrefixStore("default_pg", store)
 
 
 def build_mesh(ctx: DistContext, mode: str) -> DeviceMesh:

@@ -18,7 +18,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.rundir.atomic import read_json, read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
-from hpctoolkit.rundir.ledger import PROMPT_KEY, restart_count
+from hpctoolkit.rundir.ledger import CONTENT_KEY, PROMPT_KEY, restart_count
 from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate
@@ -145,7 +145,8 @@ class _Run:
     last_stats: StepStats | None = None
     stop_reason: str = ""
     # Prompts this rank trained on (resumed from the checkpoint's ledger part), and SIGUSR2.
-    trained_prompts: set[int] = field(default_factory=set)
+    # Each index maps to its content key (`rundir.ledger`; None where the manifest had none).
+    trained_prompts: dict[int, str | None] = field(default_factory=dict)
     preempted: bool = False
     feeder: DeviceFeeder | None = None
     last_finish: float = 0.0
@@ -193,7 +194,7 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     optimizer, scheduler = build_optimizer(trainer, cfg)
     ckpt = Checkpointer(job.files.checkpoints, cfg.keep_checkpoints, ctx)
 
-    start_step, position, prompts = 0, {"epoch": 0, "offset": 0}, []
+    start_step, position, prompts = 0, {"epoch": 0, "offset": 0}, {}
     # A live attempt resumed from a checkpoint's ledger cannot fall back to an older one.
     live = bool(getattr(job.samples_source, "resumed", False))
     meta = ckpt.load_newest(trainer, optimizer, scheduler, fallback=not live) if job.resume else None
@@ -210,12 +211,13 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     return run
 
 
-def _prompts_of(samples) -> list[int | None]:
-    """Each sample's prompt index (live samples; None where the manifest carries none)."""
-    out: list[int | None] = []
+def _prompts_of(samples) -> list[tuple[int | None, str | None]]:
+    """Each sample's prompt index and content key (live samples; None where the manifest carries
+    none)."""
+    out: list[tuple[int | None, str | None]] = []
     for s in samples:
         extra = getattr(getattr(s, "manifest", None), "extra", None) or {}
-        out.append(extra.get(PROMPT_KEY))
+        out.append((extra.get(PROMPT_KEY), extra.get(CONTENT_KEY)))
     return out
 
 
@@ -230,14 +232,15 @@ def _launch_step(run: _Run, samples, order_log) -> LaunchedStep:
     )
     assert run.feeder is not None
     batch = run.feeder.put(batch)
-    prompts = _prompts_of(samples)
+    tagged = _prompts_of(samples)
+    prompts = [p for p, _ in tagged]
     record = {"step": run.step + 1, "epoch": run.stream.epoch, "keys": batch.keys, "prompts": prompts}
     order_log.write(json.dumps(record) + "\n")
     order_log.flush()
     launched = launch(run.trainer, run.optimizer, run.scheduler, batch, run.step, ctx, cfg.grad_clip)
     run.step += 1
     run.steps_this_run += 1
-    run.trained_prompts.update(p for p in prompts if p is not None)
+    run.trained_prompts.update((p, k) for p, k in tagged if p is not None)
     return launched
 
 

@@ -174,6 +174,13 @@ def test_an_engine_over_two_hosts_regenerates_then_captures(hosts, tmp_path):
         and "generation done; joining the capture engine" in log
     )
     check_regenerated(run, resolve_target("builtin:tiny-qwen3"))
+    # Every rendezvous on a port its host picked for this run, at that host's data-plane address.
+    ports = {
+        k: json.loads(run.port_record(k).read_text()) for k in ("engine0", "engine0-generate", "trainers")
+    }
+    assert ports["engine0"]["address"] == ports["engine0-generate"]["address"] == ADDRESSES["host3"]
+    assert ports["trainers"]["address"] == ADDRESSES["host1"]
+    assert ports["engine0"]["port"] != ports["engine0-generate"]["port"]
     for line in run.queue(0).read_text().splitlines():
         assert sorted({f["stage"] for f in json.loads(line)["fragments"]}) == [0, 1]
     assert not job_processes(job)

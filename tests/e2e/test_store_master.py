@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_fixtures import ROOT, needs_mooncake, small_store_cfg
+from store_fixtures import ROOT, listening, needs_mooncake, small_store_cfg
 
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.store.master import (
@@ -25,36 +25,16 @@ from hpctoolkit.store.probe import check_reachable, count_keys_via_master, maste
 pytestmark = [pytest.mark.real, needs_mooncake]
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of the TCP sockets `pid` listens on, read from /proc (no ss/netstat needed)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        cols = line.split()
-        if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-            hexip, hexport = cols[1].split(":")
-            ip = ".".join(str(int(hexip[i : i + 2], 16)) for i in (6, 4, 2, 0))
-            out.add((ip, int(hexport, 16)))
-    return out
-
-
 @pytest.mark.timeout(60)
 def test_launched_master_binds_loopback_auto_ports_lease_and_log(tmp_path):
     cfg = small_store_cfg(kv_lease_ttl_s=1.5)
     with launch_master(cfg, tmp_path) as m:
         assert m.address.startswith("127.0.0.1:") and m.rpc_port != m.metrics_port
-        listening = _listening(m.pid)
+        listening_on = listening(m.pid)
         # Both the RPC service and the metrics server on 127.0.0.1; nothing on 0.0.0.0.
-        assert ("127.0.0.1", m.rpc_port) in listening
-        assert ("127.0.0.1", m.metrics_port) in listening
-        assert all(ip == "127.0.0.1" for ip, _ in listening), listening
+        assert ("127.0.0.1", m.rpc_port) in listening_on
+        assert ("127.0.0.1", m.metrics_port) in listening_on
+        assert all(ip == "127.0.0.1" for ip, _ in listening_on), listening_on
         assert check_reachable(m.address, 5)
         assert master_healthy(m.metrics_address)
         assert count_keys_via_master(m.metrics_address) == 0

@@ -29,15 +29,16 @@ def test_bad_data_settings_name_the_key(override, match):
 
 def test_regeneration_runs_on_the_engines_layout_over_its_nodes(tmp_path):
     """A multi-node engine regenerates too (its followers serve the generating engine first), on a
-    rendezvous port of its own that the plan claims beside the capture engine's."""
-    from hpctoolkit.plan.placement import REGENERATE_PORT_OFFSET, make_plan
+    rendezvous of its own (picked at start, recorded apart from the capture engine's)."""
+    from hpctoolkit.plan.placement import make_plan
+    from hpctoolkit.plan.ports import engine_listener
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     over = [f"data.prompts={rows}", "data.num_samples=4", "data.regenerate_tokens=8"]
     cfg = load_recipe("tests/recipes/multihost.yaml", over)
     e = make_plan(cfg).engines[0]
-    assert e.nnodes == 2 and e.regenerate_port == e.master_port + REGENERATE_PORT_OFFSET
+    assert e.nnodes == 2 and engine_listener(0, generating=True) != engine_listener(0)
     cfg = load_recipe(
         "recipes/tiny.yaml", ["engine.gpus_per_node=2", "engine.pp_size=2", "data.regenerate_tokens=8"]
     )

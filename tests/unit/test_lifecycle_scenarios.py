@@ -50,6 +50,7 @@ note() { echo "$1 $role" >> "$SCN_DIR/trace"; }
 case $role in
   check) exit 0 ;;
   preempted) exit 1 ;;
+  died) exit 1 ;;
 esac
 note start
 case $role in

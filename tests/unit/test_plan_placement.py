@@ -21,7 +21,7 @@ from hpctoolkit.plan.placement import (
     Plan,
     make_plan,
 )
-from hpctoolkit.plan.ports import ENGINE_PORT_BASE, STORE_DEFAULT_PORT, TRAINER_PORT
+from hpctoolkit.plan.ports import PICKED, engine_listener
 from hpctoolkit.slurm.render import load_for_render
 
 
@@ -79,7 +79,6 @@ def check_invariants(plan: Plan, shared: bool = False) -> None:
         flat = [s for n in e.nodes for s in n.stages]
         assert flat == sorted(flat)
         assert all(flat.count(s) == e.tp for s in range(e.pp))
-        assert e.master_port == ENGINE_PORT_BASE + e.index
     t = plan.trainer
     assert [r.rank for r in t.ranks] == list(range(t.world_size))
     for node in t.nodes:
@@ -97,6 +96,11 @@ def check_invariants(plan: Plan, shared: bool = False) -> None:
     text = plan.describe()
     assert text.count(ROLE_ENGINE_LEADER) == len(plan.engines)
     assert text.count(ROLE_ENGINE_FOLLOWER) == sum(e.nnodes - 1 for e in plan.engines)
+    # No fixed port: each rendezvous is picked at start and recorded (`plan.ports`).
+    multi = [e for e in plan.engines if e.nnodes > 1]
+    assert text.count(PICKED) == len(multi) + (t.world_size > 1) + bool(plan.master and not plan.master.port)
+    for e in multi:
+        assert f"ports/{engine_listener(e.index)}.json" in text
 
 
 def test_reference_k3_deployment():
@@ -111,10 +115,14 @@ def test_reference_k3_deployment():
         assert [f.stages for f in e.followers] == [(1,) * 8]
     assert [[n.node for n in e.nodes] for e in plan.engines] == [[1, 2], [3, 4]]
     assert plan.trainer.nodes == (0,) and plan.trainer.world_size == 8
-    assert plan.trainer.master_port == TRAINER_PORT
-    assert plan.master.node == 0 and plan.master.port == STORE_DEFAULT_PORT
-    # Loopback is useless across nodes: the master binds its node's host name.
+    # Ports are picked at start (two jobs may share a node); the master's goes in master.json.
+    assert plan.master.node == 0 and plan.master.port == 0
+    # Loopback is useless across nodes: the master binds its node's data-plane address.
     assert plan.master.bind_host is None
+    assert "bind data-plane address of its node, port picked at start" in plan.describe()
+    assert "trainer rendezvous: data-plane address of n0, port picked at start (ports/trainers.json)" in (
+        plan.describe()
+    )
     roles = [p.role for p in plan.on_node(0)]
     assert roles == [ROLE_MASTER] + [ROLE_TRAINER] * 8
     assert plan.max_processes_per_node() == 9
@@ -321,20 +329,15 @@ def test_k3_recipe_loads_once_its_paths_are_given(tmp_path):
     assert make_plan(cfg).to_dict() == make_plan(slurm_cfg()).to_dict()
 
 
-@pytest.mark.parametrize(
-    ("port", "clash"),
-    [(29500, "the trainers' rendezvous"), (29600, "engine 0's vLLM rendezvous")],
-)
-def test_two_listeners_on_one_port_of_a_node_are_refused(port, clash):
+@pytest.mark.parametrize("port", [29500, 29600, 50051])
+def test_named_ports_are_kept_and_the_others_are_picked(port):
+    """A port the recipe names is used as given; no rendezvous has a fixed one it could clash
+    with (the old fixed 29500 / 29600 no longer exist)."""
     cfg = slurm_cfg(engines=1, nnodes=1, pp=1, trainer_nodes=1, nodes=2)
     cfg.store.master_port = port
-    if port == 29600:
-        # Engine 0's leader is node 1; the master is node 0: no clash until they share a node.
-        make_plan(cfg)
-        return
-    with pytest.raises(ConfigError, match=f"both listen on port {port} of node n0") as err:
-        make_plan(cfg)
-    assert clash in str(err.value) and "store.master_port=29500" in str(err.value)
+    plan = make_plan(cfg)
+    assert plan.master is not None and plan.master.port == port
+    assert f"port {port}" in plan.master.rule
 
 
 def test_master_and_metrics_on_one_port_are_refused():

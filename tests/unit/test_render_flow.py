@@ -1,7 +1,8 @@
 """The rendered batch script's control flow, run by bash with fake `srun`/`scontrol` and a fake
 interpreter (no Slurm): every role starts once, SIGUSR2 on the batch shell reaches the trainers, the
 script exits with the trainers' status and ends the services (after a clean run the engines leave
-by themselves and the master is ended last), evaluate runs after the engines left and before the
+by themselves and the master is ended last), a service step that dies ends the run at once and its
+role is named (`roles died`), a trainers' step that fails has its dead rank named, evaluate runs after the engines left and before the
 master is ended (`plan.lifecycle`'s order) and only after a clean run, and a failed check starts
 nothing."""
 
@@ -43,6 +44,7 @@ role=$3
 case $role in
   check) [[ ${FLOW_CHECK_FAILS:-0} == 1 ]] && { echo "error: re-render" >&2; exit 2; }; exit 0 ;;
   preempted) echo preempted >> "$FLOW_DIR/asked"; exit "${FLOW_PREEMPTED_RC:-1}" ;;
+  died) echo "$HPCTOOLKIT_FAILED_STEP $HPCTOOLKIT_FAILED_STATUS" >> "$FLOW_DIR/died"; exit 0 ;;
   evaluate)
     # The engines have ended by now (drain); the master is ended after (stop).
     [[ -e $FLOW_DIR/left || ! -e $FLOW_DIR/drained ]] || exit 97
@@ -57,6 +59,8 @@ case $role in
     exit 99 ;;
   *)
     trap 'echo "$role" >> "$FLOW_DIR/terminated"; exit 0' TERM
+    # A role killed outright: srun's status for a task ended by SIGKILL.
+    if [[ $role == "${FLOW_DIES:-}" ]]; then sleep 1; exit 137; fi
     for _ in $(seq 1 300); do
       # Engines leave by themselves once drained, a little after the trainers (as the real ones).
       if [[ $role == engine-* && -e $FLOW_DIR/drained ]]; then
@@ -125,6 +129,11 @@ def test_usr2_reaches_trainers_and_status_propagates(flow, trainer_rc, preempted
     assert proc.returncode == want_rc, out
     asked = trainer_rc not in (0, 75)
     assert (tmp / "asked").exists() == asked, out
+    # A failure that is no preemption: the rank that died, if one did, is named.
+    died = asked and preempted_rc != 0
+    assert (tmp / "died").exists() == died, out
+    if died:
+        assert (tmp / "died").read_text() == f"trainer {trainer_rc}\n"
     assert (tmp / "requeued").exists() == (trainer_rc == 75 or (asked and preempted_rc == 0)), out
     assert (tmp / "trainer-usr2").read_text() == "usr2\n"
     assert "SIGUSR2: asking the trainers to checkpoint" in out
@@ -180,3 +189,28 @@ def test_failed_check_starts_no_step(flow):
     assert out.returncode == 2
     assert "re-render" in out.stderr
     assert not (tmp / "steps").exists()
+
+
+@pytest.mark.parametrize(
+    ("role", "step"), [("master", "master"), ("engine-leader", "engine0-0"), ("engine-follower", "engine0-1")]
+)
+def test_a_service_that_dies_ends_the_run_naming_it(flow, role, step):
+    """The lifecycle's watch: a service step that exits non-zero before the trainers end ends the
+    trainers at once and every other step, the run fails (exit 1), and `roles died` is asked
+    once, for that step and its status."""
+    tmp, script, env = flow
+    env["FLOW_DIES"] = role
+    t0 = time.monotonic()
+    out = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (tmp / "died").read_text() == f"{step} 137\n"
+    assert f"step {step} exited with status 137 before the trainers ended; ending the run" in out.stderr
+    # The trainers were ended (no checkpoint asked of them), and every other service step.
+    assert not (tmp / "trainer-usr2").exists()
+    others = sorted({"master", "engine-leader", "engine-follower"} - {role})
+    assert sorted((tmp / "terminated").read_text().split()) == others
+    assert not (tmp / "evaluated").exists()
+    assert took < 15, took

@@ -3,6 +3,7 @@ the digest guard and the environment handed to trainers. No Slurm needed: the en
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.roles import __main__ as roles_main
 from hpctoolkit.roles import context, dispatch, trainer, waits
 from hpctoolkit.roles.network import HostAddress, choose
-from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "tests/golden/emulated_3node.yaml"
@@ -76,14 +77,18 @@ def test_trainer_rank_comes_from_procid(monkeypatch, tmp_path):
     ctx = context.load_context(RECIPE, [f"paths.output_dir={tmp_path}"])
     proc = context.select_process(ctx, "trainer")
     assert (proc.node_rank, proc.local_rank, proc.gpus) == (3, 3, (3,))
-    env = context.trainer_env(ctx, proc)
+    # Rank 0 recorded where its store listens (port picked at start); rank 3 waits for that.
+    context.publish_port(dataclasses.replace(ctx, node=0), "trainers", 40123)
+    rendezvous, listening = context.trainer_rendezvous(ctx, proc)
+    assert listening is None and rendezvous == context.Endpoint("10.0.0.4", 40123)
+    env = context.trainer_env(ctx, proc, rendezvous)
     assert env == {
         "RANK": "3",
         "LOCAL_RANK": "3",
         "WORLD_SIZE": "4",
         "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "10.0.0.4",  # its own node's data-plane address, never a name lookup
-        "MASTER_PORT": "29500",
+        "MASTER_ADDR": "10.0.0.4",  # its node's data-plane address, never a name lookup
+        "MASTER_PORT": "40123",
     }
     master_up(ctx)
     assert context.store_address(ctx) == "10.0.0.4:50051"
@@ -179,6 +184,7 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
     built = {}
     out = f"paths.output_dir={tmp_path / 'out'}"
+    monkeypatch.setattr(context, "free_port", lambda address: 40200)  # 10.0.0.5 is not this host's
     for name, role in (("node5", "engine-leader"), ("node6", "engine-follower")):
         on_node(monkeypatch, name)
         on_host(monkeypatch, name)
@@ -192,7 +198,8 @@ def test_leader_and_follower_build_one_engine_config(monkeypatch, tmp_path):
     (la, lk, le), (fa, fk, fe) = built["engine-leader"], built["engine-follower"]
     assert (la.node_rank, fa.node_rank) == (0, 1)
     assert la.master_addr == fa.master_addr == "10.0.0.5"  # the leader's node
-    assert la.master_port == fa.master_port == 29600
+    # Picked by the leader at start, recorded, read by the follower (no fixed port).
+    assert read_json(ctx.run.port_record("engine0"))["port"] == la.master_port == fa.master_port
     assert (le["VLLM_HOST_IP"], fe["VLLM_HOST_IP"]) == ("10.0.0.5", "10.0.0.6")
     assert le["VLLM_CPU_OMP_THREADS_BIND"] == fe["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"  # 2 workers a node
 

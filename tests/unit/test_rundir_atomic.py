@@ -105,6 +105,18 @@ def test_begin_attempt_moves_each_queue_whole_onto_its_stale_list(tmp_path):
     assert sorted(p.name for p in run.manifests.iterdir()) == ["engine0.stale.jsonl"]
 
 
+def test_begin_attempt_removes_an_earlier_attempts_port_records(tmp_path):
+    """A requeued job's peers must wait for this attempt's listeners, not dial the last one's."""
+    from hpctoolkit.rundir.ledger import begin_attempt
+
+    run = RunDir.of(tmp_path, "r-j1").create()
+    run.ports.mkdir()
+    run.port_record("trainers").write_text('{"port": 40123}')
+    assert run.port_record("engine0-generate") == run.root / "ports" / "engine0-generate.json"
+    assert begin_attempt(run, "1", 1)
+    assert not run.port_record("trainers").exists()
+
+
 def test_read_json_object_fails_in_one_line_naming_the_file(tmp_path):
     good = tmp_path / "good.json"
     good.write_text('{"a": 1}')

@@ -287,3 +287,17 @@ def test_the_cli_refuses_bad_input_in_one_line_exit_2(tmp_path):
         assert r.returncode == 2, r.stderr
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+def test_the_listeners_addresses_and_picked_ports_are_listed(tmp_path):
+    """The master's addresses and every port picked at start (`ports/<listener>.json`): what a
+    site fencing the run's listeners, or a user of a shared node, needs to see."""
+    run = make_run(tmp_path)
+    master_up(run)
+    put(run.port_record("trainers"), {"run_id": run.run_id, "address": "10.0.0.4", "port": 40123})
+    put(run.port_record("engine0"), {"run_id": run.run_id, "address": "10.0.0.5", "port": 40200})
+    lines = status(run).lines
+    assert (
+        "ports    master 127.0.0.1:50051, master metrics x, engine0 10.0.0.5:40200, trainers 10.0.0.4:40123"
+        in lines
+    )
