@@ -9,6 +9,7 @@ fixture: the environment to submit with (`SLURM_CONF` also set in this process f
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -51,9 +52,44 @@ def why_not(extra_tools: Sequence[str] = (), modules: Sequence[tuple[str, str]] 
     return None
 
 
+# The emulated cluster's daemons listen on fixed ports and the hosts have fixed namespace names, so
+# a machine holds one at a time: whoever starts one holds this lock until it is down (the test
+# workers of one suite, and two suites or sessions on one machine). The `cluster` mark puts every
+# test that starts one on the same worker, one after another, so the lock is never waited on there.
+CLUSTER_LOCK = Path(os.environ.get("HPCTOOLKIT_CLUSTER_LOCK", "/tmp/hpctoolkit-emulated-cluster.lock"))
+CLUSTER_LOCK_WAIT_S = 900
+
+
+@contextmanager
+def cluster_lock() -> Iterator[None]:
+    """Hold the machine's emulated-cluster lock (waiting up to `CLUSTER_LOCK_WAIT_S`)."""
+    with CLUSTER_LOCK.open("a") as f:
+        deadline = time.monotonic() + CLUSTER_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another emulated cluster held {CLUSTER_LOCK} for {CLUSTER_LOCK_WAIT_S}s"
+                    ) from None
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @contextmanager
 def emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], str]]:
     """Start `nodes` emulated nodes with their state under `state`; yield (script env, slurm.conf)."""
+    with cluster_lock(), _emulated_cluster(state, nodes) as up:
+        yield up
+
+
+@contextmanager
+def _emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], str]]:
     env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
     t0 = time.monotonic()
     shell.run(["bash", str(SCRIPT), "start", str(nodes)], env=env, timeout_s=120)
@@ -100,6 +136,12 @@ def emulated_hosts(state: Path, nodes: int) -> Iterator[dict[str, str]]:
     """`nodes` emulated hosts, each in its own network namespace with its own address, and Slurm on
     them (`launch/local_slurm.sh up`); yield the environment to submit with. Removed afterwards."""
     env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
+    with cluster_lock(), _emulated_hosts(env, state, nodes) as up:
+        yield up
+
+
+@contextmanager
+def _emulated_hosts(env: dict[str, str], state: Path, nodes: int) -> Iterator[dict[str, str]]:
     t0 = time.monotonic()
     try:
         shell.run(["bash", str(SCRIPT), "up", str(nodes)], env=env, timeout_s=120)
@@ -199,14 +241,35 @@ def run_arm_process(
 # The tiers: tests/unit starts no vLLM engine, Slurm or namespace (`make test-fast` runs it alone);
 # tests/e2e holds what starts real parts; tests/gpu what needs CUDA. A test marked for another tier
 # than its folder's fails collection, so the folders keep saying what runs where.
+#
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a test module is one
+# unit of work (its module-scoped engines and masters start once), except that every test marked
+# `cluster` joins one unit, since a machine holds one emulated cluster at a time. That unit goes
+# first, as the longest; then tests/e2e, then the short unit modules that fill the gaps at the end.
+TIER_ORDER = {"e2e": 1, "gpu": 2, "unit": 3}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrong = []
     for item in items:
         tier = Path(str(item.path)).parent.name
         marks = {m.name for m in item.iter_markers()}
-        if tier == "unit" and marks & {"real", "slow"}:
-            wrong.append(f"{item.nodeid}: marked {sorted(marks & {'real', 'slow'})}; move it to tests/e2e")
+        if tier == "unit" and marks & {"real", "slow", "cluster"}:
+            wrong.append(
+                f"{item.nodeid}: marked {sorted(marks & {'real', 'slow', 'cluster'})}; move it to tests/e2e"
+            )
         if tier == "gpu" and "gpu" not in marks:
             wrong.append(f"{item.nodeid}: in tests/gpu without the gpu mark")
+        starts_cluster = "slurm_cluster" in getattr(item, "fixturenames", ())
+        if starts_cluster and "cluster" not in marks:
+            wrong.append(f"{item.nodeid}: starts the emulated cluster without the cluster mark")
+        group = "cluster" if "cluster" in marks else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
     if wrong:
         raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))
+
+    def rank(item: pytest.Item) -> int:
+        return 0 if item.get_closest_marker("cluster") else TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
+
+    items.sort(key=rank)  # stable: within a rank, collection order
