@@ -270,6 +270,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))
 
     def rank(item: pytest.Item) -> int:
-        return 0 if item.get_closest_marker("cluster") else TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
+        return (
+            0 if item.get_closest_marker("cluster") else TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
+        )
 
     items.sort(key=rank)  # stable: within a rank, collection order
