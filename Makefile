@@ -50,7 +50,7 @@ lint: setup
 	shellcheck $$(git ls-files '*.sh' '*.sbatch' .ci/run)
 
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The edit loop: tests/unit only (no vLLM engine, no Slurm, no namespaces), without the lint.
 test-fast: setup

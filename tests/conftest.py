@@ -242,36 +242,68 @@ def run_arm_process(
 # tests/e2e holds what starts real parts; tests/gpu what needs CUDA. A test marked for another tier
 # than its folder's fails collection, so the folders keep saying what runs where.
 #
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a test module is one
-# unit of work (its module-scoped engines and masters start once), except that every test marked
-# `cluster` joins one unit, since a machine holds one emulated cluster at a time. That unit goes
-# first, as the longest; then tests/e2e, then the short unit modules that fill the gaps at the end.
+# `make test` runs the suite on two pytest-xdist workers, with the scheduler below: a test module is
+# one unit of work (its module-scoped engines and masters start once), except that the modules of
+# `CLUSTER_MODULES` form one unit together, since a machine holds one emulated cluster at a time.
+# That unit goes first, as the longest; then tests/e2e, then the short unit modules that fill the
+# gaps at the end. (xdist's own `loadgroup` cannot do it under pytest 9: its group suffix on the
+# node id no longer takes.) A test that asks for `slurm_cluster` elsewhere fails collection; the
+# others that start hosts (`emulated_hosts`) wait on `CLUSTER_LOCK` rather than break.
+CLUSTER_MODULES = frozenset(
+    f"tests/e2e/{name}.py"
+    for name in (
+        "test_slurm_real",
+        "test_slurm_e2e",
+        "test_slurm_preemption",
+        "test_data_regenerate_e2e",
+        "test_multihost",
+        "test_multihost_k3",
+        "test_kill",
+    )
+)
 TIER_ORDER = {"e2e": 1, "gpu": 2, "unit": 3}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadscope` (what `make test` asks for) with the scopes above; other modes as xdist has them."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module_of(nodeid)
+            return "cluster" if module in CLUSTER_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrong = []
     for item in items:
         tier = Path(str(item.path)).parent.name
         marks = {m.name for m in item.iter_markers()}
-        if tier == "unit" and marks & {"real", "slow", "cluster"}:
-            wrong.append(
-                f"{item.nodeid}: marked {sorted(marks & {'real', 'slow', 'cluster'})}; move it to tests/e2e"
-            )
+        if tier == "unit" and marks & {"real", "slow"}:
+            wrong.append(f"{item.nodeid}: marked {sorted(marks & {'real', 'slow'})}; move it to tests/e2e")
         if tier == "gpu" and "gpu" not in marks:
             wrong.append(f"{item.nodeid}: in tests/gpu without the gpu mark")
-        starts_cluster = "slurm_cluster" in getattr(item, "fixturenames", ())
-        if starts_cluster and "cluster" not in marks:
-            wrong.append(f"{item.nodeid}: starts the emulated cluster without the cluster mark")
-        group = "cluster" if "cluster" in marks else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        in_cluster = _module_of(item.nodeid) in CLUSTER_MODULES
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not in_cluster:
+            wrong.append(
+                f"{item.nodeid}: starts the emulated cluster outside CLUSTER_MODULES (tests/conftest.py)"
+            )
+        if in_cluster:
+            item.add_marker(pytest.mark.cluster)
     if wrong:
         raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))
 
     def rank(item: pytest.Item) -> int:
-        return (
-            0 if item.get_closest_marker("cluster") else TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
-        )
+        if _module_of(item.nodeid) in CLUSTER_MODULES:
+            return 0
+        return TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
 
     items.sort(key=rank)  # stable: within a rank, collection order

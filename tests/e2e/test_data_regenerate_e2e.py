@@ -56,7 +56,6 @@ def test_local_engine_leader_regenerates_turn_by_turn(tmp_path):
     check_regenerated(RunDir.of(out, (out / "latest").resolve().name), target)
 
 
-@pytest.mark.cluster
 def test_slurm_engine_leader_regenerates_turn_by_turn(slurm_cluster, tmp_path):
     from hpctoolkit.targets.resolve import resolve_target
 

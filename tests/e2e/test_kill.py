@@ -26,7 +26,7 @@ from test_multihost import NODES, hosts, log_of, ours, role_processes, sbatch  #
 from hpctoolkit.plan.lifecycle import DEATH_BOUND_S
 from hpctoolkit.rundir import alive
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 # How long a role may take to come up (its record written; an engine: capturing).
 UP_TIMEOUT_S = 300

@@ -42,7 +42,7 @@ JOB_TIMEOUT_S = 400
 # stays down until then: Slurm reaches the hosts over eth0, not over the data plane.
 FAULT_BOUND_S = 150
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

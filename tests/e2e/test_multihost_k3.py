@@ -37,7 +37,6 @@ JOB_TIMEOUT_S = 600
 pytestmark = [
     pytest.mark.real,
     pytest.mark.slow,
-    pytest.mark.cluster,
     pytest.mark.timeout(1200),
     pytest.mark.skipif(
         os.environ.get("HPCTOOLKIT_K3_SHAPED_TESTS") != "1",

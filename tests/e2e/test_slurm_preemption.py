@@ -37,7 +37,7 @@ JOB_TIMEOUT_S = 420
 # After scancel: KillWait (5 s) plus what the roles' own shutdown takes.
 LEFTOVER_BOUND_S = 30.0
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _submit(env: dict[str, str], tmp_path: Path, extra: list[str] | None = None):

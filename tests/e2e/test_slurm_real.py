@@ -24,7 +24,7 @@ from hpctoolkit.slurm.render import render_sbatch
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_NODES = 8
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def parse_lines(lines: list[str]) -> list[dict[str, str]]:
