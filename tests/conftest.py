@@ -255,7 +255,6 @@ CLUSTER_MODULES = frozenset(
         "test_slurm_real",
         "test_slurm_e2e",
         "test_slurm_preemption",
-        "test_data_regenerate_e2e",
         "test_multihost",
         "test_multihost_k3",
         "test_kill",
@@ -266,6 +265,39 @@ TIER_ORDER = {"e2e": 1, "gpu": 2, "unit": 3}
 
 def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+# A job's steps may still be tearing down on a node (slurmstepd reaping, reporting) for a few
+# seconds after Slurm records the job's end and gives its nodes to the next one. On a loaded machine
+# (the other test worker busy) the next job's step launch on such a node could then fail ("Task
+# launch ... failed: Zero Bytes were transmitted or received"), and a job that should have run ended
+# at its start. Before each test of the cluster unit, the earlier tests' steps are gone.
+STEPS_GONE_WAIT_S = 90
+
+
+def wait_steps_gone(timeout_s: float = STEPS_GONE_WAIT_S) -> None:
+    """Wait until no `slurmstepd` of an earlier job is alive on this machine (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _comm(pid) == "slurmstepd"]
+        if not left:
+            return
+        time.sleep(0.5)
+    print(f"slurmstepd still alive after {timeout_s:.0f}s (pids {' '.join(left)}); going on")
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(autouse=True)
+def _earlier_steps_gone(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cluster") is not None:
+        wait_steps_gone()
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -280,6 +312,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return "cluster" if module in CLUSTER_MODULES else module
 
     return ModuleScheduling(config, log)
+
+
+# The cluster unit is the suite's longest path; the other worker's tests fill the CPU it leaves.
+# Under `make test`'s two workers a test outside the unit runs at a lower priority (with what it
+# starts: engines, masters), so that it takes the cores the unit does not use instead of slowing
+# it. Set before the test's fixtures start (a module's engine takes its first test's priority).
+OTHERS_NICE = 5
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    nice = 0 if _module_of(item.nodeid) in CLUSTER_MODULES else OTHERS_NICE
+    with contextlib.suppress(OSError):  # lowering it again needs root (the suite runs as root)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
