@@ -9,6 +9,8 @@ WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 STAMP := $(VENV)/.hpctoolkit-setup
 SETUP_INPUTS := pyproject.toml patches/vllm/v0.32.0/series $(wildcard patches/vllm/v0.32.0/*.patch) patches/apply_series.sh
 PYTEST_ARGS ?=
+# `make test` runs on this many pytest-xdist workers (tests/conftest.py says how the work is split).
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test test-fast lint dry-run clean image wheelhouse wheelhouse-parts
 
@@ -48,7 +50,7 @@ lint: setup
 	shellcheck $$(git ls-files '*.sh' '*.sbatch' .ci/run)
 
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The edit loop: tests/unit only (no vLLM engine, no Slurm, no namespaces), without the lint.
 test-fast: setup

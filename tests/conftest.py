@@ -9,6 +9,7 @@ fixture: the environment to submit with (`SLURM_CONF` also set in this process f
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -51,9 +52,44 @@ def why_not(extra_tools: Sequence[str] = (), modules: Sequence[tuple[str, str]] 
     return None
 
 
+# The emulated cluster's daemons listen on fixed ports and the hosts have fixed namespace names, so
+# a machine holds one at a time: whoever starts one holds this lock until it is down (the test
+# workers of one suite, and two suites or sessions on one machine). The `cluster` mark puts every
+# test that starts one on the same worker, one after another, so the lock is never waited on there.
+CLUSTER_LOCK = Path(os.environ.get("HPCTOOLKIT_CLUSTER_LOCK", "/tmp/hpctoolkit-emulated-cluster.lock"))
+CLUSTER_LOCK_WAIT_S = 900
+
+
+@contextmanager
+def cluster_lock() -> Iterator[None]:
+    """Hold the machine's emulated-cluster lock (waiting up to `CLUSTER_LOCK_WAIT_S`)."""
+    with CLUSTER_LOCK.open("a") as f:
+        deadline = time.monotonic() + CLUSTER_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another emulated cluster held {CLUSTER_LOCK} for {CLUSTER_LOCK_WAIT_S}s"
+                    ) from None
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @contextmanager
 def emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], str]]:
     """Start `nodes` emulated nodes with their state under `state`; yield (script env, slurm.conf)."""
+    with cluster_lock(), _emulated_cluster(state, nodes) as up:
+        yield up
+
+
+@contextmanager
+def _emulated_cluster(state: Path, nodes: int) -> Iterator[tuple[dict[str, str], str]]:
     env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
     t0 = time.monotonic()
     shell.run(["bash", str(SCRIPT), "start", str(nodes)], env=env, timeout_s=120)
@@ -100,6 +136,12 @@ def emulated_hosts(state: Path, nodes: int) -> Iterator[dict[str, str]]:
     """`nodes` emulated hosts, each in its own network namespace with its own address, and Slurm on
     them (`launch/local_slurm.sh up`); yield the environment to submit with. Removed afterwards."""
     env = {**os.environ, "HPCTOOLKIT_SLURM_STATE": str(state), "HPCTOOLKIT_SLURM_RESET": "1"}
+    with cluster_lock(), _emulated_hosts(env, state, nodes) as up:
+        yield up
+
+
+@contextmanager
+def _emulated_hosts(env: dict[str, str], state: Path, nodes: int) -> Iterator[dict[str, str]]:
     t0 = time.monotonic()
     try:
         shell.run(["bash", str(SCRIPT), "up", str(nodes)], env=env, timeout_s=120)
@@ -199,6 +241,95 @@ def run_arm_process(
 # The tiers: tests/unit starts no vLLM engine, Slurm or namespace (`make test-fast` runs it alone);
 # tests/e2e holds what starts real parts; tests/gpu what needs CUDA. A test marked for another tier
 # than its folder's fails collection, so the folders keep saying what runs where.
+#
+# `make test` runs the suite on two pytest-xdist workers, with the scheduler below: a test module is
+# one unit of work (its module-scoped engines and masters start once), except that the modules of
+# `CLUSTER_MODULES` form one unit together, since a machine holds one emulated cluster at a time.
+# That unit goes first, as the longest; then tests/e2e, then the short unit modules that fill the
+# gaps at the end. (xdist's own `loadgroup` cannot do it under pytest 9: its group suffix on the
+# node id no longer takes.) A test that asks for `slurm_cluster` elsewhere fails collection; the
+# others that start hosts (`emulated_hosts`) wait on `CLUSTER_LOCK` rather than break.
+CLUSTER_MODULES = frozenset(
+    f"tests/e2e/{name}.py"
+    for name in (
+        "test_slurm_real",
+        "test_slurm_e2e",
+        "test_slurm_preemption",
+        "test_multihost",
+        "test_multihost_k3",
+        "test_kill",
+    )
+)
+TIER_ORDER = {"e2e": 1, "gpu": 2, "unit": 3}
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+# A job's steps may still be tearing down on a node (slurmstepd reaping, reporting) for a few
+# seconds after Slurm records the job's end and gives its nodes to the next one. On a loaded machine
+# (the other test worker busy) the next job's step launch on such a node could then fail ("Task
+# launch ... failed: Zero Bytes were transmitted or received"), and a job that should have run ended
+# at its start. Before each test of the cluster unit, the earlier tests' steps are gone.
+STEPS_GONE_WAIT_S = 90
+
+
+def wait_steps_gone(timeout_s: float = STEPS_GONE_WAIT_S) -> None:
+    """Wait until no `slurmstepd` of an earlier job is alive on this machine (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _comm(pid) == "slurmstepd"]
+        if not left:
+            return
+        time.sleep(0.5)
+    print(f"slurmstepd still alive after {timeout_s:.0f}s (pids {' '.join(left)}); going on")
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(autouse=True)
+def _earlier_steps_gone(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cluster") is not None:
+        wait_steps_gone()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadscope` (what `make test` asks for) with the scopes above; other modes as xdist has them."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module_of(nodeid)
+            return "cluster" if module in CLUSTER_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
+# The cluster unit is the suite's longest path; the other worker's tests fill the CPU it leaves.
+# Under `make test`'s two workers a test outside the unit runs at a lower priority (with what it
+# starts: engines, masters), so that it takes the cores the unit does not use instead of slowing
+# it. Set before the test's fixtures start (a module's engine takes its first test's priority).
+OTHERS_NICE = 5
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    nice = 0 if _module_of(item.nodeid) in CLUSTER_MODULES else OTHERS_NICE
+    with contextlib.suppress(OSError):  # lowering it again needs root (the suite runs as root)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrong = []
     for item in items:
@@ -208,5 +339,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(f"{item.nodeid}: marked {sorted(marks & {'real', 'slow'})}; move it to tests/e2e")
         if tier == "gpu" and "gpu" not in marks:
             wrong.append(f"{item.nodeid}: in tests/gpu without the gpu mark")
+        in_cluster = _module_of(item.nodeid) in CLUSTER_MODULES
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not in_cluster:
+            wrong.append(
+                f"{item.nodeid}: starts the emulated cluster outside CLUSTER_MODULES (tests/conftest.py)"
+            )
+        if in_cluster:
+            item.add_marker(pytest.mark.cluster)
     if wrong:
         raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))
+
+    def rank(item: pytest.Item) -> int:
+        if _module_of(item.nodeid) in CLUSTER_MODULES:
+            return 0
+        return TIER_ORDER.get(Path(str(item.path)).parent.name, 9)
+
+    items.sort(key=rank)  # stable: within a rank, collection order

@@ -9,6 +9,7 @@ hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -109,9 +110,6 @@ def tiny_tokenizer():
 
 def build(name: str, out_dir: str | os.PathLike) -> Path:
     """Write the tiny target `name` into `out_dir` (idempotent: an existing build is kept)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     out = Path(out_dir)
     cfg_dict = builtin_config(name)
     stamp = out / ".hpctoolkit-tiny-target"
@@ -119,6 +117,22 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
     if stamp.is_file() and stamp.read_text() == digest:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # Two processes building one target at once (roles of one job, tests side by side) take turns:
+    # the second finds the first's stamp. Without the lock it would rewrite the weights the first
+    # is already loading.
+    with (out / ".hpctoolkit-build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text() == digest:
+            return out
+        _write(cfg_dict, out)
+        write_text_atomic(stamp, digest)
+    return out
+
+
+def _write(cfg_dict: dict[str, Any], out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     tok = tiny_tokenizer()
     tok.save_pretrained(out)
     cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
@@ -133,8 +147,6 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
             if p.dim() == 2:
                 p.normal_(0.0, 0.3 if "embed" in n else 0.08)
     model.to(torch.bfloat16).save_pretrained(out)
-    write_text_atomic(stamp, digest)
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(900)]
 
 # How long a role may take to come up (its record written; an engine: capturing).
 UP_TIMEOUT_S = 300
+# The batch script's last phase line: the job ended without the role coming up.
+ENDED = "[hpctoolkit] phase end"
 KEYS = ("master", "engine0-0", "engine0-1", "trainer0", "trainer1")
 # Our processes, by what their command line holds.
 OURS = re.compile(r"hpctoolkit|vllm|mooncake|VLLM", re.IGNORECASE)
@@ -66,7 +68,7 @@ def _wait_up(job: str, out, run, key: str) -> alive.RoleRecord:
             rec = records[key]
             assert rec is not None
             return rec
-        if run.ended.exists() or any(run.manifests.glob("*.failed")):
+        if run.ended.exists() or any(run.manifests.glob("*.failed")) or ENDED in log_of(out, job):
             pytest.fail(f"job {job} ended before the kill:\n{ours(log_of(out, job))}")
         time.sleep(0.5)
     pytest.fail(f"job {job}: {key} never came up:\n{ours(log_of(out, job))[-4000:]}")

@@ -75,7 +75,8 @@ def sbatch(env: dict[str, str], out: Path, *extra: str) -> tuple[str, RunDir]:
 
 
 def log_of(out: Path, job: str) -> str:
-    return (out / f"slurm-{job}.out").read_text(errors="replace")
+    path = out / f"slurm-{job}.out"
+    return path.read_text(errors="replace") if path.is_file() else f"(no {path.name})"
 
 
 def ours(log: str) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, wait_done
+from regen_helpers import ROWS, check_regenerated, common_overrides
 
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
@@ -102,3 +103,28 @@ def test_slurm_job_captures_trains_and_exports(slurm_cluster, tmp_path, recipe, 
     # Each engine node bound its one worker to its own node's core (node n_k = k-th host).
     binds = dict(re.findall(r"engine 0 node_rank (\d+) .*?\(cpu bind ([^)]+)\)", log))
     assert binds == {str(n.node_rank): _node_core(n.node) for n in plan.engines[0].nodes}
+
+
+def test_slurm_engine_leader_regenerates_turn_by_turn(slurm_cluster, tmp_path):
+    """Regeneration on the emulated cluster: the engine leader answers multi-turn chat rows turn by
+    turn before it captures (tests/e2e/test_data_regenerate_e2e.py has the local backend's case)."""
+    from hpctoolkit.targets.resolve import resolve_target
+
+    target = resolve_target("builtin:tiny-qwen3")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "run"
+    out.mkdir()
+    overrides = [f"paths.output_dir={out}", f"store.master_port={free_port()}", *common_overrides(data)]
+    cfg = load_recipe(ROOT / "tests/recipes/slurm_e2e.yaml", overrides)
+    text = render_sbatch(cfg, make_plan(cfg), recipe_path="tests/recipes/slurm_e2e.yaml", overrides=overrides)
+    env = {k: v for k, v in slurm_cluster.items() if k != "HPCTOOLKIT_NODE_DRY"}
+    env["HPCTOOLKIT_PYTHON"] = sys.executable
+    t0 = time.monotonic()
+    job = submit_sbatch(text, ROOT, env=env)
+    state = wait_done(job, env, 480)
+    log = (out / f"slurm-{job}.out").read_text(errors="replace")
+    print(f"\n[measure] job {job} {state} {time.monotonic() - t0:.1f}s after submission")
+    assert state == "COMPLETED", log[-6000:]
+
+    check_regenerated(RunDir.of(out, slurm_run_id(cfg.name, job)), target)
