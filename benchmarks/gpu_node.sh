@@ -15,7 +15,7 @@
 # Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), tier_new
 # (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
-# capture, serve (after run). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
+# capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
 # $HPC/results/stages.txt; the stages go on after a failed one.
 set -uo pipefail
 HPC=${HPC:-/opt/hpc}
@@ -42,7 +42,8 @@ stage_tier() {
 
 stage_run() {
   touch "$HPC/venv/.hpctoolkit-setup"  # make's setup stamp: the wheelhouse venv is set up
-  timeout 600 make run VENV="$HPC/venv" PY="$py"
+  # 600 s cut the H100 run of 2026-12-05 off at its evaluation (80 MT-Bench + 164 HumanEval questions).
+  timeout 1200 make run VENV="$HPC/venv" PY="$py"
   local rc=$?
   find runs/local_gpu -name summary.json -exec cp {} "$res/summary.json" \;
   return $rc
@@ -80,6 +81,19 @@ stage_bench() {
   export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
   [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
   timeout 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
+}
+
+# The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores: the
+# committed code, then each variant in dist/variant-*/ (files laid over a copy of the tree).
+stage_store() {
+  timeout 240 "$py" benchmarks/store_path.py --iters 15
+  for v in "$here"/dist/variant-*/; do
+    [ -d "$v" ] || continue
+    local tree=$HPC/$(basename "$v")
+    rm -rf "$tree" && cp -a "$HPC/repo" "$tree" && cp -a "$v." "$tree/"
+    echo "== variant $(basename "$v")"
+    (cd "$tree" && PYTHONPATH=$tree timeout 240 "$py" benchmarks/store_path.py --iters 15)
+  done
 }
 
 run_stages() {

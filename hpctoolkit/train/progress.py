@@ -7,21 +7,29 @@ On a terminal (`python -m hpctoolkit.train` by hand) a tqdm bar also shows every
 lines are written around it. Elsewhere (a role's log, a Slurm log) there is no bar: its carriage
 returns would run into the lines and bury them.
 
-The rates are the average since the first step of this run finished, so neither the start (the
-first samples' wait, the first step's compilation) nor one short interval skews them or the ETA;
-tau is the acceptance length (incl. bonus) over the loop's recent window of steps.
+The rates, and the ETA from them, are over the last `RATE_REPORTS` intervals (from the first step
+of this run at the start), so neither the start (the first samples' wait, the first steps'
+compilation) nor one short interval skews them. An average since the first step did: on the H100
+(2026-12-05, `make run`) the trainer's first steps, compiling for new shapes while the first pass
+came from the store, put the ETA at 4h28m at step 2 and 21m at step 40 of a run that ended 9
+minutes after it started. tau is the acceptance length (incl. bonus) over the loop's recent window
+of steps.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from hpctoolkit.console import speaker
 from hpctoolkit.rundir.progress import Ticker, trainer_line, write_progress
 
 say = speaker("trainer")
+# The rates and the ETA: over this many report intervals back.
+RATE_REPORTS = 3
 
 
 class TrainProgress:
@@ -37,10 +45,13 @@ class TrainProgress:
         every_s: float,
         record: str = "",
         bar: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.total, self.samples_per_step, self.record = total, samples_per_step, record
-        self.ticker = Ticker(every_s)
-        self._first: tuple[float, int, float] | None = None  # (time, step, tokens) of the first step
+        self.clock = clock
+        self.ticker = Ticker(every_s, clock)
+        # (time, step, tokens) at the first step and at each report since, the last few.
+        self._marks: deque[tuple[float, int, float]] = deque(maxlen=RATE_REPORTS)
         self.bar: Any = None
         if bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -60,13 +71,14 @@ class TrainProgress:
                 gn=f"{scalars['grad_norm']:.2f}",
                 tok_s=f"{scalars['tokens_per_s']:.0f}",
             )
-        now = time.monotonic()
-        if self._first is None:
-            self._first = (now, step, tokens_total)
+        now = self.clock()
+        if not self._marks:
+            self._marks.append((now, step, tokens_total))
             self.ticker.due()  # the first report one interval after the first step, or at the last
         if not self.ticker.due(last=step >= self.total):
             return
-        t, s, tok = self._first
+        t, s, tok = self._marks[0]
+        self._marks.append((now, step, tokens_total))
         dt = max(now - t, 1e-9)
         steps_per_s = (step - s) / dt
         recent = window.total()

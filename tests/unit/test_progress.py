@@ -200,3 +200,38 @@ def test_a_count_reports_at_its_interval_with_an_eta_from_the_first_unit():
     assert got[0] == {"role": "evaluate", "what": "questions", "done": 1, "total": 8, "eta_s": None}
     assert got[1]["eta_s"] == 16.0  # 3 answers in 12 s since the first: 4 more take 16 s
     assert got[-1]["eta_s"] == 0
+
+
+def test_the_trainer_rates_follow_the_recent_intervals_not_the_start(monkeypatch):
+    """Slow first steps (compilation, the first samples' wait), then fast ones: the rates and the
+    ETA are the recent ones (the H100's `make run` said ETA 4h28m at step 2 of a 9-minute run)."""
+    from types import SimpleNamespace
+
+    import hpctoolkit.train.progress as progress
+
+    got: list[dict] = []
+    monkeypatch.setattr(progress, "write_progress", lambda path, record: got.append(record))
+    monkeypatch.setattr(progress, "say", lambda line: None)
+    clock = Clock()
+    prog = progress.TrainProgress(
+        family="dflash",
+        total=1000,
+        start_step=0,
+        samples_per_step=16,
+        every_s=10.0,
+        record="trainer.json",
+        bar=False,
+        clock=clock,
+    )
+    stats, window = SimpleNamespace(loss=1.0), SimpleNamespace(total=lambda: None)
+    for step in range(1, 1001):
+        clock.t += 20.0 if step <= 5 else 0.5  # 5 slow steps, then 2 steps a second
+        prog.step(step, stats, {}, 100.0 * step, window)
+    assert got[0]["step"] == 2 and got[0]["eta_s"] == pytest.approx(998 * 20.0)
+    # Past the slow start the ETA is (steps left) x 0.5 s, the rate 2 steps = 32 samples a second.
+    late = [r for r in got if r["step"] > 200]
+    assert late
+    for r in late:
+        assert r["eta_s"] == pytest.approx((1000 - r["step"]) * 0.5, abs=1e-6)
+        assert r["samples_per_s"] == pytest.approx(32.0) and r["tokens_per_s"] == pytest.approx(200.0)
+    assert got[-1]["step"] == 1000 and got[-1]["eta_s"] == 0
