@@ -21,12 +21,20 @@ docstring. The standard library plus `xxhash` (torch only inside the tensor help
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 ALGORITHM = "xxh3_64"
 CHUNK_BYTES = 16 << 20
+# Hashing threads of a process (`digests8_async`): xxhash releases the GIL while it hashes, so they
+# run beside the thread that puts or gets the bytes. A few suffice: each runs at memory speed.
+MAX_HASH_THREADS = 4
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def digest(*buffers: Any) -> str:
@@ -50,6 +58,48 @@ def tensor_digest8(t: Any) -> bytes:
     import xxhash
 
     return xxhash.xxh3_64_digest(_tensor_bytes(t))[::-1]
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            workers = max(1, min(MAX_HASH_THREADS, os.cpu_count() or 1))
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="hpctoolkit-checksum")
+        return _pool
+
+
+def digests8_async(tensors: Sequence[Any]) -> Future[list[bytes]]:
+    """`tensor_digest8` of each of `tensors`, computed on the hashing threads: the caller moves the
+    same bytes meanwhile (a store put reads them too) and takes `.result()` when it needs the
+    digests. The tensors must not change until then."""
+    parts = [_hash_pool().submit(tensor_digest8, t) for t in tensors]
+    out: Future[list[bytes]] = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(_: Future[bytes]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result([p.result() for p in parts])
+        except BaseException as err:  # noqa: BLE001  (handed to the caller's .result())
+            out.set_exception(err)
+
+    if not parts:
+        out.set_result([])
+    for p in parts:
+        p.add_done_callback(done)
+    return out
+
+
+def digests8(tensors: Sequence[Any]) -> list[bytes]:
+    """`tensor_digest8` of each of `tensors`, on the hashing threads in parallel."""
+    if len(tensors) <= 1:
+        return [tensor_digest8(t) for t in tensors]
+    return digests8_async(tensors).result()
 
 
 def digest8_text(raw: bytes) -> str:

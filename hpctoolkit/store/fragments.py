@@ -5,7 +5,8 @@ Publish (engine side, one call per pipeline stage per sample)
     the stage owns, plus `input_ids` on stage 0 only, each with the manifest's shape and dtype.
     Anything else raises `DataIntegrityError` before a byte is written; a store failure raises
     `StoreError`. Nothing is ever skipped with a warning. The stage's sums object (the checksum
-    of each object it puts, `Manifest.summed`) goes in the same `put_many`.
+    of each object it puts, `Manifest.summed`) is computed on the hashing threads while the
+    objects are put (`checksum.digests8_async`), and put right after them.
 
 Fetch (trainer side)
     `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`, recycled through a
@@ -16,8 +17,9 @@ Fetch (trainer side)
     whose byte size differs from the manifest's shape and dtype raises at once, naming its key
     (objects carry no shape of their own, so a same-size transposition cannot be told apart).
     Every object is checked against its checksum before the sample is returned: its own `digest`
-    in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`);
-    a mismatch raises `DataIntegrityError` naming the object's key. A schema-1 manifest (no
+    in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`;
+    the summed objects are hashed in parallel, `checksum.digests8`); a mismatch raises
+    `DataIntegrityError` naming the object's key. A schema-1 manifest (no
     checksums, written before 2026-12-04) is read with sizes checked only.
     `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
     successful read and its checks the sample's objects are force-removed (a read leaves a
@@ -124,17 +126,19 @@ def publish_stage(
         _check_tensor(manifest, spec, layers[layer_id])
         items.append((spec.key, layers[layer_id]))
     items = [(k, t.detach().to("cpu").contiguous()) for k, t in items]
-    if manifest.sums:
-        # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id.
-        by_key = dict(items)
-        summed = [by_key[f.key] for f in manifest.summed(stage)]
-        sums = torch.frombuffer(
-            bytearray(b"".join(checksum.tensor_digest8(t) for t in summed)), dtype=torch.uint8
-        )
-        items.append((manifest.sums[stage].key, sums))
+    if not manifest.sums:
+        store.put_many(items)
+        return sum(t.numel() * t.element_size() for _, t in items)
+    # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id. The
+    # hashing threads read the bytes while the put copies them; the sums object goes in last (a
+    # reader waits for every key the manifest names, so it never checks against a missing one).
+    by_key = dict(items)
+    pending = checksum.digests8_async([by_key[f.key] for f in manifest.summed(stage)])
     store.put_many(items)
+    sums = torch.frombuffer(bytearray(b"".join(pending.result())), dtype=torch.uint8)
+    store.put_many([(manifest.sums[stage].key, sums)])
     # What the stage's segment holds now (its sums included): `manifest.fragments_of_stage`'s bytes.
-    return sum(t.numel() * t.element_size() for _, t in items)
+    return sum(t.numel() * t.element_size() for _, t in items) + sums.numel()
 
 
 def _check_mask_values(manifest: Manifest, mask: torch.Tensor) -> None:
@@ -233,15 +237,16 @@ def _check_digests(sample: Sample) -> None:
     for spec in m.data_objects:
         if spec.digest is not None and not checksum.matches(spec.digest, _bytes(views[spec.key])):
             raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
-    for stage, raw in enumerate(sample.sums):
-        want = raw.numpy().tobytes()
-        for i, spec in enumerate(m.summed(stage)):
-            expected = want[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
-            if checksum.tensor_digest8(views[spec.key]) != expected:
-                raise DataIntegrityError(
-                    f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
-                    f"published ({m.sums[stage].key!r})"
-                )
+    # Every summed object of every stage at once, on the hashing threads.
+    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
+    got = checksum.digests8([views[spec.key] for _, _, spec in summed])
+    for (stage, i, spec), digest in zip(summed, got, strict=True):
+        want = sample.sums[stage].numpy().tobytes()
+        if digest != want[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+            raise DataIntegrityError(
+                f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
+                f"published ({m.sums[stage].key!r})"
+            )
 
 
 def _bytes(t: torch.Tensor) -> object:
