@@ -28,13 +28,30 @@ Checksum cost, measured 2026-12-04 on the 2-core development host (shared, loade
               publish_stage x2          45.0 ms    29.2 ms   1.543x               1.542x
               fetch_sample (recycled)  253.9 ms   214.2 ms   1.220x               1.186x
 
-The 3 % target is not met here: a checksum is one more pass over every byte, on each side, and
-XXH3 already runs at about this host's memory bandwidth (16-17 GB/s on the writer, where the
+The 3 % target is not met there: a checksum is one more pass over every byte, on each side, and
+XXH3 already runs at about that host's memory bandwidth (16-17 GB/s on the writer, where the
 torch copy is 14 GiB/s; crc32 would cost 4x more, blake2b 20x), against a loopback transfer of
-1-2 GiB/s on two shared cores. The writer's part runs on the stage's publisher thread, off vLLM's
-step. Closing the gap needs the pass fused into one that happens anyway (a checksum computed on
-the GPU before the device-to-host copy, and checked on the trainer's device after its copy) or
-spread over a trainer node's cores; neither is done.
+1-2 GiB/s on two shared cores.
+
+On a GPU node's host, 2026-12-05: the lent H100's 16 cores of an Intel Xeon, 125 GiB, with
+    benchmarks/gpu_node.sh start install store      (this script, --iters 15, then the variant)
+                                          with       without    paired-ratio median
+    hash after the put, one thread (then)
+              roundtrip (recycled)     202.0 ms   129.9 ms   1.565x
+              publish_stage x2          70.9 ms    43.1 ms   1.662x
+              fetch_sample (recycled)  130.1 ms    88.1 ms   1.483x
+    hash beside the put, objects on threads (now, `checksum.digests8_async` / `digests8`)
+              roundtrip (recycled)     168.1 ms   136.1 ms   1.294x
+              publish_stage x2          46.2 ms    47.7 ms   1.008x
+              fetch_sample (recycled)  124.3 ms    87.6 ms   1.449x
+The writer's cost is gone: its hashing threads read the bytes while the put copies them. The
+reader's is not. On the same host, hashing alone the sample's 280 MiB took 25.9 ms on one thread,
+14.9 ms on 4, 10.6 ms on 8 (12.6 ms on 16: memory-bound; a torch copy of the same bytes takes
+9.3 ms), medians of 9 after a refill; so no pass on the CPU can be 3 % of an 88 ms fetch, and the
+fetch pays more than the hash alone (about 36 ms; the rest is not explained). The lever left is
+the trainer's GPU, which copies every sample anyway: on the H100 a weighted int64 sum over the
+same bytes took 0.41 ms, against 5.4 ms for the host-to-device copy from pinned memory. A
+checksum computed there (and by the engine before its device-to-host copy) is not built.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ from typing import Any
 ALGORITHM = "xxh3_64"
 CHUNK_BYTES = 16 << 20
 # Hashing threads of a process (`digests8_async`): xxhash releases the GIL while it hashes, so they
-# run beside the thread that puts or gets the bytes. A few suffice: each runs at memory speed.
-MAX_HASH_THREADS = 4
+# run beside the thread that puts or gets the bytes. Hashing is memory-bound: on a 16-core Xeon
+# host (2026-12-05) 280 MiB took 25.9 ms on one thread, 14.9 on 4, 10.6 on 8 and 12.6 on 16.
+MAX_HASH_THREADS = 8
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
