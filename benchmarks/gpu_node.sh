@@ -89,7 +89,8 @@ stage_store() {
   timeout 240 "$py" benchmarks/store_path.py --iters 15
   for v in "$here"/dist/variant-*/; do
     [ -d "$v" ] || continue
-    local tree=$HPC/$(basename "$v")
+    local tree
+    tree=$HPC/$(basename "$v")
     rm -rf "$tree" && cp -a "$HPC/repo" "$tree" && cp -a "$v." "$tree/"
     echo "== variant $(basename "$v")"
     (cd "$tree" && PYTHONPATH=$tree timeout 240 "$py" benchmarks/store_path.py --iters 15)
