@@ -1,7 +1,8 @@
 # ruff: noqa: N802, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """Samples -> one padded training batch.
 
-A `Batch` carries everything every draft family reads, right-padded to the longest sample:
+A `Batch` carries everything every draft family reads, right-padded to the longest sample (or, for
+a compiled trainer, past it to the next of a few fixed lengths: `padded_length`):
 
 - `input_ids_BS` int64, padding 0;
 - `context_BSC` the captured aux states concatenated per position in `target_layer_ids`
@@ -110,10 +111,36 @@ def last_hidden_is_prenorm(sample: Any) -> bool:
     return bool((extra or {}).get("last_hidden_states_prenorm", True))
 
 
+# Padded lengths are multiples of this many tokens at least (kernel tiles).
+LENGTH_ALIGN = 16
+
+
+def length_step(max_seq_len: int, lengths: int) -> int:
+    """The step between the padded lengths of a compiled trainer: `max_seq_len / lengths` rounded
+    up to a multiple of `LENGTH_ALIGN`, so that a batch takes one of at most `lengths + 1` lengths
+    (the multiples of the step up to `max_seq_len`, and `max_seq_len` itself)."""
+    step = -(-max_seq_len // lengths)
+    return -(-step // LENGTH_ALIGN) * LENGTH_ALIGN
+
+
+def padded_length(longest: int, max_seq_len: int, step: int) -> int:
+    """A batch's length when its longest sample (after the cut) has `longest` tokens: the next
+    multiple of `step`, at most `max_seq_len` (`step` 1: `longest` itself).
+
+    `torch.compile` with static shapes (the trainer's layers) compiles once per batch length, and
+    past its recompile limit (8 by default) runs a new length eager: with batches padded only to
+    their longest sample, a run on real data left compiled code after eight lengths (2026-12-05).
+    """
+    if step <= 1:
+        return longest
+    return min(max_seq_len, -(-longest // step) * step)
+
+
 def collate(
-    samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int, pin_memory: bool = False
+    samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int, pin_memory: bool = False, step: int = 1
 ) -> Batch:
-    """Pad `samples` (objects with `key`, `input_ids`, `aux_hidden_states`, `last_hidden_states`).
+    """Pad `samples` (objects with `key`, `input_ids`, `aux_hidden_states`, `last_hidden_states`)
+    to `padded_length` of the longest (`step`: `length_step`'s, for a compiled trainer).
 
     `pin_memory` (a CUDA trainer) collates the hidden states into page-locked memory, so their copy
     to the device is queued without the host waiting for it (and runs at copy-engine speed: 58 ms
@@ -129,7 +156,7 @@ def collate(
         )
     lengths = [min(int(s.input_ids.shape[0]), max_seq_len) for s in samples]
     truncated = sum(int(s.input_ids.shape[0]) > max_seq_len for s in samples)
-    S = max(lengths)
+    S = padded_length(max(lengths), max_seq_len, step)
     first = samples[0]
     n_aux, _, H = first.aux_hidden_states.shape
     B = len(samples)

@@ -74,6 +74,10 @@ class TrainingConfig:
     activation_checkpoint_layers: int = 0
     # torch.compile each decoder layer: "auto" on CUDA only, "on" also on the CPU, "off" never.
     compile: str = "auto"
+    # With compile: a batch pads to one of about this many lengths up to max_seq_len (multiples of
+    # max_seq_len / compile_lengths, `batch.padded_length`), since compiled layers have static
+    # shapes and torch runs a ninth length eager. More: less padding, more compilations early on.
+    compile_lengths: int = 16
     # "mixed_adamw": one Triton kernel per tensor reads the bf16 gradient and writes the fp32
     # weight, the moments and the bf16 weight (`train/mixed_adamw.py`; one rank, bf16, CUDA).
     # "adamw": torch's AdamW (fused on CUDA). "auto": mixed_adamw where it can run, else adamw.
@@ -112,6 +116,7 @@ class TrainingConfig:
         "export": Bool(),
         "activation_checkpoint_layers": Int(0, 10_000),
         "compile": Choice(("auto", "on", "off")),
+        "compile_lengths": Int(1, 4096),
         "optimizer": Choice(("auto", "adamw", "mixed_adamw")),
         "init_layers_from_target": ListOf(Int(0, 10_000)),
     }

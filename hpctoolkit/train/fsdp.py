@@ -174,6 +174,18 @@ def compile_enabled(cfg: TrainingConfig) -> bool:
     return cfg.compile == "on" or (cfg.compile == "auto" and cfg.device == "cuda")
 
 
+def allow_recompiles(cfg: TrainingConfig) -> None:
+    """Let every compiled frame keep a compilation per batch length: `compile_lengths + 1` lengths
+    (`batch.padded_length`), twice over for a short last batch of an epoch, and torch's own 8 for
+    the rest. Past the limit torch runs a new shape eager, silently but for one warning."""
+    import torch._dynamo
+
+    want = 2 * (cfg.compile_lengths + 1) + 8
+    conf = torch._dynamo.config
+    conf.recompile_limit = max(conf.recompile_limit, want)
+    conf.accumulated_recompile_limit = max(conf.accumulated_recompile_limit, 8 * want)
+
+
 def apply_activation_checkpointing(trainer: FamilyTrainer, num_layers: int) -> None:
     if num_layers == 0:
         return
@@ -340,6 +352,7 @@ def shard_trainer(
     units = trainer.shard_units()
     apply_activation_checkpointing(trainer, cfg.activation_checkpoint_layers)
     if compile_enabled(cfg):
+        allow_recompiles(cfg)
         compile_draft = getattr(trainer.draft, "compile_layers", None)
         if compile_draft is not None:
             compile_draft()

@@ -21,10 +21,10 @@ from hpctoolkit.rundir.layout import TrainDir
 from hpctoolkit.rundir.ledger import CONTENT_KEY, PROMPT_KEY, restart_count
 from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
-from hpctoolkit.train.batch import collate
+from hpctoolkit.train.batch import collate, length_step
 from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.fsdp import DistContext, build_mesh, init_distributed, shard_trainer
+from hpctoolkit.train.fsdp import DistContext, build_mesh, compile_enabled, init_distributed, shard_trainer
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
 from hpctoolkit.train.progress import TrainProgress
@@ -229,6 +229,7 @@ def _launch_step(run: _Run, samples, order_log) -> LaunchedStep:
         max_seq_len=cfg.max_seq_len,
         min_loss_tokens=cfg.min_loss_tokens,
         pin_memory=ctx.device.type == "cuda",
+        step=length_step(cfg.max_seq_len, cfg.compile_lengths) if compile_enabled(cfg) else 1,
     )
     assert run.feeder is not None
     batch = run.feeder.put(batch)
