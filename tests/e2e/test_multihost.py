@@ -17,6 +17,7 @@ node name (the host names are not in /etc/hosts).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -198,9 +199,10 @@ def test_a_network_some_hosts_lack_fails_naming_the_host_and_setting(hosts, tmp_
     print(f"\n[measure] network missing on hosts 2-4: job {state} {took:.1f}s after submission")
     assert state != "COMPLETED"
     errors = [x for x in log.splitlines() if x.startswith("error:")]
-    assert any("cluster.network='198.18.1.8/30': host host2 has no address on it" in x for x in errors), log[
-        -4000:
-    ]
+    # Whichever of hosts 2-4 checks first ends the run; the others may be stopped before they say it
+    # (seen under the parallel suite: host3's engine first, host2's trainer then cancelled).
+    named = re.compile(r"cluster\.network='198\.18\.1\.8/30': host host[234] has no address on it")
+    assert any(named.search(x) for x in errors), log[-4000:]
     assert "Traceback" not in ours(log)
     assert not job_processes(job)
 
