@@ -149,8 +149,9 @@ def scenario_master_killed(args: dict[str, Any]) -> dict[str, Any]:
 
     def kill() -> None:
         time.sleep(args.get("kill_after_s", 1.0))
-        master.kill()
+        # Before the kill: the capture may fail (and read this) before `kill()` has returned.
         killed_at.append(time.monotonic())
+        master.kill()
 
     threading.Thread(target=kill, daemon=True).start()
     result: dict[str, Any] = {"error_type": None}
