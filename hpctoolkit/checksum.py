@@ -70,37 +70,19 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def digests8_async(tensors: Sequence[Any]) -> Future[list[bytes]]:
+def digests8_async(tensors: Sequence[Any]) -> list[Future[bytes]]:
     """`tensor_digest8` of each of `tensors`, computed on the hashing threads: the caller moves the
-    same bytes meanwhile (a store put reads them too) and takes `.result()` when it needs the
+    same bytes meanwhile (a store put reads them too) and takes each `.result()` when it needs the
     digests. The tensors must not change until then."""
-    parts = [_hash_pool().submit(tensor_digest8, t) for t in tensors]
-    out: Future[list[bytes]] = Future()
-    left = [len(parts)]
-    lock = threading.Lock()
-
-    def done(_: Future[bytes]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        try:
-            out.set_result([p.result() for p in parts])
-        except BaseException as err:  # noqa: BLE001  (handed to the caller's .result())
-            out.set_exception(err)
-
-    if not parts:
-        out.set_result([])
-    for p in parts:
-        p.add_done_callback(done)
-    return out
+    pool = _hash_pool()
+    return [pool.submit(tensor_digest8, t) for t in tensors]
 
 
 def digests8(tensors: Sequence[Any]) -> list[bytes]:
     """`tensor_digest8` of each of `tensors`, on the hashing threads in parallel."""
     if len(tensors) <= 1:
         return [tensor_digest8(t) for t in tensors]
-    return digests8_async(tensors).result()
+    return [f.result() for f in digests8_async(tensors)]
 
 
 def digest8_text(raw: bytes) -> str:

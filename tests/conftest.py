@@ -275,23 +275,34 @@ def _module_of(nodeid: str) -> str:
 STEPS_GONE_WAIT_S = 90
 
 
+def slurmstepd_pids(job: str | None = None) -> list[str]:
+    """Live `slurmstepd` processes on this machine: all, or those of Slurm job `job` (a stepd names
+    its step in its command line, `slurmstepd: [JOB.STEP]`)."""
+    prefixes = (f"slurmstepd: [{job}.", f"slurmstepd: [{job}]") if job is not None else None
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "slurmstepd":
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if prefixes is None or cmd.startswith(prefixes):
+            left.append(pid)
+    return left
+
+
 def wait_steps_gone(timeout_s: float = STEPS_GONE_WAIT_S) -> None:
     """Wait until no `slurmstepd` of an earlier job is alive on this machine (at most `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
     left: list[str] = []
     while time.monotonic() < deadline:
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _comm(pid) == "slurmstepd"]
-        if not left:
+        if not (left := slurmstepd_pids()):
             return
         time.sleep(0.5)
     print(f"slurmstepd still alive after {timeout_s:.0f}s (pids {' '.join(left)}); going on")
-
-
-def _comm(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 @pytest.fixture(autouse=True)

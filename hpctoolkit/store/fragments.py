@@ -135,7 +135,7 @@ def publish_stage(
     by_key = dict(items)
     pending = checksum.digests8_async([by_key[f.key] for f in manifest.summed(stage)])
     store.put_many(items)
-    sums = torch.frombuffer(bytearray(b"".join(pending.result())), dtype=torch.uint8)
+    sums = torch.frombuffer(bytearray(b"".join(f.result() for f in pending)), dtype=torch.uint8)
     store.put_many([(manifest.sums[stage].key, sums)])
     # What the stage's segment holds now (its sums included): `manifest.fragments_of_stage`'s bytes.
     return sum(t.numel() * t.element_size() for _, t in items) + sums.numel()
@@ -240,9 +240,9 @@ def _check_digests(sample: Sample) -> None:
     # Every summed object of every stage at once, on the hashing threads.
     summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
     got = checksum.digests8([views[spec.key] for _, _, spec in summed])
+    wants = [raw.numpy().tobytes() for raw in sample.sums]
     for (stage, i, spec), digest in zip(summed, got, strict=True):
-        want = sample.sums[stage].numpy().tobytes()
-        if digest != want[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+        if digest != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
             raise DataIntegrityError(
                 f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
                 f"published ({m.sums[stage].key!r})"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, job_processes, wait_done
+from conftest import free_port, job_processes, slurmstepd_pids, wait_done
 
 from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
@@ -106,22 +106,11 @@ def _stepds_gone(job: str, timeout_s: float = 90) -> float:
     the cluster would report on a new job 1 and drain its nodes."""
     t0 = time.monotonic()
     while True:
-        left = [
-            p
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit() and _cmdline(p).startswith((f"slurmstepd: [{job}.", f"slurmstepd: [{job}]"))
-        ]
+        left = slurmstepd_pids(job)
         if not left or time.monotonic() - t0 > timeout_s:
             assert not left, f"slurmstepd of job {job} still running {timeout_s}s after it ended"
             return time.monotonic() - t0
         time.sleep(0.5)
-
-
-def _cmdline(proc: Path) -> str:
-    try:
-        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _log(out: Path, job: str) -> str:

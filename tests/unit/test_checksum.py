@@ -20,12 +20,12 @@ def _tensors() -> list[torch.Tensor]:
 def test_parallel_digests_equal_the_serial_ones_in_order():
     ts = _tensors()
     assert checksum.digests8(ts) == [checksum.tensor_digest8(t) for t in ts]
-    assert checksum.digests8_async(ts).result() == [checksum.tensor_digest8(t) for t in ts]
+    assert [f.result() for f in checksum.digests8_async(ts)] == [checksum.tensor_digest8(t) for t in ts]
 
 
 def test_no_tensors_and_one_tensor():
     assert checksum.digests8([]) == []
-    assert checksum.digests8_async([]).result() == []
+    assert [f.result() for f in checksum.digests8_async([])] == []
     t = _tensors()[0]
     assert checksum.digests8([t]) == [checksum.tensor_digest8(t)]
 
@@ -37,4 +37,4 @@ def test_a_digest8_is_the_text_digest_little_endian():
 
 def test_a_failing_digest_reaches_the_caller():
     with pytest.raises((TypeError, AttributeError, RuntimeError)):
-        checksum.digests8_async([_tensors()[0], "not a tensor"]).result()
+        [f.result() for f in checksum.digests8_async([_tensors()[0], "not a tensor"])]
