@@ -188,6 +188,7 @@ class _StandInEngine:
     Mooncake writer (this process, its own segment) publishes, as a stage's TP rank 0 does."""
 
     backend = "stand-in"
+    all_published = threading.Event()  # set once NUM samples are out; the control's trainer waits
 
     def __init__(self, engine_cfg: Any, target_dir: str, address: str, store_cfg: Any, run_id: str, **_: Any):
         from hpctoolkit.capture.layout import capture_ids_for
@@ -220,6 +221,8 @@ class _StandInEngine:
             layers = {f.layer_id: tensor_for(f.key, f.shape, torch.bfloat16) for f in m.fragments}
             fragments.publish_stage(self.store, m, 0, layers, input_ids)
             out.append(m)
+            if self.n == NUM:
+                self.all_published.set()
         return out
 
 
@@ -283,7 +286,14 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
         read: list[list[int]] = []
         failures: list[BaseException] = []
 
+        _StandInEngine.all_published.clear()
+
         def slow_trainer() -> None:
+            if not gate:
+                # The control must not depend on which of the two is faster on a loaded machine
+                # (CI once had the engine publish no faster than this trainer read): its trainer
+                # starts reading only once the engine has published everything or failed.
+                _StandInEngine.all_published.wait(240)
             src = LiveSource(
                 "",
                 expected=NUM,
@@ -323,6 +333,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
             engines.run_engine_leader(ctx, Process("engine-leader", 0, (0,), 0, 0))
         except Exception as err:
             engine_error = err
+            _StandInEngine.all_published.set()
             write_drained(run.root, ctx.run_id)
         trainer.join(60)
         return {
@@ -355,7 +366,8 @@ def test_engines_pause_for_a_slow_trainer_on_the_real_master(tmp_path, monkeypat
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not importable")
 def test_without_the_pause_the_same_job_fails(tmp_path, monkeypatch):
     """The control: the segment cannot hold what the engine publishes ahead of the trainer.
-    Mooncake spills past the writer's preferred segment into any other (here the leader's mask
+    Here the trainer reads nothing until the engine has published every sample, so the outcome
+    does not hang on relative speed under load. Mooncake spills past the writer's preferred segment into any other (here the leader's mask
     segment) and then evicts unread samples to make room, or refuses a put once nothing can be
     evicted; either way the run fails (measured: a sample's objects went missing)."""
     got = _run_slow_trainer_job(tmp_path, monkeypatch, gate=False)
