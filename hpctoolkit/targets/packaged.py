@@ -14,10 +14,12 @@ a half-written one (a killed process) is never used and is redone.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,20 +166,26 @@ def resolve(spec: str, cache: Path) -> Path:
     out = converted_dir(target, cache)
     if is_converted(out, target):
         return out  # converted from a file whose checksum was verified then
-    source = verified_source(target)
-    if out.exists():
-        shutil.rmtree(out)  # an unstamped directory of ours: a conversion that was killed
-    # Convert beside the final place, then rename: a reader never sees a half-written checkpoint,
-    # and two processes converting at once each finish their own copy; the first rename wins.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        convert(source, tmp)
-        write_json_atomic(tmp / STAMP, _stamp_record(target))
-        os.rename(tmp, out)
-    except OSError:
-        if not is_converted(out, target):
-            raise
-    finally:
+    source = verified_source(target)  # nothing is written for a missing or changed file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes converting one target at once (the roles of a job on one node, or nodes sharing
+    # the cache) take turns: the first converts, the others find its stamp. Without the lock a
+    # second process that saw no stamp could remove the first's finished checkpoint while the
+    # first is loading it (it treats an unstamped or stale directory as a killed conversion).
+    with (out.parent / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(out, target):
+            return out  # another process converted it while this one waited
+        if out.exists():
+            shutil.rmtree(out)  # an unstamped directory of ours: a conversion that was killed
+        # Convert beside the final place, then rename: a reader never sees a half-written
+        # checkpoint. The name carries the host too: nodes may share the cache.
+        tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            convert(source, tmp)
+            write_json_atomic(tmp / STAMP, _stamp_record(target))
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

