@@ -242,6 +242,7 @@ def fake_store(monkeypatch):
 
     def make(**cfg):
         s = MooncakeStore("127.0.0.1:1", small_store_cfg(**cfg), role="writer")
+        mooncake._start_closer()  # as `_client()` does when it creates a native client
         s._store = FakeClient()
         s._replicate = s._make_replicate_config()
         return s
