@@ -52,6 +52,15 @@ fetch pays more than the hash alone (about 36 ms; the rest is not explained). Th
 the trainer's GPU, which copies every sample anyway: on the H100 a weighted int64 sum over the
 same bytes took 0.41 ms, against 5.4 ms for the host-to-device copy from pinned memory. A
 checksum computed there (and by the engine before its device-to-host copy) is not built.
+
+Tried on the 2-core development host, 2026-12-05, and not merged (branch `pipe`): a reader that
+gets each large object in its own call and hashes it while the next is in flight. With
+    .venv/bin/python benchmarks/store_path.py --iters 15     (the branch's script)
+one `batch_get_into` per object took 0.96x the time of one call for all six (0.90x at --iters 9),
+but the pipelined fetch with checksums took 1.14x the time of one get followed by the hashing
+(189.4 ms against 166.3 ms; 1.18x the unchecked fetch): on two cores the hashing threads take
+CPU from the loopback transfer instead of idle cores. Whether a node's host (16 cores and more)
+gains from it is unmeasured; `benchmarks/gpu_node.sh store` runs it side by side there.
 """
 
 from __future__ import annotations
