@@ -367,9 +367,10 @@ def test_engines_pause_for_a_slow_trainer_on_the_real_master(tmp_path, monkeypat
 def test_without_the_pause_the_same_job_fails(tmp_path, monkeypatch):
     """The control: the segment cannot hold what the engine publishes ahead of the trainer.
     Here the trainer reads nothing until the engine has published every sample, so the outcome
-    does not hang on relative speed under load. Mooncake spills past the writer's preferred segment into any other (here the leader's mask
-    segment) and then evicts unread samples to make room, or refuses a put once nothing can be
-    evicted; either way the run fails (measured: a sample's objects went missing)."""
+    does not hang on relative speed under load. Mooncake spills past the writer's preferred
+    segment into any other (here the leader's mask segment) and then evicts unread samples to make
+    room, or refuses a put once nothing can be evicted; either way the run fails (measured: a
+    sample's objects went missing)."""
     got = _run_slow_trainer_job(tmp_path, monkeypatch, gate=False)
     assert got["engine_error"] is not None or got["trainer_errors"], got
     assert len(got["read"]) < NUM
