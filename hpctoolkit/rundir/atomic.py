@@ -7,7 +7,8 @@ index, marker and weights file of a run is written through here: text with `writ
 `write_json_atomic`, bytes with `write_bytes_atomic`, and anything a library writes to a path
 (safetensors, a hand-rolled shard) through `atomic_path`. Read back, a record is `read_json` (None
 until it exists); a JSON file the user names (a config) is `read_json_object`, which fails in one
-`ConfigError` line naming the file.
+`ConfigError` line naming the file. A build into a shared cache (a target) takes turns with other
+processes under `exclusive`.
 
 Pure standard library: `models` and `train` use it on machines without vllm or mooncake.
 """
@@ -15,6 +16,7 @@ Pure standard library: `models` and `train` use it on machines without vllm or m
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import threading
@@ -66,6 +68,16 @@ def atomic_path(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[
         _fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive `flock` on `lock_path` (created if missing, never removed: removing it
+    would race a process about to take it). Processes building one thing into a shared cache take
+    turns under it, each checking again, once it holds the lock, whether another built it."""
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

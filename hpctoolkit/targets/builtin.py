@@ -9,7 +9,6 @@ hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.rundir.atomic import write_text_atomic
+from hpctoolkit.rundir.atomic import exclusive, write_text_atomic
 
 VOCAB_SIZE = 512
 NUM_LAYERS = 6
@@ -120,8 +119,7 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
     # Two processes building one target at once (roles of one job, tests side by side) take turns:
     # the second finds the first's stamp. Without the lock it would rewrite the weights the first
     # is already loading.
-    with (out / ".hpctoolkit-build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(out / ".hpctoolkit-build.lock"):
         if stamp.is_file() and stamp.read_text() == digest:
             return out
         _write(cfg_dict, out)

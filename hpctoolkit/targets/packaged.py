@@ -14,7 +14,6 @@ a half-written one (a killed process) is never used and is redone.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.atomic import exclusive, write_json_atomic
 from hpctoolkit.rundir.inputs import sha256_file
 
 PREFIX = "pypi:"
@@ -172,8 +171,7 @@ def resolve(spec: str, cache: Path) -> Path:
     # the cache) take turns: the first converts, the others find its stamp. Without the lock a
     # second process that saw no stamp could remove the first's finished checkpoint while the
     # first is loading it (it treats an unstamped or stale directory as a killed conversion).
-    with (out.parent / f".{out.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(out.parent / f".{out.name}.lock"):
         if is_converted(out, target):
             return out  # another process converted it while this one waited
         if out.exists():
