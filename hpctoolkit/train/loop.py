@@ -149,8 +149,6 @@ class _Run:
     trained_prompts: dict[int, str | None] = field(default_factory=dict)
     preempted: bool = False
     feeder: DeviceFeeder | None = None
-    # `collate`'s step: `length_step`'s for a compiled trainer, else 1 (pad to the longest sample).
-    pad_step: int = 1
     last_finish: float = 0.0
 
     @property
@@ -210,8 +208,6 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     # FSDP casts the inputs to the compute dtype anyway; moving them in it halves the copy.
     run.feeder = DeviceFeeder(ctx.device, torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32)
     run.trained_prompts.update(prompts)
-    if compile_enabled(cfg):
-        run.pad_step = length_step(cfg.max_seq_len, cfg.compile_lengths)
     return run
 
 
@@ -233,7 +229,7 @@ def _launch_step(run: _Run, samples, order_log) -> LaunchedStep:
         max_seq_len=cfg.max_seq_len,
         min_loss_tokens=cfg.min_loss_tokens,
         pin_memory=ctx.device.type == "cuda",
-        step=run.pad_step,
+        step=length_step(cfg.max_seq_len, cfg.compile_lengths) if compile_enabled(cfg) else 1,
     )
     assert run.feeder is not None
     batch = run.feeder.put(batch)
