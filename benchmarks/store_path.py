@@ -81,7 +81,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import hpctoolkit.store  # noqa: E402, F401  (import order)
-from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
+from hpctoolkit import checksum  # noqa: E402
+from hpctoolkit.capture.manifest import SUM_CHUNK_BYTES, Manifest, build_manifest  # noqa: E402
 from hpctoolkit.data.sample import BufferPool  # noqa: E402
 from hpctoolkit.store import fragments  # noqa: E402
 from hpctoolkit.store.config import StoreConfig  # noqa: E402
@@ -113,6 +114,25 @@ def _unsummed(m: Manifest) -> Manifest:
     from hpctoolkit.capture.manifest import UNSUMMED_SCHEMA_VERSION
 
     return dataclasses.replace(m, sums=(), schema_version=UNSUMMED_SCHEMA_VERSION)
+
+
+def _variant(m: Manifest, name: str, chunk_bytes: int) -> Manifest:
+    """`m` as variant `name` writes it: `nosums` (schema 1), `whole` (schema 2: one checksum per
+    object) or `chunked` / `chunked_onecall` (schema 3, chunks of `chunk_bytes`)."""
+    import dataclasses
+
+    if name == "nosums":
+        return _unsummed(m)
+    if name == "whole":
+        m = dataclasses.replace(m, schema_version=2)
+    else:
+        m = dataclasses.replace(m, sum_chunk_bytes=chunk_bytes)
+    return dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(m.pp_size)))
+
+
+# The fragment path's variants, side by side in each iteration (recycled buffer): the reader
+# fetches `chunked_onecall` in one store call, then hashes (as main did before 2026-12-06).
+VARIANTS = ("nosums", "chunked", "chunked_onecall", "whole")
 
 
 # -- child processes ------------------------------------------------------------------------------
@@ -170,7 +190,10 @@ def _reader(args: argparse.Namespace) -> None:
     cp_src = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8)
     cp_dst = torch.empty_like(cp_src)
     cp_dst.copy_(cp_src)  # fault the pages in once
-    pool = BufferPool(1)
+    # One pool per variant: a sample with sums objects is a few bytes larger than one without, so
+    # one shared pool would hand every other variant a fresh buffer (page faults on 280 MiB).
+    pools: dict[str, BufferPool] = {}
+    pipeline_min = fragments.PIPELINE_MIN_BYTES
     _reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -180,11 +203,27 @@ def _reader(args: argparse.Namespace) -> None:
         out: dict[str, Any] = {}
         if op == "fetch":
             m = Manifest.from_dict(cmd["manifest"])
+            # One store call for the whole sample, then the hashing: fetch_sample without its pipeline.
+            fragments.PIPELINE_MIN_BYTES = (1 << 62) if cmd.get("onecall") else pipeline_min
             t0 = time.perf_counter()
             sample = fragments.fetch_sample(
-                store, m, retry_max_wait_s=30, remove=False, pool=pool if cmd["reuse"] else None
+                store,
+                m,
+                retry_max_wait_s=30,
+                remove=False,
+                pool=pools.setdefault(cmd["variant"], BufferPool(1)) if cmd["reuse"] else None,
             )
             out["t"] = time.perf_counter() - t0
+            if m.sums:  # the same checksums again, on the same threads, the bytes in place: hashing alone
+                views = dict(sample.destinations())
+                parts = [
+                    views[f.key].reshape(-1).view(torch.uint8)[a:b]
+                    for st in range(m.pp_size)
+                    for f, a, b in m.summed_chunks(st)
+                ]
+                t0 = time.perf_counter()
+                checksum.digests8(parts)
+                out["t_hash"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             store.remove([f.key for f in m.all_objects])
             out["t_remove"] = time.perf_counter() - t0
@@ -254,7 +293,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")
-    p.add_argument("--segment-mb", type=int, default=1024)
+    p.add_argument("--segment-mb", type=int, default=2048)
+    p.add_argument("--chunk-kib", type=int, default=SUM_CHUNK_BYTES >> 10, help="schema 3's checksum chunk")
     p.add_argument("--role", choices=["writer", "reader"])
     p.add_argument("--address")
     p.add_argument("--verbose", action="store_true", help="print every iteration's timings")
@@ -278,16 +318,23 @@ def main() -> None:
         def rec(name: str, v: float) -> None:
             res.setdefault(name, []).append(v)
 
-        def fragment(i: int, reuse: bool, sums: bool = True) -> None:
-            built = _manifest(f"s{i}_{int(reuse)}_{int(sums)}", args)
-            m = (built if sums else _unsummed(built)).to_dict()
-            pub = writer.call(op="publish", manifest=m)
-            got = reader.call(op="fetch", manifest=m, reuse=reuse)
-            tag = ("reused" if reuse else "fresh") + ("" if sums else "_nosums")
+        def fragment(i: int, reuse: bool, variant: str = "chunked") -> None:
+            m = _variant(_manifest(f"s{i}_{int(reuse)}_{variant}", args), variant, args.chunk_kib << 10)
+            pub = writer.call(op="publish", manifest=m.to_dict())
+            got = reader.call(
+                op="fetch",
+                manifest=m.to_dict(),
+                reuse=reuse,
+                variant=variant,
+                onecall=variant.endswith("onecall"),
+            )
+            tag = ("reused" if reuse else "fresh") + ("" if variant == "chunked" else f"_{variant}")
             rec(f"publish_{tag}", pub["t"])
             rec(f"fetch_{tag}", got["t"])
             rec(f"remove_{tag}", got["t_remove"])
             rec(f"roundtrip_{tag}", pub["t"] + got["t"] + got["t_remove"])
+            if "t_hash" in got:
+                rec(f"hash_{tag}", got["t_hash"])
 
         def raw(i: int) -> None:
             put = writer.call(op="raw_put", key=f"r{i}")
@@ -299,9 +346,8 @@ def main() -> None:
 
         runs = [
             lambda i: fragment(i, False),
-            lambda i: fragment(i, True),
             raw,
-            lambda i: fragment(i, True, False),
+            *(lambda i, v=v: fragment(i, True, v) for v in VARIANTS),
         ]
         for i in range(args.iters + 1):
             # Rotate the order so no variant always runs first (cold) or right after another's free.
@@ -366,15 +412,23 @@ def main() -> None:
             f"  fragment path ({tag:6s}) roundtrip        : {med['raw_roundtrip'] / rt:.3f} of raw Mooncake, "
             f"{med['memcpy'] / rt:.4f} of the memcpy bound (fetch alone: {med['memcpy'] / med[f'fetch_{tag}']:.4f})"
         )
-    for part in ("roundtrip", "publish", "fetch"):
-        with_s, without = res[f"{part}_reused"], res[f"{part}_reused_nosums"]
-        paired = statistics.median(a / b for a, b in zip(with_s, without, strict=True))
-        print(
-            f"  checksums, {part:9s} (recycled buffer)  : {statistics.median(with_s) * 1e3:8.1f} ms with, "
-            f"{statistics.median(without) * 1e3:8.1f} ms without; {paired:.3f}x median of paired ratios, "
-            f"{statistics.median(with_s) / statistics.median(without):.3f}x ratio of medians"
-            + (" (target <= 1.03)" if part == "roundtrip" else "")
-        )
+    print(
+        f"  checksums: each variant against the same path without them (schema 1, sizes only), recycled "
+        f"buffer, {args.chunk_kib} KiB chunks; median of paired ratios (ratio of medians)"
+    )
+    for variant in VARIANTS[1:]:
+        tag = "reused" if variant == "chunked" else f"reused_{variant}"
+        cells = []
+        for part in ("roundtrip", "publish", "fetch"):
+            with_s, without = res[f"{part}_{tag}"], res[f"{part}_reused_nosums"]
+            paired = statistics.median(a / b for a, b in zip(with_s, without, strict=True))
+            cells.append(
+                f"{part} {statistics.median(with_s) * 1e3:6.1f}/{statistics.median(without) * 1e3:6.1f} ms "
+                f"{paired:.3f}x ({statistics.median(with_s) / statistics.median(without):.3f}x)"
+            )
+        hashing = f"; hashing alone {med[f'hash_{tag}'] * 1e3:.1f} ms" if f"hash_{tag}" in med else ""
+        print(f"    {variant:15s} " + "  ".join(cells) + hashing)
+    print("    (target: fetch and roundtrip <= 1.03x)")
     print(f"  keys left in the master after the run    : {left}")
     print(f"  logs: {log_dir}")
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -56,6 +57,8 @@ from hpctoolkit.store.api import MissingKeysError, ObjectStore
 from hpctoolkit.store.mooncake import StoreUnavailableError, TransientStoreError
 
 INPUT_IDS_SHA256 = "input_ids_sha256"
+# Objects of at least this size are fetched one per store call (`fetch_groups`).
+PIPELINE_MIN_BYTES = 4 << 20
 
 
 def input_ids_digest(input_ids: torch.Tensor) -> str:
@@ -129,11 +132,11 @@ def publish_stage(
     if not manifest.sums:
         store.put_many(items)
         return sum(t.numel() * t.element_size() for _, t in items)
-    # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id. The
-    # hashing threads read the bytes while the put copies them; the sums object goes in last (a
+    # In manifest order (`summed_chunks`): input_ids first on stage 0, then the layers by capture
+    # id, each cut into chunks. The hashing threads read the bytes while the put copies them; the sums object goes in last (a
     # reader waits for every key the manifest names, so it never checks against a missing one).
-    by_key = dict(items)
-    pending = checksum.digests8_async([by_key[f.key] for f in manifest.summed(stage)])
+    by_key = {k: _bytes_view(t) for k, t in items}
+    pending = checksum.digests8_async([by_key[f.key][a:b] for f, a, b in manifest.summed_chunks(stage)])
     store.put_many(items)
     sums = torch.frombuffer(bytearray(b"".join(f.result() for f in pending)), dtype=torch.uint8)
     store.put_many([(manifest.sums[stage].key, sums)])
@@ -194,6 +197,18 @@ def _check_sample(sample: Sample, expected_input_ids: torch.Tensor | None) -> No
         raise DataIntegrityError(f"sample {m.sample_key!r}, object {ids_key!r}: negative token ids")
 
 
+def fetch_groups(manifest: Manifest) -> list[list[FragmentSpec]]:
+    """The store calls `fetch_sample` makes, in order: every object smaller than
+    `PIPELINE_MIN_BYTES` in one call (the ids, the mask and the sums objects), then each larger one
+    alone, in manifest order, so that its checksums are computed while the next one is in flight.
+    A manifest without sums objects has nothing to hash on the way: one call for all."""
+    if not manifest.sums:
+        return [list(manifest.all_objects)]
+    small = [f for f in manifest.all_objects if f.nbytes < PIPELINE_MIN_BYTES]
+    large = [[f] for f in manifest.all_objects if f.nbytes >= PIPELINE_MIN_BYTES]
+    return [small, *large] if small else large
+
+
 def fetch_sample(
     store: ObjectStore,
     manifest: Manifest,
@@ -211,15 +226,35 @@ def fetch_sample(
     """
     manifest.validate()
     sample = Sample.empty_for(manifest, pool)
+    views = dict(sample.destinations() + sample.sum_destinations())
+    chunks_of: dict[str, list[tuple[int, int, int, int]]] = {}
+    for stage in range(len(manifest.sums)):
+        for i, (spec, a, b) in enumerate(manifest.summed_chunks(stage)):
+            chunks_of.setdefault(spec.key, []).append((stage, i, a, b))
+    hashing: list[tuple[str, int, int, int, int, Future[bytes]]] = []
     try:
-        _fill(
-            store,
-            manifest,
-            sample.destinations() + sample.sum_destinations(),
-            retry_max_wait_s,
-            poll_interval_s,
-        )
-        _check_digests(sample)
+        try:
+            deadline = time.monotonic() + retry_max_wait_s
+            for group in fetch_groups(manifest):
+                _fill(
+                    store,
+                    manifest,
+                    [(f.key, views[f.key]) for f in group],
+                    deadline,
+                    retry_max_wait_s,
+                    poll_interval_s,
+                )
+                # This group's checksums, on the hashing threads, while the next group is in flight.
+                for f in group:
+                    todo = chunks_of.get(f.key, ())
+                    if todo:
+                        flat = _bytes_view(views[f.key])
+                        futures = checksum.digests8_async([flat[a:b] for _, _, a, b in todo])
+                        hashing += [(f.key, *c, fut) for c, fut in zip(todo, futures, strict=True)]
+        finally:
+            # The hashing threads read the buffer: it goes back to the pool only once they are done.
+            wait(fut for *_, fut in hashing)
+        _check_digests(sample, hashing)
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -229,40 +264,48 @@ def fetch_sample(
     return sample
 
 
-def _check_digests(sample: Sample) -> None:
-    """Every object of `sample` against its checksum (its own digest, or its stage's sums)."""
+def _check_digests(sample: Sample, hashing: Sequence[tuple[str, int, int, int, int, Future[bytes]]]) -> None:
+    """Every object of `sample` against its checksum: its own digest, or its chunks' digests
+    (`hashing`: key, stage, index in the stage's sums, byte range, computed digest)."""
     m = sample.manifest
     views = dict(sample.destinations())
     where = f"sample {m.sample_key!r}, object"
-    for spec in m.data_objects:
-        if spec.digest is not None and not checksum.matches(spec.digest, _bytes(views[spec.key])):
+    own = [spec for spec in m.data_objects if spec.digest is not None]
+    for spec, got in zip(own, checksum.digests8([views[spec.key] for spec in own]), strict=True):
+        if checksum.digest8_text(got) != spec.digest:
             raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
-    # Every summed object of every stage at once, on the hashing threads.
-    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
-    got = checksum.digests8([views[spec.key] for _, _, spec in summed])
     wants = [raw.numpy().tobytes() for raw in sample.sums]
-    for (stage, i, spec), digest in zip(summed, got, strict=True):
-        if digest != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+    for key, stage, i, a, b, fut in hashing:
+        if fut.result() != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+            span = (
+                "its bytes"
+                if (a, b) == (0, views[key].numel() * views[key].element_size())
+                else f"its bytes [{a}, {b})"
+            )
             raise DataIntegrityError(
-                f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
-                f"published ({m.sums[stage].key!r})"
+                f"{where} {key!r}: {span} do not match the checksum stage {stage} published "
+                f"({m.sums[stage].key!r})"
             )
 
 
-def _bytes(t: torch.Tensor) -> object:
-    return t.reshape(-1).view(torch.uint8).numpy()
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _fill(
     store: ObjectStore,
     manifest: Manifest,
     dests: Sequence[tuple[str, torch.Tensor]],
+    deadline: float,
     retry_max_wait_s: float,
     poll_interval_s: float,
 ) -> None:
+    """Fill `dests` from the store, polling for missing keys and retrying a master that stopped
+    answering until `deadline` (`time.monotonic()`: one deadline, `retry_max_wait_s` after the
+    sample's first call, for all its calls)."""
     keys = [k for k, _ in dests]
     tensors = [t for _, t in dests]
-    deadline = time.monotonic() + retry_max_wait_s
     delay = poll_interval_s
     while True:
         try:
