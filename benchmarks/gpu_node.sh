@@ -16,7 +16,8 @@
 # (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
 # capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
-# $HPC/results/stages.txt; the stages go on after a failed one.
+# $HPC/results/stages.txt; the stages go on after a failed one. Every limit ends in a SIGKILL 20 s
+# after its SIGTERM: on 2026-12-06 the tier's pytest outlived its SIGTERM by ten minutes.
 set -uo pipefail
 HPC=${HPC:-/opt/hpc}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,14 +37,14 @@ stage_tier() {
   local files
   mapfile -t files < <(grep -l 'mark\.gpu' tests/*/test_*.py)
   # One test at a time: vLLM refuses to start while another engine frees memory beside it.
-  timeout 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
+  timeout -k 20 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
     --junitxml "$res/tier.xml" "${files[@]}"
 }
 
 stage_run() {
   touch "$HPC/venv/.hpctoolkit-setup"  # make's setup stamp: the wheelhouse venv is set up
   # 600 s cut the H100 run of 2026-12-05 off at its evaluation (80 MT-Bench + 164 HumanEval questions).
-  timeout 1200 make run VENV="$HPC/venv" PY="$py"
+  timeout -k 20 1200 make run VENV="$HPC/venv" PY="$py"
   local rc=$?
   find runs/local_gpu -name summary.json -exec cp {} "$res/summary.json" \;
   return $rc
@@ -58,42 +59,42 @@ NEW_GPU_TESTS=(
 )
 
 stage_tier_new() {
-  timeout 420 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
+  timeout -k 20 420 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
     --junitxml "$res/tier_new.xml" "${NEW_GPU_TESTS[@]}"
 }
 
 # The benchmark's parts one at a time, so that a lease cut short keeps the parts that finished.
 stage_regen() {
-  timeout 480 "$py" benchmarks/gpu_pipeline.py regen --max-num-seqs --json "$res/regen.json"
+  timeout -k 20 480 "$py" benchmarks/gpu_pipeline.py regen --max-num-seqs --json "$res/regen.json"
 }
 
 stage_capture() {
-  timeout 420 "$py" benchmarks/gpu_pipeline.py capture --json "$res/capture.json"
+  timeout -k 20 420 "$py" benchmarks/gpu_pipeline.py capture --json "$res/capture.json"
 }
 
 stage_serve() {
   export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
   [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
-  timeout 420 "$py" benchmarks/gpu_pipeline.py serve --export "$export_dir" --json "$res/serve.json"
+  timeout -k 20 420 "$py" benchmarks/gpu_pipeline.py serve --export "$export_dir" --json "$res/serve.json"
 }
 
 stage_bench() {
   export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
   [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
-  timeout 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
+  timeout -k 20 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
 }
 
 # The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores: the
 # committed code, then each variant in dist/variant-*/ (files laid over a copy of the tree).
 stage_store() {
-  timeout 240 "$py" benchmarks/store_path.py --iters 15
+  timeout -k 20 240 "$py" benchmarks/store_path.py --iters 15
   for v in "$here"/dist/variant-*/; do
     [ -d "$v" ] || continue
     local tree
     tree=$HPC/$(basename "$v")
     rm -rf "$tree" && cp -a "$HPC/repo" "$tree" && cp -a "$v." "$tree/"
     echo "== variant $(basename "$v")"
-    (cd "$tree" && PYTHONPATH=$tree timeout 240 "$py" benchmarks/store_path.py --iters 15)
+    (cd "$tree" && PYTHONPATH=$tree timeout -k 20 240 "$py" benchmarks/store_path.py --iters 15)
   done
 }
 

@@ -13,54 +13,47 @@ prints medians over `--iters` samples of:
 * reassembly: `fetch_sample` (allocate, register, one batched `get_into`, checks) against a raw
   `batch_get_into` of the same bytes into a preregistered buffer, as a ratio (target <= 1.05),
   both into a fresh buffer per sample and into a recycled one (`BufferPool` + `Sample.release()`);
-* checksums: the fragment path (recycled buffer) with its checksums (schema 2: each stage sums
-  what it puts, the reader checks every object) against the same path without them (a schema-1
-  manifest, sizes checked only), side by side in each iteration, as a ratio (target <= 1.03).
+* checksums: the fragment path (recycled buffer) with its checksums against the same path without
+  them (a schema-1 manifest, sizes checked only), side by side in each iteration, as a ratio
+  (target <= 1.03), for two layouts of the stages' sums objects: `chunked` (schema 3, what the
+  engine writes: one checksum per `--chunk-kib` of each object, so one large object is hashed by
+  several threads) and `whole` (schema 2, one checksum per object); each with its own buffer
+  pool. `--register-pool` registers each recycled buffer with Mooncake once (the product
+  registers a destination per call); "hashing alone" is the reader's checksums computed again
+  over the bytes in place.
 
-Checksum cost, measured 2026-12-04 on the 2-core development host (shared, loaded), with
-    .venv/bin/python benchmarks/store_path.py --iters 9
-    sample 4096 tokens x 7168 x 5 layers bf16 + input_ids = 280 MiB in 6 objects (+ 2 sums objects)
-                                         with      without   paired-ratio median  ratio of medians
-    iters 9   roundtrip (recycled)     230.8 ms   188.2 ms   1.189x               1.226x
-              publish_stage x2          45.7 ms    29.0 ms   1.545x               1.574x
-              fetch_sample (recycled)  187.6 ms   156.5 ms   1.100x               1.198x
-    iters 15  roundtrip (recycled)     298.8 ms   243.9 ms   1.286x               1.225x
-              publish_stage x2          45.0 ms    29.2 ms   1.543x               1.542x
-              fetch_sample (recycled)  253.9 ms   214.2 ms   1.220x               1.186x
+Before 2026-12-06 the variants shared one pool of one buffer. A sample with sums objects is a few
+bytes larger than one without, so the pool handed every checked fetch a fresh 280 MiB buffer and
+its page faults: the earlier figures (fetch 1.18x on the 2-core host, 1.45x on the H100 node's
+host, "the rest is not explained") measured that, not the checksums.
 
-The 3 % target is not met there: a checksum is one more pass over every byte, on each side, and
-XXH3 already runs at about that host's memory bandwidth (16-17 GB/s on the writer, where the
-torch copy is 14 GiB/s; crc32 would cost 4x more, blake2b 20x), against a loopback transfer of
-1-2 GiB/s on two shared cores.
+Measured 2026-12-06, sample 4096 tokens x 7168 x 5 layers bf16 + input_ids = 280 MiB in 6
+objects, 8 MiB chunks, `--iters 15`; with / without checksums, median of paired ratios:
 
-On a GPU node's host, 2026-12-05: the lent H100's 16 cores of an Intel Xeon, 125 GiB, with
-    benchmarks/gpu_node.sh start install store      (this script, --iters 15, then the variant)
-                                          with       without    paired-ratio median
-    hash after the put, one thread (then)
-              roundtrip (recycled)     202.0 ms   129.9 ms   1.565x
-              publish_stage x2          70.9 ms    43.1 ms   1.662x
-              fetch_sample (recycled)  130.1 ms    88.1 ms   1.483x
-    hash beside the put, objects on threads (now, `checksum.digests8_async` / `digests8`)
-              roundtrip (recycled)     168.1 ms   136.1 ms   1.294x
-              publish_stage x2          46.2 ms    47.7 ms   1.008x
-              fetch_sample (recycled)  124.3 ms    87.6 ms   1.449x
-The writer's cost is gone: its hashing threads read the bytes while the put copies them. The
-reader's is not. On the same host, hashing alone the sample's 280 MiB took 25.9 ms on one thread,
-14.9 ms on 4, 10.6 ms on 8 (12.6 ms on 16: memory-bound; a torch copy of the same bytes takes
-9.3 ms), medians of 9 after a refill; so no pass on the CPU can be 3 % of an 88 ms fetch, and the
-fetch pays more than the hash alone (about 36 ms; the rest is not explained). The lever left is
-the trainer's GPU, which copies every sample anyway: on the H100 a weighted int64 sum over the
-same bytes took 0.41 ms, against 5.4 ms for the host-to-device copy from pinned memory. A
-checksum computed there (and by the engine before its device-to-host copy) is not built.
+    one H100 node's host (16 Xeon cores), `benchmarks/gpu_node.sh start install store`
+                  roundtrip                 publish                  fetch                    hashing alone
+      chunked     124.3 / 113.0 ms 1.101x   43.3 / 39.1 ms 1.111x    77.9 / 73.9 ms 1.070x    5.7 ms
+      (the same, one store call per large object, each hashed while the next is in flight)
+                  124.5 / 113.0 ms 1.097x   43.4 / 39.1 ms 1.109x    80.5 / 73.9 ms 1.104x    6.1 ms
+      whole       126.5 / 113.0 ms 1.100x   40.1 / 39.1 ms 1.036x    85.4 / 73.9 ms 1.148x    7.3 ms
+      (whole: also one call per large object)
+    the same host, a second run (a killed test tier's processes possibly still running): fetch
+      chunked 1.080x, one call per object 1.066x, whole 1.110x; with --register-pool 1.124x,
+      1.120x and 1.162x
+    the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21` (the code
+    as committed: one call)
+      chunked     195.0 / 164.6 ms 1.137x   33.7 / 24.9 ms 1.328x    159.4 / 140.2 ms 1.103x   9.3 ms
+      whole       181.7 / 164.6 ms 1.101x   33.3 / 24.9 ms 1.365x    147.7 / 140.2 ms 1.047x   9.2 ms
 
-Tried on the 2-core development host, 2026-12-05, and not merged (branch `pipe`): a reader that
-gets each large object in its own call and hashes it while the next is in flight. With
-    .venv/bin/python benchmarks/store_path.py --iters 15     (the branch's script)
-one `batch_get_into` per object took 0.96x the time of one call for all six (0.90x at --iters 9),
-but the pipelined fetch with checksums took 1.14x the time of one get followed by the hashing
-(189.4 ms against 166.3 ms; 1.18x the unchecked fetch): on two cores the hashing threads take
-CPU from the loopback transfer instead of idle cores. Whether a node's host (16 cores and more)
-gains from it is unmeasured; `benchmarks/gpu_node.sh store` runs it side by side there.
+The 3 % goal is not met. What is left is the hashing itself: XXH3 over 280 MiB takes 6 ms on the
+16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16), 8 %
+of a 74 ms loopback fetch, and no CPU pass can be 3 % of it. One store call per large object,
+hashing each while the next is in flight, gained nothing there (1.104x against 1.070x, then
+1.066x against 1.080x), so the reader makes one call and then hashes every chunk at once. The
+lever left is the trainer's GPU, which copies every sample anyway: on the H100 (2026-12-05) a
+weighted int64 sum over the same bytes took 0.41 ms, against 5.4 ms for the host-to-device copy
+from pinned memory. A checksum computed there (and by the engine before its device-to-host copy)
+is not built.
 """
 
 from __future__ import annotations
@@ -118,7 +111,7 @@ def _unsummed(m: Manifest) -> Manifest:
 
 def _variant(m: Manifest, name: str, chunk_bytes: int) -> Manifest:
     """`m` as variant `name` writes it: `nosums` (schema 1), `whole` (schema 2: one checksum per
-    object) or `chunked` / `chunked_onecall` (schema 3, chunks of `chunk_bytes`)."""
+    object) or `chunked` (schema 3, chunks of `chunk_bytes`: what the engine writes)."""
     import dataclasses
 
     if name == "nosums":
@@ -130,9 +123,8 @@ def _variant(m: Manifest, name: str, chunk_bytes: int) -> Manifest:
     return dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(m.pp_size)))
 
 
-# The fragment path's variants, side by side in each iteration (recycled buffer): the reader
-# fetches `chunked_onecall` in one store call, then hashes (as main did before 2026-12-06).
-VARIANTS = ("nosums", "chunked", "chunked_onecall", "whole")
+# The fragment path's variants, side by side in each iteration (recycled buffer).
+VARIANTS = ("nosums", "chunked", "whole")
 
 
 # -- child processes ------------------------------------------------------------------------------
@@ -193,7 +185,7 @@ def _reader(args: argparse.Namespace) -> None:
     # One pool per variant: a sample with sums objects is a few bytes larger than one without, so
     # one shared pool would hand every other variant a fresh buffer (page faults on 280 MiB).
     pools: dict[str, BufferPool] = {}
-    pipeline_min = fragments.PIPELINE_MIN_BYTES
+    registered: set[int] = set()
     _reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -203,8 +195,6 @@ def _reader(args: argparse.Namespace) -> None:
         out: dict[str, Any] = {}
         if op == "fetch":
             m = Manifest.from_dict(cmd["manifest"])
-            # One store call for the whole sample, then the hashing: fetch_sample without its pipeline.
-            fragments.PIPELINE_MIN_BYTES = (1 << 62) if cmd.get("onecall") else pipeline_min
             t0 = time.perf_counter()
             sample = fragments.fetch_sample(
                 store,
@@ -214,6 +204,9 @@ def _reader(args: argparse.Namespace) -> None:
                 pool=pools.setdefault(cmd["variant"], BufferPool(1)) if cmd["reuse"] else None,
             )
             out["t"] = time.perf_counter() - t0
+            if args.register_pool and cmd["reuse"] and sample._buffer.data_ptr() not in registered:
+                store.register(sample._buffer)  # once: later fetches into it skip the per-call registration
+                registered.add(sample._buffer.data_ptr())
             if m.sums:  # the same checksums again, on the same threads, the bytes in place: hashing alone
                 views = dict(sample.destinations())
                 parts = [
@@ -258,7 +251,8 @@ class Child:
     def __init__(self, role: str, args: argparse.Namespace, address: str, log_dir: Path):
         argv = [sys.executable, __file__, f"--role={role}", f"--address={address}"]
         argv += [f"--tokens={args.tokens}", f"--hidden={args.hidden}", f"--layers={args.layers}"]
-        argv += [f"--segment-mb={args.segment_mb}"]
+        argv += [f"--segment-mb={args.segment_mb}", f"--chunk-kib={args.chunk_kib}"]
+        argv += ["--register-pool"] if args.register_pool else []
         self.log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -294,6 +288,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")
     p.add_argument("--segment-mb", type=int, default=2048)
+    p.add_argument("--register-pool", action="store_true", help="register each recycled buffer once")
     p.add_argument("--chunk-kib", type=int, default=SUM_CHUNK_BYTES >> 10, help="schema 3's checksum chunk")
     p.add_argument("--role", choices=["writer", "reader"])
     p.add_argument("--address")
@@ -321,13 +316,7 @@ def main() -> None:
         def fragment(i: int, reuse: bool, variant: str = "chunked") -> None:
             m = _variant(_manifest(f"s{i}_{int(reuse)}_{variant}", args), variant, args.chunk_kib << 10)
             pub = writer.call(op="publish", manifest=m.to_dict())
-            got = reader.call(
-                op="fetch",
-                manifest=m.to_dict(),
-                reuse=reuse,
-                variant=variant,
-                onecall=variant.endswith("onecall"),
-            )
+            got = reader.call(op="fetch", manifest=m.to_dict(), reuse=reuse, variant=variant)
             tag = ("reused" if reuse else "fresh") + ("" if variant == "chunked" else f"_{variant}")
             rec(f"publish_{tag}", pub["t"])
             rec(f"fetch_{tag}", got["t"])

@@ -19,6 +19,11 @@ Why each engine variable is set:
   (`extract_hidden_states` + our connector and the patch series) is written against the V1 runner;
   CUDA builds with Triton default to V2. Serving a draft (`evaluate`) and regeneration leave the
   choice to vLLM (DSpark drafts are served by V2 only).
+* `VLLM_WORKER_MULTIPROC_METHOD=spawn` on CUDA: a worker forked after anything above vLLM probed
+  CUDA dies ("Cannot re-initialize CUDA in forked subprocess"; `engine/env.py`).
+* `VLLM_USE_FLASHINFER_SAMPLER=0` on CUDA: FlashInfer's sampler, vLLM's default, is built with
+  nvcc at each fresh node's first engine start (minutes) unless several GB of precompiled kernels
+  are installed; vLLM's Triton sampler needs no build.
 * `VLLM_CPU_OMP_THREADS_BIND`: CPU engines whose workers are processes need an explicit per-rank
   core split ("Not enough allowed NUMA nodes" otherwise); on a node of a multi-node engine the
   split covers that node's workers and cores only (its affinity mask: on the emulated cluster each

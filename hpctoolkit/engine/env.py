@@ -21,6 +21,7 @@ ENGINE_ENV_KEYS = (
     "VLLM_USE_V2_MODEL_RUNNER",
     "VLLM_CPU_OMP_THREADS_BIND",
     "VLLM_WORKER_MULTIPROC_METHOD",
+    "VLLM_USE_FLASHINFER_SAMPLER",
 )
 
 
@@ -100,6 +101,13 @@ def engine_env(
         # it forks in turn, die with "Cannot re-initialize CUDA in forked subprocess" (PP=2 on two
         # H200s, 2026-12-04). Every CUDA engine therefore spawns, whoever probed what before.
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # vLLM's default top-k/top-p sampler on CUDA is FlashInfer's, whose kernels come either
+        # precompiled (flashinfer-cubin, flashinfer-jit-cache: several GB, not in the wheelhouse)
+        # or built with nvcc at the engine's first warm-up, into ~/.cache/flashinfer: minutes on
+        # every fresh node or container. On one H200, 2026-12-06, a tiny target's engine start was
+        # still in "Building JIT module sampling" 84 s in, and the GPU tier ran past its limit.
+        # A capture engine samples one token per request; vLLM's Triton sampler needs no build.
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if backend == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_space_gb)

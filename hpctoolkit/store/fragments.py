@@ -5,8 +5,8 @@ Publish (engine side, one call per pipeline stage per sample)
     the stage owns, plus `input_ids` on stage 0 only, each with the manifest's shape and dtype.
     Anything else raises `DataIntegrityError` before a byte is written; a store failure raises
     `StoreError`. Nothing is ever skipped with a warning. The stage's sums object (the checksum
-    of each object it puts, `Manifest.summed`) is computed on the hashing threads while the
-    objects are put (`checksum.digests8_async`), and put right after them.
+    of each chunk of each object it puts, `Manifest.summed_chunks`) is computed on the hashing
+    threads while the objects are put (`checksum.digests8_async`), and put right after them.
 
 Fetch (trainer side)
     `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`, recycled through a
@@ -17,10 +17,11 @@ Fetch (trainer side)
     whose byte size differs from the manifest's shape and dtype raises at once, naming its key
     (objects carry no shape of their own, so a same-size transposition cannot be told apart).
     Every object is checked against its checksum before the sample is returned: its own `digest`
-    in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`;
-    the summed objects are hashed in parallel, `checksum.digests8`); a mismatch raises
-    `DataIntegrityError` naming the object's key. A schema-1 manifest (no
-    checksums, written before 2026-12-04) is read with sizes checked only.
+    in the manifest, or the digests of its chunks in its stage's sums object, fetched in the same
+    batch (`capture.manifest`). All of them are computed at once on the hashing threads, so one
+    large object is hashed by several threads; a mismatch raises `DataIntegrityError` naming the
+    object's key and, for an object of several chunks, the bytes at fault. A schema-1 manifest
+    (no checksums, written before 2026-12-04) is read with sizes checked only.
     `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
     successful read and its checks the sample's objects are force-removed (a read leaves a
     lease); "not found" counts as removed. A sample that fails is left in the store for
@@ -44,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 
 import torch
 
@@ -57,8 +58,6 @@ from hpctoolkit.store.api import MissingKeysError, ObjectStore
 from hpctoolkit.store.mooncake import StoreUnavailableError, TransientStoreError
 
 INPUT_IDS_SHA256 = "input_ids_sha256"
-# Objects of at least this size are fetched one per store call (`fetch_groups`).
-PIPELINE_MIN_BYTES = 4 << 20
 
 
 def input_ids_digest(input_ids: torch.Tensor) -> str:
@@ -197,18 +196,6 @@ def _check_sample(sample: Sample, expected_input_ids: torch.Tensor | None) -> No
         raise DataIntegrityError(f"sample {m.sample_key!r}, object {ids_key!r}: negative token ids")
 
 
-def fetch_groups(manifest: Manifest) -> list[list[FragmentSpec]]:
-    """The store calls `fetch_sample` makes, in order: every object smaller than
-    `PIPELINE_MIN_BYTES` in one call (the ids, the mask and the sums objects), then each larger one
-    alone, in manifest order, so that its checksums are computed while the next one is in flight.
-    A manifest without sums objects has nothing to hash on the way: one call for all."""
-    if not manifest.sums:
-        return [list(manifest.all_objects)]
-    small = [f for f in manifest.all_objects if f.nbytes < PIPELINE_MIN_BYTES]
-    large = [[f] for f in manifest.all_objects if f.nbytes >= PIPELINE_MIN_BYTES]
-    return [small, *large] if small else large
-
-
 def fetch_sample(
     store: ObjectStore,
     manifest: Manifest,
@@ -226,35 +213,15 @@ def fetch_sample(
     """
     manifest.validate()
     sample = Sample.empty_for(manifest, pool)
-    views = dict(sample.destinations() + sample.sum_destinations())
-    chunks_of: dict[str, list[tuple[int, int, int, int]]] = {}
-    for stage in range(len(manifest.sums)):
-        for i, (spec, a, b) in enumerate(manifest.summed_chunks(stage)):
-            chunks_of.setdefault(spec.key, []).append((stage, i, a, b))
-    hashing: list[tuple[str, int, int, int, int, Future[bytes]]] = []
     try:
-        try:
-            deadline = time.monotonic() + retry_max_wait_s
-            for group in fetch_groups(manifest):
-                _fill(
-                    store,
-                    manifest,
-                    [(f.key, views[f.key]) for f in group],
-                    deadline,
-                    retry_max_wait_s,
-                    poll_interval_s,
-                )
-                # This group's checksums, on the hashing threads, while the next group is in flight.
-                for f in group:
-                    todo = chunks_of.get(f.key, ())
-                    if todo:
-                        flat = _bytes_view(views[f.key])
-                        futures = checksum.digests8_async([flat[a:b] for _, _, a, b in todo])
-                        hashing += [(f.key, *c, fut) for c, fut in zip(todo, futures, strict=True)]
-        finally:
-            # The hashing threads read the buffer: it goes back to the pool only once they are done.
-            wait(fut for *_, fut in hashing)
-        _check_digests(sample, hashing)
+        _fill(
+            store,
+            manifest,
+            sample.destinations() + sample.sum_destinations(),
+            retry_max_wait_s,
+            poll_interval_s,
+        )
+        _check_digests(sample)
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -264,28 +231,36 @@ def fetch_sample(
     return sample
 
 
-def _check_digests(sample: Sample, hashing: Sequence[tuple[str, int, int, int, int, Future[bytes]]]) -> None:
-    """Every object of `sample` against its checksum: its own digest, or its chunks' digests
-    (`hashing`: key, stage, index in the stage's sums, byte range, computed digest)."""
+def _check_digests(sample: Sample) -> None:
+    """Every object of `sample` against its checksum: its own digest, or the digests of its chunks
+    in its stage's sums object. All of them are computed at once, on the hashing threads."""
     m = sample.manifest
-    views = dict(sample.destinations())
+    views = {k: _bytes_view(t) for k, t in sample.destinations()}
     where = f"sample {m.sample_key!r}, object"
     own = [spec for spec in m.data_objects if spec.digest is not None]
-    for spec, got in zip(own, checksum.digests8([views[spec.key] for spec in own]), strict=True):
-        if checksum.digest8_text(got) != spec.digest:
-            raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
-    wants = [raw.numpy().tobytes() for raw in sample.sums]
-    for key, stage, i, a, b, fut in hashing:
-        if fut.result() != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-            span = (
-                "its bytes"
-                if (a, b) == (0, views[key].numel() * views[key].element_size())
-                else f"its bytes [{a}, {b})"
-            )
-            raise DataIntegrityError(
-                f"{where} {key!r}: {span} do not match the checksum stage {stage} published "
-                f"({m.sums[stage].key!r})"
-            )
+    chunks = [
+        (stage, i, c) for stage in range(len(sample.sums)) for i, c in enumerate(m.summed_chunks(stage))
+    ]
+    futures = checksum.digests8_async(
+        [views[spec.key] for spec in own] + [views[spec.key][a:b] for _, _, (spec, a, b) in chunks]
+    )
+    try:
+        for spec, fut in zip(own, futures, strict=False):
+            if checksum.digest8_text(fut.result()) != spec.digest:
+                raise DataIntegrityError(
+                    f"{where} {spec.key!r}: its bytes do not match the manifest's checksum"
+                )
+        wants = [raw.numpy().tobytes() for raw in sample.sums]
+        for (stage, i, (spec, a, b)), fut in zip(chunks, futures[len(own) :], strict=True):
+            if fut.result() != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+                span = "its bytes" if (a, b) == (0, spec.nbytes) else f"its bytes [{a}, {b})"
+                raise DataIntegrityError(
+                    f"{where} {spec.key!r}: {span} do not match the checksum stage {stage} published "
+                    f"({m.sums[stage].key!r})"
+                )
+    finally:
+        # The hashing threads read the sample's buffer: it is released only once they are done.
+        wait(futures)
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -297,15 +272,12 @@ def _fill(
     store: ObjectStore,
     manifest: Manifest,
     dests: Sequence[tuple[str, torch.Tensor]],
-    deadline: float,
     retry_max_wait_s: float,
     poll_interval_s: float,
 ) -> None:
-    """Fill `dests` from the store, polling for missing keys and retrying a master that stopped
-    answering until `deadline` (`time.monotonic()`: one deadline, `retry_max_wait_s` after the
-    sample's first call, for all its calls)."""
     keys = [k for k, _ in dests]
     tensors = [t for _, t in dests]
+    deadline = time.monotonic() + retry_max_wait_s
     delay = poll_interval_s
     while True:
         try:

@@ -122,6 +122,17 @@ def test_cpu_environment():
     assert "VLLM_TARGET_DEVICE" not in cuda_env
 
 
+def test_cuda_engines_use_a_sampler_that_needs_no_nvcc_build():
+    """FlashInfer's sampler is built with nvcc at a fresh node's first engine start (minutes, seen
+    on an H200 on 2026-12-06); every CUDA engine, capture or serving, takes vLLM's Triton one."""
+    from hpctoolkit.engine.env import engine_env
+
+    _, capture = _build(backend="cuda")
+    serving = engine_env("cuda", in_process=True, world_size=1, cpu_kvcache_space_gb=1, pin_v1_runner=False)
+    assert capture["VLLM_USE_FLASHINFER_SAMPLER"] == serving["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in _build()[1]  # the CPU has no FlashInfer
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 def test_capture_engines_pin_the_v1_runner_and_serving_engines_may_not(pp):
     """The README's rule: a capture engine runs V1 at every pp_size; serving keeps vLLM's choice."""
