@@ -38,7 +38,7 @@ stage_tier() {
   mapfile -t files < <(grep -l 'mark\.gpu' tests/*/test_*.py)
   # One test at a time: vLLM refuses to start while another engine frees memory beside it.
   timeout -k 20 480 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
-    --junitxml "$res/tier.xml" "${files[@]}"
+    --basetemp "$res/tmp-tier" --junitxml "$res/tier.xml" "${files[@]}"
 }
 
 stage_run() {
@@ -60,7 +60,7 @@ NEW_GPU_TESTS=(
 
 stage_tier_new() {
   timeout -k 20 420 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
-    --junitxml "$res/tier_new.xml" "${NEW_GPU_TESTS[@]}"
+    --basetemp "$res/tmp-tier_new" --junitxml "$res/tier_new.xml" "${NEW_GPU_TESTS[@]}"
 }
 
 # The benchmark's parts one at a time, so that a lease cut short keeps the parts that finished.
@@ -144,7 +144,14 @@ case ${1:-} in
       cp "$res/stages.txt" "$OUT/" 2>/dev/null
       tmp=$(mktemp -d)
       for f in "$res"/*; do
+        [ -f "$f" ] || continue
         case $f in *.log) tail -c 4000000 "$f" > "$tmp/$(basename "$f")";; *) cp "$f" "$tmp/";; esac
+      done
+      # The logs the tests wrote under their --basetemp (an engine arm's, a master's), each's last
+      # 200 kB: what tells a slow or stuck test from a failed one.
+      find "$res" -mindepth 2 -name "*.log" -print | while read -r f; do
+        rel=${f#"$res"/}
+        mkdir -p "$tmp/$(dirname "$rel")" && tail -c 200000 "$f" > "$tmp/$rel"
       done
       tar -czf "$OUT/results.tgz" -C "$tmp" . && rm -rf "$tmp"
     fi;;
