@@ -13,47 +13,45 @@ prints medians over `--iters` samples of:
 * reassembly: `fetch_sample` (allocate, register, one batched `get_into`, checks) against a raw
   `batch_get_into` of the same bytes into a preregistered buffer, as a ratio (target <= 1.05),
   both into a fresh buffer per sample and into a recycled one (`BufferPool` + `Sample.release()`);
-* checksums: the fragment path (recycled buffer) with its checksums against the same path without
-  them (a schema-1 manifest, sizes checked only), side by side in each iteration, as a ratio
-  (target <= 1.03), for two layouts of the stages' sums objects: `chunked` (schema 3, what the
-  engine writes: one checksum per `--chunk-kib` of each object, so one large object is hashed by
-  several threads) and `whole` (schema 2, one checksum per object); each with its own buffer
-  pool. `--register-pool` registers each recycled buffer with Mooncake once (the product
-  registers a destination per call); "hashing alone" is the reader's checksums computed again
-  over the bytes in place.
+* checksums: the fragment path (recycled buffer) with its checksums (each stage sums what it
+  puts, the reader checks every object) against the same path without them (a schema-1
+  manifest, sizes checked only), side by side in each iteration, each with its own buffer pool,
+  as a ratio (target <= 1.03); and the reader's hashing alone, over the bytes in place.
+  `--register-pool` registers each recycled buffer with Mooncake once (the product registers a
+  destination per call).
 
 Before 2026-12-06 the variants shared one pool of one buffer. A sample with sums objects is a few
 bytes larger than one without, so the pool handed every checked fetch a fresh 280 MiB buffer and
 its page faults: the earlier figures (fetch 1.18x on the 2-core host, 1.45x on the H100 node's
-host, "the rest is not explained") measured that, not the checksums.
+host, where "the rest is not explained") measured that, not the checksums.
 
 Measured 2026-12-06, sample 4096 tokens x 7168 x 5 layers bf16 + input_ids = 280 MiB in 6
-objects, 8 MiB chunks, `--iters 15`; with / without checksums, median of paired ratios:
+objects, `--iters 15`; with / without checksums, median of paired ratios. `whole` is the code
+here (one checksum per object); `chunked` was a manifest with one checksum per 8 MiB of each
+object, so that one object is hashed on several threads (tried, not kept: see below).
 
     one H100 node's host (16 Xeon cores), `benchmarks/gpu_node.sh start install store`
-                  roundtrip                 publish                  fetch                    hashing alone
-      chunked     124.3 / 113.0 ms 1.101x   43.3 / 39.1 ms 1.111x    77.9 / 73.9 ms 1.070x    5.7 ms
-      (the same, one store call per large object, each hashed while the next is in flight)
-                  124.5 / 113.0 ms 1.097x   43.4 / 39.1 ms 1.109x    80.5 / 73.9 ms 1.104x    6.1 ms
-      whole       126.5 / 113.0 ms 1.100x   40.1 / 39.1 ms 1.036x    85.4 / 73.9 ms 1.148x    7.3 ms
-      (whole: also one call per large object)
+                       roundtrip                publish                 fetch                   hashing alone
+      chunked          124.3 / 113.0  1.101x    43.3 / 39.1  1.111x     77.9 / 73.9  1.070x     5.7 ms
+      chunked, *       124.5 / 113.0  1.097x    43.4 / 39.1  1.109x     80.5 / 73.9  1.104x     6.1 ms
+      whole, *         126.5 / 113.0  1.100x    40.1 / 39.1  1.036x     85.4 / 73.9  1.148x     7.3 ms
+      * one store call per large object, each hashed while the next was in flight
     the same host, a second run (a killed test tier's processes possibly still running): fetch
-      chunked 1.080x, one call per object 1.066x, whole 1.110x; with --register-pool 1.124x,
-      1.120x and 1.162x
-    the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21` (the code
-    as committed: one call)
-      chunked     195.0 / 164.6 ms 1.137x   33.7 / 24.9 ms 1.328x    159.4 / 140.2 ms 1.103x   9.3 ms
-      whole       181.7 / 164.6 ms 1.101x   33.3 / 24.9 ms 1.365x    147.7 / 140.2 ms 1.047x   9.2 ms
+      chunked 1.080x, chunked * 1.066x, whole * 1.110x; with --register-pool 1.124x, 1.120x, 1.162x
+    the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21`
+      chunked          195.0 / 164.6  1.137x    33.7 / 24.9  1.328x    159.4 / 140.2  1.103x     9.3 ms
+      whole            181.7 / 164.6  1.101x    33.3 / 24.9  1.365x    147.7 / 140.2  1.047x     9.2 ms
 
-The 3 % goal is not met. What is left is the hashing itself: XXH3 over 280 MiB takes 6 ms on the
-16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16), 8 %
-of a 74 ms loopback fetch, and no CPU pass can be 3 % of it. One store call per large object,
-hashing each while the next is in flight, gained nothing there (1.104x against 1.070x, then
-1.066x against 1.080x), so the reader makes one call and then hashes every chunk at once. The
-lever left is the trainer's GPU, which copies every sample anyway: on the H100 (2026-12-05) a
-weighted int64 sum over the same bytes took 0.41 ms, against 5.4 ms for the host-to-device copy
-from pinned memory. A checksum computed there (and by the engine before its device-to-host copy)
-is not built.
+The 3 % goal is not met. What is left is the hashing itself: XXH3 over 280 MiB takes 6-7 ms on
+the 16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16),
+8-10 % of a 74 ms loopback fetch; no CPU pass can be 3 % of it. Neither variant changed that:
+chunks hashed faster on the reader (5.7 against 7.3 ms) and slowed the writer (1.111x against
+1.036x), and lost on the 2-core host; fetching object by object to hash behind the transfer
+gained nothing (1.104x against 1.070x, then 1.066x against 1.080x). So the manifest keeps one
+checksum per object and the reader makes one call. The lever left is the trainer's GPU, which
+copies every sample anyway: on the H100 (2026-12-05) a weighted int64 sum over the same bytes took
+0.41 ms, against 5.4 ms for the host-to-device copy from pinned memory. A checksum computed there
+(and by the engine before its device-to-host copy) is not built.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ import torch  # noqa: E402
 
 import hpctoolkit.store  # noqa: E402, F401  (import order)
 from hpctoolkit import checksum  # noqa: E402
-from hpctoolkit.capture.manifest import SUM_CHUNK_BYTES, Manifest, build_manifest  # noqa: E402
+from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
 from hpctoolkit.data.sample import BufferPool  # noqa: E402
 from hpctoolkit.store import fragments  # noqa: E402
 from hpctoolkit.store.config import StoreConfig  # noqa: E402
@@ -109,22 +107,9 @@ def _unsummed(m: Manifest) -> Manifest:
     return dataclasses.replace(m, sums=(), schema_version=UNSUMMED_SCHEMA_VERSION)
 
 
-def _variant(m: Manifest, name: str, chunk_bytes: int) -> Manifest:
-    """`m` as variant `name` writes it: `nosums` (schema 1), `whole` (schema 2: one checksum per
-    object) or `chunked` (schema 3, chunks of `chunk_bytes`: what the engine writes)."""
-    import dataclasses
-
-    if name == "nosums":
-        return _unsummed(m)
-    if name == "whole":
-        m = dataclasses.replace(m, schema_version=2)
-    else:
-        m = dataclasses.replace(m, sum_chunk_bytes=chunk_bytes)
-    return dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(m.pp_size)))
-
-
-# The fragment path's variants, side by side in each iteration (recycled buffer).
-VARIANTS = ("nosums", "chunked", "whole")
+# The fragment path's variants, side by side in each iteration (recycled buffer): with checksums
+# (the manifest the engine writes) and without (schema 1).
+VARIANTS = ("sums", "nosums")
 
 
 # -- child processes ------------------------------------------------------------------------------
@@ -209,11 +194,7 @@ def _reader(args: argparse.Namespace) -> None:
                 registered.add(sample._buffer.data_ptr())
             if m.sums:  # the same checksums again, on the same threads, the bytes in place: hashing alone
                 views = dict(sample.destinations())
-                parts = [
-                    views[f.key].reshape(-1).view(torch.uint8)[a:b]
-                    for st in range(m.pp_size)
-                    for f, a, b in m.summed_chunks(st)
-                ]
+                parts = [views[f.key] for st in range(m.pp_size) for f in m.summed(st)]
                 t0 = time.perf_counter()
                 checksum.digests8(parts)
                 out["t_hash"] = time.perf_counter() - t0
@@ -251,7 +232,7 @@ class Child:
     def __init__(self, role: str, args: argparse.Namespace, address: str, log_dir: Path):
         argv = [sys.executable, __file__, f"--role={role}", f"--address={address}"]
         argv += [f"--tokens={args.tokens}", f"--hidden={args.hidden}", f"--layers={args.layers}"]
-        argv += [f"--segment-mb={args.segment_mb}", f"--chunk-kib={args.chunk_kib}"]
+        argv += [f"--segment-mb={args.segment_mb}"]
         argv += ["--register-pool"] if args.register_pool else []
         self.log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -289,7 +270,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")
     p.add_argument("--segment-mb", type=int, default=2048)
     p.add_argument("--register-pool", action="store_true", help="register each recycled buffer once")
-    p.add_argument("--chunk-kib", type=int, default=SUM_CHUNK_BYTES >> 10, help="schema 3's checksum chunk")
     p.add_argument("--role", choices=["writer", "reader"])
     p.add_argument("--address")
     p.add_argument("--verbose", action="store_true", help="print every iteration's timings")
@@ -313,11 +293,12 @@ def main() -> None:
         def rec(name: str, v: float) -> None:
             res.setdefault(name, []).append(v)
 
-        def fragment(i: int, reuse: bool, variant: str = "chunked") -> None:
-            m = _variant(_manifest(f"s{i}_{int(reuse)}_{variant}", args), variant, args.chunk_kib << 10)
+        def fragment(i: int, reuse: bool, variant: str = "sums") -> None:
+            built = _manifest(f"s{i}_{int(reuse)}_{variant}", args)
+            m = built if variant == "sums" else _unsummed(built)
             pub = writer.call(op="publish", manifest=m.to_dict())
             got = reader.call(op="fetch", manifest=m.to_dict(), reuse=reuse, variant=variant)
-            tag = ("reused" if reuse else "fresh") + ("" if variant == "chunked" else f"_{variant}")
+            tag = ("reused" if reuse else "fresh") + ("" if variant == "sums" else f"_{variant}")
             rec(f"publish_{tag}", pub["t"])
             rec(f"fetch_{tag}", got["t"])
             rec(f"remove_{tag}", got["t_remove"])
@@ -401,23 +382,15 @@ def main() -> None:
             f"  fragment path ({tag:6s}) roundtrip        : {med['raw_roundtrip'] / rt:.3f} of raw Mooncake, "
             f"{med['memcpy'] / rt:.4f} of the memcpy bound (fetch alone: {med['memcpy'] / med[f'fetch_{tag}']:.4f})"
         )
-    print(
-        f"  checksums: each variant against the same path without them (schema 1, sizes only), recycled "
-        f"buffer, {args.chunk_kib} KiB chunks; median of paired ratios (ratio of medians)"
-    )
-    for variant in VARIANTS[1:]:
-        tag = "reused" if variant == "chunked" else f"reused_{variant}"
-        cells = []
-        for part in ("roundtrip", "publish", "fetch"):
-            with_s, without = res[f"{part}_{tag}"], res[f"{part}_reused_nosums"]
-            paired = statistics.median(a / b for a, b in zip(with_s, without, strict=True))
-            cells.append(
-                f"{part} {statistics.median(with_s) * 1e3:6.1f}/{statistics.median(without) * 1e3:6.1f} ms "
-                f"{paired:.3f}x ({statistics.median(with_s) / statistics.median(without):.3f}x)"
-            )
-        hashing = f"; hashing alone {med[f'hash_{tag}'] * 1e3:.1f} ms" if f"hash_{tag}" in med else ""
-        print(f"    {variant:15s} " + "  ".join(cells) + hashing)
-    print("    (target: fetch and roundtrip <= 1.03x)")
+    for part in ("roundtrip", "publish", "fetch"):
+        with_s, without = res[f"{part}_reused"], res[f"{part}_reused_nosums"]
+        paired = statistics.median(a / b for a, b in zip(with_s, without, strict=True))
+        print(
+            f"  checksums, {part:9s} (recycled buffer)  : {statistics.median(with_s) * 1e3:8.1f} ms with, "
+            f"{statistics.median(without) * 1e3:8.1f} ms without; {paired:.3f}x median of paired ratios, "
+            f"{statistics.median(with_s) / statistics.median(without):.3f}x ratio of medians (target <= 1.03)"
+        )
+    print(f"  checksums alone, the reader's over the bytes in place: {med['hash_reused'] * 1e3:.1f} ms")
     print(f"  keys left in the master after the run    : {left}")
     print(f"  logs: {log_dir}")
 

@@ -14,8 +14,8 @@ Measured 2026-12-04 on this machine (one core, 7 runs each, median throughput):
 
 XXH3 is 5-10x crc32 (zlib 1.2.13 here) and at about the memory bandwidth of this host, so no
 function could make a separate pass much cheaper. Its cost on the fragment path (2026-12-06: the
-fetch 1.07x on an H100 node's 16-core host, 1.10x on the 2-core one; the 3 % goal is not met) is
-in `benchmarks/store_path.py`'s docstring. The standard library plus `xxhash` (torch only inside the tensor helpers): no store.
+fetch 1.05x on the 2-core host, 1.07x-1.15x on an H100 node's 16-core host; the 3 % goal is not
+met) is in `benchmarks/store_path.py`'s docstring. The standard library plus `xxhash` (torch only inside the tensor helpers): no store.
 """
 
 from __future__ import annotations

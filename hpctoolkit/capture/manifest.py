@@ -9,19 +9,16 @@ One sample is published as separate store objects, whatever the pipeline size:
   the engine leader publishes it beside the fragments and names it in `loss_mask` (None: the
   sample carries no mask and every token may be supervised).
 
-* `<key>_sums<s>`, shape `[8 * n]`, uint8, one per stage `s`: the checksums (`hpctoolkit.checksum`,
-  8 bytes each, little-endian) of the `n` chunks of the objects stage `s` publishes, in manifest
-  order (`Manifest.summed_chunks`), put by the stage right after them. Schema 3 cuts each object
-  into chunks of `sum_chunk_bytes` (the last one shorter), so that a reader hashes one object's
-  chunks on several threads while the next object is in flight; schema 2 (2026-12-04 to
-  2026-12-06, still read) has one checksum per object. A stage computes them where its bytes
-  are, after the manifest left the scheduler, so they travel as an object the manifest names
-  rather than in the manifest itself.
+* `<key>_sums<s>`, shape `[8 * n]`, uint8, one per stage `s` (schema 2): the checksums
+  (`hpctoolkit.checksum`, 8 bytes each, little-endian) of the `n` objects stage `s` publishes, in
+  manifest order (`Manifest.summed`), put by the stage with them in one batch. A stage computes
+  them where its bytes are, after the manifest left the scheduler, so they travel as an object
+  the manifest names rather than in the manifest itself.
 
 The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
 shape or a dtype. An object may also carry its own `digest` (`"<algorithm>:<hex>"`): the loss mask
 (its publisher, the engine leader, writes the manifest the trainers read) and every object of a
-sample saved to a shard (`data.offline`). A schema-2 or -3 manifest covers every object, by its own
+sample saved to a shard (`data.offline`). A schema-2 manifest covers every object, by its own
 digest or by its stage's sums; the reader checks them before a byte reaches a batch and refuses a
 mismatch naming the key (`DataIntegrityError`). A schema-1 manifest (written before 2026-12-04, no
 checksums) is still read, with sizes checked only, so a spool written then can be replayed. It
@@ -41,17 +38,9 @@ from typing import Any
 from hpctoolkit.capture.layout import check_layer_layout, pp_partition, stage_of
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 
-MANIFEST_SCHEMA_VERSION = 3
-# Read, never written: one checksum per object in the sums objects (2026-12-04 to 2026-12-06).
-WHOLE_SUMS_SCHEMA_VERSION = 2
+MANIFEST_SCHEMA_VERSION = 2
 # Read, never written: manifests from before the checksums (sizes checked only).
 UNSUMMED_SCHEMA_VERSION = 1
-READ_SCHEMA_VERSIONS = (MANIFEST_SCHEMA_VERSION, WHOLE_SUMS_SCHEMA_VERSION, UNSUMMED_SCHEMA_VERSION)
-# Schema 3's chunk: a 4096-token K3 fragment (56 MiB) is 7 chunks, hashed on 7 threads at once.
-SUM_CHUNK_BYTES = 8 << 20
-# Bounds a manifest's `sum_chunk_bytes` may take: the sums object stays small (a chunk per 64 KiB
-# at worst) and one chunk is never more than 1 TiB.
-SUM_CHUNK_BYTES_RANGE = (1 << 16, 1 << 40)
 ROLE_AUX = "aux"
 ROLE_LAST = "last_hidden_states"
 ROLE_INPUT_IDS = "input_ids"
@@ -132,10 +121,8 @@ class Manifest:
     schema_version: int = MANIFEST_SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
     loss_mask: FragmentSpec | None = None
-    # One per stage (schema 2 and 3), stage order; empty when every object carries its own digest.
+    # One per stage (schema 2), stage order; empty when every object carries its own digest.
     sums: tuple[FragmentSpec, ...] = ()
-    # Schema 3: the chunk each 8 bytes of a sums object cover (schema 1 and 2 ignore it).
-    sum_chunk_bytes: int = SUM_CHUNK_BYTES
 
     @property
     def layer_ids(self) -> list[int]:
@@ -172,16 +159,6 @@ class Manifest:
         own digest: the engine leader, not a stage, publishes it)."""
         return tuple(f for f in (self.input_ids, *self.fragments) if f.stage == stage)
 
-    def summed_chunks(self, stage: int) -> tuple[tuple[FragmentSpec, int, int], ...]:
-        """`(object, start, end)` of each byte range stage `stage`'s sums object covers, in its order:
-        `summed(stage)`, each cut into `sum_chunk_bytes` (one range per object before schema 3)."""
-        whole = self.schema_version < MANIFEST_SCHEMA_VERSION
-        return tuple(
-            (f, start, end)
-            for f in self.summed(stage)
-            for start, end in chunk_ranges(f.nbytes, 0 if whole else self.sum_chunk_bytes)
-        )
-
     @property
     def nbytes(self) -> int:
         """The sample's bytes (its buffer, `data.sample`); the sums objects are not counted."""
@@ -202,8 +179,6 @@ class Manifest:
                 del f["digest"]
         if self.schema_version == UNSUMMED_SCHEMA_VERSION:
             del d["sums"]
-        if self.schema_version < MANIFEST_SCHEMA_VERSION:
-            del d["sum_chunk_bytes"]
         return d
 
     def to_json(self) -> str:
@@ -220,7 +195,7 @@ class Manifest:
         if not isinstance(d, Mapping):
             raise bad("<root>", f"must be a mapping, got {type(d).__name__}")
         version = d.get("schema_version")
-        if version not in READ_SCHEMA_VERSIONS or isinstance(version, bool):
+        if version not in (MANIFEST_SCHEMA_VERSION, UNSUMMED_SCHEMA_VERSION):
             raise bad("schema_version", f"is {version!r}, expected {MANIFEST_SCHEMA_VERSION}")
         required = ("sample_key", "num_tokens", "hidden_size", "num_layers", "pp_size", "partition")
         for name in (*required, "input_ids", "fragments"):
@@ -251,9 +226,6 @@ class Manifest:
         sums = d.get("sums") or []
         if not isinstance(sums, Sequence) or isinstance(sums, str):
             raise bad("sums", "must be a list")
-        chunk = d.get("sum_chunk_bytes") if version == MANIFEST_SCHEMA_VERSION else SUM_CHUNK_BYTES
-        if not isinstance(chunk, int) or isinstance(chunk, bool):
-            raise bad("sum_chunk_bytes", f"must be an integer, got {chunk!r}")
         m = cls(
             sample_key=str(d["sample_key"]),
             num_tokens=d["num_tokens"],
@@ -266,7 +238,6 @@ class Manifest:
             extra=dict(d.get("extra") or {}),
             loss_mask=None if d.get("loss_mask") is None else frag(d["loss_mask"], "loss_mask"),
             sums=tuple(frag(f, f"sums[{i}]") for i, f in enumerate(sums)),
-            sum_chunk_bytes=chunk,
             schema_version=int(version),
         )
         m.validate()
@@ -327,14 +298,11 @@ class Manifest:
         self._validate_sums(bad)
 
     def _validate_sums(self, bad: Any) -> None:
-        """Schema 2 and 3: every object is covered by its own digest or its stage's sums object."""
+        """Schema 2: every object is covered by its own digest or its stage's sums object."""
         if self.schema_version == UNSUMMED_SCHEMA_VERSION:
             if self.sums:
                 raise bad("sums", f"is not part of schema {UNSUMMED_SCHEMA_VERSION}")
             return
-        lo, hi = SUM_CHUNK_BYTES_RANGE
-        if self.schema_version == MANIFEST_SCHEMA_VERSION and not lo <= self.sum_chunk_bytes <= hi:
-            raise bad("sum_chunk_bytes", f"is {self.sum_chunk_bytes}, outside [{lo}, {hi}]")
         if self.sums:
             want = tuple(self.sums_spec(s) for s in range(self.pp_size))
             if tuple(dataclasses.replace(f, digest=None) for f in self.sums) != want:
@@ -347,17 +315,9 @@ class Manifest:
             raise bad("loss_mask", "carries no digest")
 
     def sums_spec(self, stage: int) -> FragmentSpec:
-        """The sums object of `stage` (`summed_chunks(stage)`'s checksums)."""
-        n = len(self.summed_chunks(stage))
+        """The sums object of `stage` (`summed(stage)`'s checksums)."""
+        n = len(self.summed(stage))
         return FragmentSpec(sums_key(self.sample_key, stage), ROLE_SUMS, stage, (DIGEST_BYTES * n,), "uint8")
-
-
-def chunk_ranges(nbytes: int, chunk: int) -> list[tuple[int, int]]:
-    """`[start, end)` of each chunk of an object of `nbytes` cut every `chunk` bytes (the last one
-    shorter; one range for the whole object when `chunk` is 0 or at least `nbytes`)."""
-    if chunk <= 0 or nbytes <= chunk:
-        return [(0, nbytes)]
-    return [(start, min(start + chunk, nbytes)) for start in range(0, nbytes, chunk)]
 
 
 def build_manifest(
@@ -405,7 +365,7 @@ def build_manifest(
 
 def with_loss_mask(manifest: Manifest, digest: str | None) -> Manifest:
     """`manifest` naming its sample's `<key>_loss_mask` object (published beside the fragments),
-    with the checksum of its bytes (`hpctoolkit.checksum`; a manifest with checksums needs one)."""
+    with the checksum of its bytes (`hpctoolkit.checksum`; a schema-2 manifest needs one)."""
     spec = FragmentSpec(
         key=loss_mask_key(manifest.sample_key),
         role=ROLE_LOSS_MASK,

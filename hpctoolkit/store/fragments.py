@@ -5,8 +5,8 @@ Publish (engine side, one call per pipeline stage per sample)
     the stage owns, plus `input_ids` on stage 0 only, each with the manifest's shape and dtype.
     Anything else raises `DataIntegrityError` before a byte is written; a store failure raises
     `StoreError`. Nothing is ever skipped with a warning. The stage's sums object (the checksum
-    of each chunk of each object it puts, `Manifest.summed_chunks`) is computed on the hashing
-    threads while the objects are put (`checksum.digests8_async`), and put right after them.
+    of each object it puts, `Manifest.summed`) is computed on the hashing threads while the
+    objects are put (`checksum.digests8_async`), and put right after them.
 
 Fetch (trainer side)
     `fetch_sample` allocates one buffer for the sample (`Sample.empty_for`, recycled through a
@@ -17,11 +17,11 @@ Fetch (trainer side)
     whose byte size differs from the manifest's shape and dtype raises at once, naming its key
     (objects carry no shape of their own, so a same-size transposition cannot be told apart).
     Every object is checked against its checksum before the sample is returned: its own `digest`
-    in the manifest, or the digests of its chunks in its stage's sums object, fetched in the same
-    batch (`capture.manifest`). All of them are computed at once on the hashing threads, so one
-    large object is hashed by several threads; a mismatch raises `DataIntegrityError` naming the
-    object's key and, for an object of several chunks, the bytes at fault. A schema-1 manifest
-    (no checksums, written before 2026-12-04) is read with sizes checked only.
+    in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`).
+    All of them are computed at once, on the hashing threads (`checksum.digests8_async`); a
+    mismatch raises `DataIntegrityError` naming the object's key, once every thread is done with
+    the buffer. A schema-1 manifest (no checksums, written before 2026-12-04) is read with sizes
+    checked only.
     `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
     successful read and its checks the sample's objects are force-removed (a read leaves a
     lease); "not found" counts as removed. A sample that fails is left in the store for
@@ -131,11 +131,11 @@ def publish_stage(
     if not manifest.sums:
         store.put_many(items)
         return sum(t.numel() * t.element_size() for _, t in items)
-    # In manifest order (`summed_chunks`): input_ids first on stage 0, then the layers by capture
-    # id, each cut into chunks. The hashing threads read the bytes while the put copies them; the sums object goes in last (a
+    # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id. The
+    # hashing threads read the bytes while the put copies them; the sums object goes in last (a
     # reader waits for every key the manifest names, so it never checks against a missing one).
-    by_key = {k: _bytes_view(t) for k, t in items}
-    pending = checksum.digests8_async([by_key[f.key][a:b] for f, a, b in manifest.summed_chunks(stage)])
+    by_key = dict(items)
+    pending = checksum.digests8_async([by_key[f.key] for f in manifest.summed(stage)])
     store.put_many(items)
     sums = torch.frombuffer(bytearray(b"".join(f.result() for f in pending)), dtype=torch.uint8)
     store.put_many([(manifest.sums[stage].key, sums)])
@@ -232,18 +232,14 @@ def fetch_sample(
 
 
 def _check_digests(sample: Sample) -> None:
-    """Every object of `sample` against its checksum: its own digest, or the digests of its chunks
-    in its stage's sums object. All of them are computed at once, on the hashing threads."""
+    """Every object of `sample` against its checksum: its own digest, or its stage's sums. All of
+    them are computed at once, on the hashing threads."""
     m = sample.manifest
-    views = {k: _bytes_view(t) for k, t in sample.destinations()}
+    views = dict(sample.destinations())
     where = f"sample {m.sample_key!r}, object"
     own = [spec for spec in m.data_objects if spec.digest is not None]
-    chunks = [
-        (stage, i, c) for stage in range(len(sample.sums)) for i, c in enumerate(m.summed_chunks(stage))
-    ]
-    futures = checksum.digests8_async(
-        [views[spec.key] for spec in own] + [views[spec.key][a:b] for _, _, (spec, a, b) in chunks]
-    )
+    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
+    futures = checksum.digests8_async([views[spec.key] for spec in own] + [views[s.key] for *_, s in summed])
     try:
         for spec, fut in zip(own, futures, strict=False):
             if checksum.digest8_text(fut.result()) != spec.digest:
@@ -251,21 +247,15 @@ def _check_digests(sample: Sample) -> None:
                     f"{where} {spec.key!r}: its bytes do not match the manifest's checksum"
                 )
         wants = [raw.numpy().tobytes() for raw in sample.sums]
-        for (stage, i, (spec, a, b)), fut in zip(chunks, futures[len(own) :], strict=True):
+        for (stage, i, spec), fut in zip(summed, futures[len(own) :], strict=True):
             if fut.result() != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-                span = "its bytes" if (a, b) == (0, spec.nbytes) else f"its bytes [{a}, {b})"
                 raise DataIntegrityError(
-                    f"{where} {spec.key!r}: {span} do not match the checksum stage {stage} published "
-                    f"({m.sums[stage].key!r})"
+                    f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
+                    f"published ({m.sums[stage].key!r})"
                 )
     finally:
         # The hashing threads read the sample's buffer: it is released only once they are done.
         wait(futures)
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 tensor (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _fill(

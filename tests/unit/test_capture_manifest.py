@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -158,11 +157,11 @@ def test_malformed_loss_mask_names_the_field(field, value, match):
         Manifest.from_dict(d)
 
 
-def test_every_object_of_a_schema_3_manifest_is_covered_by_a_checksum():
+def test_every_object_of_a_schema_2_manifest_is_covered_by_a_checksum():
     from hpctoolkit.capture.manifest import with_loss_mask
 
     d = build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").to_dict()
-    assert d["schema_version"] == 3 and [f["key"] for f in d["sums"]] == ["k_sums0", "k_sums1"]
+    assert d["schema_version"] == 2 and [f["key"] for f in d["sums"]] == ["k_sums0", "k_sums1"]
     assert "digest" not in d["input_ids"]  # a field only where a writer knew the bytes
     with pytest.raises(DataIntegrityError, match=r"'sums' must name \['k_sums0', 'k_sums1'\]"):
         Manifest.from_dict({**d, "sums": d["sums"][:1]})
@@ -176,59 +175,12 @@ def test_every_object_of_a_schema_3_manifest_is_covered_by_a_checksum():
         Manifest.from_dict(masked)
 
 
-def test_chunk_ranges_cover_an_object_once_in_order():
-    from hpctoolkit.capture.manifest import chunk_ranges
-
-    for nbytes in (1, 7, 8, 9, 64, 65, 1000):
-        for chunk in (0, 1, 3, 8, 64, 10_000):
-            got = chunk_ranges(nbytes, chunk)
-            assert got[0][0] == 0 and got[-1][1] == nbytes
-            assert all(a < b for a, b in got) and all(b == a2 for (_, b), (a2, _) in itertools.pairwise(got))
-            if 0 < chunk < nbytes:
-                assert all(b - a == chunk for a, b in got[:-1]) and got[-1][1] - got[-1][0] <= chunk
-            else:
-                assert len(got) == 1
-
-
-def test_schema_3_sums_cover_each_object_in_chunks():
-    """Each stage's sums object holds 8 bytes per chunk of `sum_chunk_bytes` of each object it
-    covers, in manifest order; a schema-2 manifest (one checksum per object) is still read."""
-    import dataclasses
-
-    m = dataclasses.replace(
-        build_manifest("k", [1, 3, 4], 100_000, 8, 4, 2, "bfloat16"), sum_chunk_bytes=1 << 16
-    )
-    m = dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(2)))
-    m.validate()
-    # A fragment is 100_000 x 8 x 2 = 1.6 MB: 25 chunks of 64 KiB (the last shorter); ids 800 KB: 13.
-    assert [(f.key, a, b) for f, a, b in m.summed_chunks(0)][:2] == [
-        ("k_input_ids", 0, 65536),
-        ("k_input_ids", 65536, 131072),
-    ]
-    assert len(m.summed_chunks(0)) == 13 + 25 and len(m.summed_chunks(1)) == 2 * 25
-    assert [f.shape for f in m.sums] == [(8 * 38,), (8 * 50,)]
-    d = m.to_dict()
-    assert d["sum_chunk_bytes"] == 1 << 16 and Manifest.from_dict(d) == m
-    for bad_chunk in (1 << 15, 0, -1, 1 << 41, "64k", True, None):
-        with pytest.raises(DataIntegrityError, match="'sum_chunk_bytes'"):
-            Manifest.from_dict({**d, "sum_chunk_bytes": bad_chunk})
-    # Schema 2: one range per object, and no `sum_chunk_bytes` field written or needed.
-    old = dataclasses.replace(m, schema_version=2)
-    old = dataclasses.replace(old, sums=tuple(old.sums_spec(s) for s in range(2)))
-    assert [f.shape for f in old.sums] == [(16,), (16,)]
-    od = old.to_dict()
-    assert "sum_chunk_bytes" not in od and od["schema_version"] == 2
-    assert Manifest.from_dict(od).summed_chunks(1) == tuple((f, 0, f.nbytes) for f in old.summed(1))
-    with pytest.raises(DataIntegrityError, match=r"'sums' must name"):
-        Manifest.from_dict({**od, "schema_version": 3, "sum_chunk_bytes": 1 << 16})
-
-
 def test_a_schema_1_manifest_without_checksums_is_still_read():
     """Written before 2026-12-04: no sums, no digests. Read with sizes checked only (a spool of
     that time can be replayed); a schema-1 manifest naming sums is malformed."""
     d = build_manifest("k", [1, 3, 4], 10, 8, 4, 2, "bfloat16").to_dict()
     old = {**d, "schema_version": 1}
-    del old["sums"], old["sum_chunk_bytes"]
+    del old["sums"]
     m = Manifest.from_dict(old)
     assert m.schema_version == 1 and m.sums == () and m.to_dict() == old
     with pytest.raises(DataIntegrityError, match="'sums' is not part of schema 1"):

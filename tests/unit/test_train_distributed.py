@@ -18,8 +18,6 @@ rank's own stderr.
 """
 
 import os
-import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
@@ -104,7 +102,7 @@ def two_rank_results(tmp_path_factory):
 
     for attempt in (1, 2):
         out = tmp_path_factory.mktemp("dist")
-        init = f"file://{Path(tempfile.gettempdir()) / ('rdzv-' + uuid.uuid4().hex)}"
+        init = f"file://{tmp_path_factory.mktemp('rdzv') / 'init'}"  # pytest's tmp, not a stray /tmp file
         try:
             mp.start_processes(_rank_worker, args=(WORLD, str(out), init), nprocs=WORLD, start_method="spawn")
             return out
