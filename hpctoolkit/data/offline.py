@@ -140,14 +140,19 @@ class ShardWriter:
 
 def _summed_manifest(sample: Sample) -> Manifest:
     """The sample's manifest as a shard keeps it: every object with the digest of its bytes here
-    (a sample read through a schema-1 manifest gets them too), no sums objects."""
+    (a sample read through a schema-1 manifest gets them too), no sums objects. The objects are
+    hashed all at once, on the hashing threads."""
     import dataclasses
 
     m = sample.manifest
     views = dict(sample.destinations())
+    keys = [spec.key for spec in m.data_objects]
+    known = dict(
+        zip(keys, map(checksum.digest8_text, checksum.digests8([views[k] for k in keys])), strict=True)
+    )
 
     def summed(spec: Any) -> Any:
-        return dataclasses.replace(spec, digest=checksum.tensor_digest(views[spec.key]))
+        return dataclasses.replace(spec, digest=known[spec.key])
 
     return dataclasses.replace(
         m,

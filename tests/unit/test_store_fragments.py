@@ -503,3 +503,21 @@ def test_a_corrupted_byte_in_a_spool_shard_is_refused_naming_the_object_and_shar
         DataIntegrityError, match=rf"object 't_layer4' in shard {shard}: its bytes do not match"
     ):
         ShardReader(tmp_path)[0]
+
+
+@pytest.mark.parametrize("schema", [2, 1])
+def test_a_shard_records_the_digest_of_each_object(tmp_path, schema):
+    """Hashed at spooling, all objects at once: the XXH3-64 of each object's bytes as written."""
+    from hpctoolkit import checksum
+    from hpctoolkit.data.offline import ShardReader, ShardWriter
+
+    st = MemoryStore()
+    m = make_manifest(f"r{schema}") if schema == 2 else unsummed(make_manifest("r1"))
+    publish_all(st, m)
+    sample = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    with ShardWriter(tmp_path) as w:
+        w.add(sample)
+    saved = ShardReader(tmp_path).manifests()[0]
+    views = dict(sample.destinations())
+    for spec in [saved["input_ids"], *saved["fragments"]]:
+        assert spec["digest"] == checksum.tensor_digest(views[spec["key"]])
