@@ -295,9 +295,9 @@ def main() -> None:
 
         def fragment(i: int, reuse: bool, variant: str = "sums") -> None:
             built = _manifest(f"s{i}_{int(reuse)}_{variant}", args)
-            m = built if variant == "sums" else _unsummed(built)
-            pub = writer.call(op="publish", manifest=m.to_dict())
-            got = reader.call(op="fetch", manifest=m.to_dict(), reuse=reuse, variant=variant)
+            m = (built if variant == "sums" else _unsummed(built)).to_dict()
+            pub = writer.call(op="publish", manifest=m)
+            got = reader.call(op="fetch", manifest=m, reuse=reuse, variant=variant)
             tag = ("reused" if reuse else "fresh") + ("" if variant == "sums" else f"_{variant}")
             rec(f"publish_{tag}", pub["t"])
             rec(f"fetch_{tag}", got["t"])

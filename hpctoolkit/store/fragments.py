@@ -241,7 +241,7 @@ def _check_digests(sample: Sample) -> None:
     summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
     futures = checksum.digests8_async([views[spec.key] for spec in own] + [views[s.key] for *_, s in summed])
     try:
-        for spec, fut in zip(own, futures, strict=False):
+        for spec, fut in zip(own, futures[: len(own)], strict=True):
             if checksum.digest8_text(fut.result()) != spec.digest:
                 raise DataIntegrityError(
                     f"{where} {spec.key!r}: its bytes do not match the manifest's checksum"
