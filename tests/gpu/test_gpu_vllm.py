@@ -34,11 +34,16 @@ exported draft with speculative decoding are the CPU suite's tests, marked `gpu`
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# The arms are the CPU suite's (tests/e2e): importable however this module is collected, alone or
+# before that folder (pytest puts a test's own folder on sys.path only when it collects it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_vllm_pp_equivalence import compare, prompts, spawn_arm
 
 from hpctoolkit.engine.env import cuda_visible
