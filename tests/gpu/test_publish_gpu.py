@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from hpctoolkit.capture import Manifest, build_manifest
-from hpctoolkit.capture.manifest import ROLE_INPUT_IDS
 from hpctoolkit.engine.publish import Publisher, StageRows
 from hpctoolkit.engine.rows import head_index_of, stage_heads
 from hpctoolkit.store.memory import MemoryStore
@@ -45,7 +44,8 @@ def _manifest(trial: int) -> Manifest:
 
 
 def _stale_rows(store: MemoryStore, manifest: Manifest, stage: int, value: float) -> int:
-    specs = [f for f in manifest.fragments_of_stage(stage) if f.role != ROLE_INPUT_IDS]
+    # The stage's hidden-state rows only: not its input_ids, nor its sums object (since 2026-12-04).
+    specs = [f for f in manifest.fragments if f.stage == stage]
     dests = [torch.empty(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16) for _ in specs]
     store.get_into([f.key for f in specs], dests)
     return sum(int((d != value).any(dim=1).sum()) for d in dests)
