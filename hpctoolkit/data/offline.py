@@ -202,6 +202,10 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
 class ShardReader:
     """Offline shards as an `ObjectStore` and a manifest source; see the module docstring."""
 
+    # `get_into` checks every object against the digest saved with it, naming its shard file, so
+    # `fetch_sample` does not hash the same bytes a second time against the manifest's copy.
+    checks_own_digests = True
+
     def __init__(self, shard_dir: str | os.PathLike[str]):
         self.dir = Path(shard_dir)
         index_path = self.dir / INDEX_NAME
@@ -275,11 +279,16 @@ class ShardReader:
                     got = f.readinto(view)
                 if got != size:
                     raise StoreError(f"object {key!r}: shard {path} is truncated ({got} of {size} bytes)")
-                want_digest = self._digests.get(key)
-                if want_digest is not None and not checksum.matches(want_digest, view):
-                    raise DataIntegrityError(
-                        f"object {key!r} in shard {path}: its bytes do not match the checksum saved with it"
-                    )
+        # Every object with a saved digest, all at once on the hashing threads (a replayed sample's
+        # only check of them: `checks_own_digests`).
+        summed = [(k, d) for k, d in zip(keys, dests, strict=True) if k in self._digests]
+        got_digests = checksum.digests8([d.reshape(-1) for _, d in summed])
+        for (key, _), raw in zip(summed, got_digests, strict=True):
+            if checksum.digest8_text(raw) != self._digests[key]:
+                raise DataIntegrityError(
+                    f"object {key!r} in shard {self._objects[key][0]}: its bytes do not match the "
+                    "checksum saved with it"
+                )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [k in self._objects for k in keys]

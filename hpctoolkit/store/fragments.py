@@ -20,7 +20,8 @@ Fetch (trainer side)
     in the manifest, or its stage's sums object, fetched in the same batch (`capture.manifest`).
     All of them are computed at once, on the hashing threads (`checksum.digests8_async`); a
     mismatch raises `DataIntegrityError` naming the object's key, once every thread is done with
-    the buffer. A schema-1 manifest (no checksums, written before 2026-12-04) is read with sizes
+    the buffer. A store whose `get_into` checks each object's own digest itself
+    (`checks_own_digests`: offline shards, naming the shard file) is not hashed a second time. A schema-1 manifest (no checksums, written before 2026-12-04) is read with sizes
     checked only.
     `input_ids` are checked against `input_ids_sha256` and the caller's expected ids. After a
     successful read and its checks the sample's objects are force-removed (a read leaves a
@@ -221,7 +222,7 @@ def fetch_sample(
             retry_max_wait_s,
             poll_interval_s,
         )
-        _check_digests(sample)
+        _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False))
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -231,13 +232,14 @@ def fetch_sample(
     return sample
 
 
-def _check_digests(sample: Sample) -> None:
+def _check_digests(sample: Sample, own_checked: bool = False) -> None:
     """Every object of `sample` against its checksum: its own digest, or its stage's sums. All of
-    them are computed at once, on the hashing threads."""
+    them are computed at once, on the hashing threads. `own_checked`: the store's `get_into`
+    already checked each object that carries a digest of its own (offline shards)."""
     m = sample.manifest
     views = dict(sample.destinations())
     where = f"sample {m.sample_key!r}, object"
-    own = [spec for spec in m.data_objects if spec.digest is not None]
+    own = [] if own_checked else [spec for spec in m.data_objects if spec.digest is not None]
     summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
     futures = checksum.digests8_async([views[spec.key] for spec in own] + [views[s.key] for *_, s in summed])
     try:

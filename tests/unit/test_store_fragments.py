@@ -521,3 +521,32 @@ def test_a_shard_records_the_digest_of_each_object(tmp_path, schema):
     views = dict(sample.destinations())
     for spec in [saved["input_ids"], *saved["fragments"]]:
         assert spec["digest"] == checksum.tensor_digest(views[spec["key"]])
+
+
+def test_a_replayed_shard_hashes_each_object_once(tmp_path, monkeypatch):
+    """The shard's `get_into` checks each object against the digest saved with it; `fetch_sample`
+    does not hash the same bytes again against the manifest's copy of those digests."""
+    from hpctoolkit import checksum
+    from hpctoolkit.data.offline import ShardReader, ShardWriter
+
+    st = MemoryStore()
+    m, mask = _masked("h")
+    publish_all(st, m)
+    fragments.publish_loss_mask(st, m, mask)
+    with ShardWriter(tmp_path) as w:
+        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    hashed: list[int] = []
+    real8, real = checksum.tensor_digest8, checksum.digest
+
+    def counting8(t):
+        hashed.append(t.numel() * t.element_size())
+        return real8(t)
+
+    def counting(*buffers):
+        hashed.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(*buffers)
+
+    monkeypatch.setattr(checksum, "tensor_digest8", counting8)
+    monkeypatch.setattr(checksum, "digest", counting)
+    back = ShardReader(tmp_path)[0]
+    assert sorted(hashed) == sorted(t.numel() * t.element_size() for _, t in back.destinations())
