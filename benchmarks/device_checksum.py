@@ -47,9 +47,9 @@ def _triton_sum():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def kernel(x_ptr, out_ptr, n, block: tl.constexpr):
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = pid.to(tl.int64) * block + tl.arange(0, block)
         m = offs < n
         w = tl.load(x_ptr + offs, mask=m, other=0).to(tl.uint32).to(tl.uint64)
         z = w * 0x9E3779B97F4A7C15 + offs.to(tl.uint64) * 0xC2B2AE3D27D4EB4F
@@ -64,7 +64,7 @@ def _triton_sum():
         n = words.numel()
         grid = (n + block - 1) // block
         out = torch.empty(grid, dtype=torch.int64, device=words.device)
-        kernel[(grid,)](words, out, n, BLOCK=block)
+        kernel[(grid,)](words, out, n, block=block)
         return int(out.sum())
 
     return run
@@ -102,7 +102,9 @@ def main() -> None:
     assert tri(dev) == wsum_torch(dev), "Triton differs from torch over the whole sample"
     buf = torch.empty_like(dev)
     print(f"{a.mib} MiB, medians of {a.iters}, {torch.cuda.get_device_name()}")
-    print(f"  host-to-device copy (pinned) : {_time(lambda: buf.copy_(host, non_blocking=True), a.iters):7.2f} ms")
+    print(
+        f"  host-to-device copy (pinned) : {_time(lambda: buf.copy_(host, non_blocking=True), a.iters):7.2f} ms"
+    )
     print(f"  device-to-device copy        : {_time(lambda: buf.copy_(dev), a.iters):7.2f} ms")
     print(f"  sum, torch ops (chunked)     : {_time(lambda: wsum_torch(dev), a.iters):7.2f} ms")
     print(f"  sum, one Triton kernel       : {_time(lambda: tri(dev), a.iters):7.2f} ms")
