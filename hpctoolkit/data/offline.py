@@ -140,16 +140,17 @@ class ShardWriter:
 
 def _summed_manifest(sample: Sample) -> Manifest:
     """The sample's manifest as a shard keeps it: every object with the digest of its bytes here
-    (a sample read through a schema-1 manifest gets them too), no sums objects. The objects are
-    hashed all at once, on the hashing threads."""
+    (a sample read through a schema-1 manifest gets them too), no sums objects. An object the
+    reader checked keeps the digest it computed (`Sample.checked`); the others are hashed all at
+    once, on the hashing threads."""
     import dataclasses
 
     m = sample.manifest
     views = dict(sample.destinations())
-    keys = [spec.key for spec in m.data_objects]
-    known = dict(
-        zip(keys, map(checksum.digest8_text, checksum.digests8([views[k] for k in keys])), strict=True)
-    )
+    raw = dict(sample.checked)
+    todo = [spec.key for spec in m.data_objects if spec.key not in raw]
+    raw.update(zip(todo, checksum.digests8([views[k] for k in todo]), strict=True))
+    known = {spec.key: checksum.digest8_text(raw[spec.key]) for spec in m.data_objects}
 
     def summed(spec: Any) -> Any:
         return dataclasses.replace(spec, digest=known[spec.key])

@@ -69,6 +69,9 @@ class Sample:
     loss_mask: torch.Tensor | None = None
     # The stages' sums objects (`capture.manifest`), one uint8 view each; empty for schema 1.
     sums: tuple[torch.Tensor, ...] = ()
+    # `checksum.tensor_digest8` of each object `fetch_sample` checked, by key: what spooling the
+    # sample records (`data.offline`) without hashing its bytes again.
+    checked: dict[str, bytes] = field(default_factory=dict, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
 

@@ -255,6 +255,10 @@ def _check_digests(sample: Sample, own_checked: bool = False) -> None:
                     f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
                     f"published ({m.sums[stage].key!r})"
                 )
+        sample.checked.update(
+            (spec.key, fut.result())
+            for spec, fut in zip([*own, *(s for *_, s in summed)], futures, strict=True)
+        )
     finally:
         # The hashing threads read the sample's buffer: it is released only once they are done.
         wait(futures)

@@ -550,3 +550,32 @@ def test_a_replayed_shard_hashes_each_object_once(tmp_path, monkeypatch):
     monkeypatch.setattr(checksum, "digest", counting)
     back = ShardReader(tmp_path)[0]
     assert sorted(hashed) == sorted(t.numel() * t.element_size() for _, t in back.destinations())
+
+
+@pytest.mark.parametrize("schema", [2, 1])
+def test_spooling_a_fetched_sample_reuses_the_readers_digests(tmp_path, monkeypatch, schema):
+    """A sample the reader checked is spooled with the digests it computed, its bytes not hashed
+    again; one read through a schema-1 manifest (sizes only) is hashed at spooling."""
+    from hpctoolkit import checksum
+    from hpctoolkit.data.offline import ShardReader, ShardWriter
+
+    st = MemoryStore()
+    m = make_manifest(f"u{schema}") if schema == 2 else unsummed(make_manifest("u1"))
+    publish_all(st, m)
+    sample = fragments.fetch_sample(st, m, retry_max_wait_s=0)
+    hashed: list[int] = []
+    real8 = checksum.tensor_digest8
+
+    def counting8(t):
+        hashed.append(t.numel())
+        return real8(t)
+
+    monkeypatch.setattr(checksum, "tensor_digest8", counting8)
+    with ShardWriter(tmp_path) as w:
+        w.add(sample)
+    assert len(hashed) == (0 if schema == 2 else len(m.data_objects))
+    monkeypatch.undo()
+    saved = ShardReader(tmp_path).manifests()[0]
+    views = dict(sample.destinations())
+    for spec in [saved["input_ids"], *saved["fragments"]]:
+        assert spec["digest"] == checksum.tensor_digest(views[spec["key"]])
