@@ -10,6 +10,20 @@ words (a candidate that any device and the host compute alike: integer arithmeti
 order-free), as torch ops (chunked) and as one fused Triton kernel, and prints beside them the
 host-to-device copy of the same bytes from pinned memory. It checks that the host, torch on CUDA
 and Triton agree, and that one flipped bit and one swapped pair of words change the sum.
+
+Measured 2026-12-06 on one H100 80GB HBM3 (`$HPC/venv/bin/python benchmarks/device_checksum.py`,
+the wheelhouse venv of `benchmarks/gpu_node.sh`): host, torch on CUDA and Triton agree.
+
+    280 MiB, medians of 20
+      host-to-device copy (pinned) :    5.31 ms
+      device-to-device copy        :    0.21 ms
+      sum, torch ops (chunked)     :    6.41 ms
+      sum, one Triton kernel       :    0.15 ms
+      sum, torch ops on the host   :  475.78 ms (16 cores; XXH3 on 8 hashing threads: 5.6 ms)
+
+So on the device the check costs 3 % of the copy that brings the sample there, and 0.2 % of the
+65 ms fetch. It pays only if the trainer collates from the device copy it checked (the host's
+collate copy then goes too); a copy made only to check would add its 5.3 ms to the fetch.
 """
 
 from __future__ import annotations

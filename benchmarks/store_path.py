@@ -36,6 +36,8 @@ object, so that one object is hashed on several threads (tried, not kept: see be
       chunked, *       124.5 / 113.0  1.097x    43.4 / 39.1  1.109x     80.5 / 73.9  1.104x     6.1 ms
       whole, *         126.5 / 113.0  1.100x    40.1 / 39.1  1.036x     85.4 / 73.9  1.148x     7.3 ms
       * one store call per large object, each hashed while the next was in flight
+    the same host, another fresh node, the code here (`gpu_node.sh start install tier store run`)
+      whole            104.9 / 95.8   1.099x    32.0 / 29.9  1.061x     71.6 / 65.3  1.099x     5.6 ms
     the same host, a second run (a killed test tier's processes possibly still running): fetch
       chunked 1.080x, chunked * 1.066x, whole * 1.110x; with --register-pool 1.124x, 1.120x, 1.162x
     the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21`
@@ -49,9 +51,12 @@ chunks hashed faster on the reader (5.7 against 7.3 ms) and slowed the writer (1
 1.036x), and lost on the 2-core host; fetching object by object to hash behind the transfer
 gained nothing (1.104x against 1.070x, then 1.066x against 1.080x). So the manifest keeps one
 checksum per object and the reader makes one call. The lever left is the trainer's GPU, which
-copies every sample anyway: on the H100 (2026-12-05) a weighted int64 sum over the same bytes took
-0.41 ms, against 5.4 ms for the host-to-device copy from pinned memory. A checksum computed there
-(and by the engine before its device-to-host copy) is not built.
+copies every sample anyway: on the H100 (2026-12-06, `benchmarks/device_checksum.py`) a
+position-keyed sum of mixed 32-bit words over the same bytes took 0.15 ms as one Triton kernel
+(6.4 ms as chunked torch ops), against 5.3 ms for the host-to-device copy from pinned memory. A
+checksum computed there (and by the engine before its device-to-host copy) is not built: it needs
+the trainer to collate on the device from the copy it checked, or the check's copy only adds to the
+fetch.
 """
 
 from __future__ import annotations
