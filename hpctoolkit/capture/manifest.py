@@ -13,7 +13,9 @@ One sample is published as separate store objects, whatever the pipeline size:
   (`hpctoolkit.checksum`, 8 bytes each, little-endian) of the `n` objects stage `s` publishes, in
   manifest order (`Manifest.summed`), put by the stage with them in one batch. A stage computes
   them where its bytes are, after the manifest left the scheduler, so they travel as an object
-  the manifest names rather than in the manifest itself.
+  the manifest names rather than in the manifest itself. `sums_algorithm` names their checksum:
+  `xxh3_64` (`hpctoolkit.checksum`, on the host) or `wmix64` (`hpctoolkit.devsum`, which a CUDA
+  engine computes on its GPU before its copy to the host, and a CUDA trainer checks on its GPU).
 
 The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
 shape or a dtype. An object may also carry its own `digest` (`"<algorithm>:<hex>"`): the loss mask
@@ -47,6 +49,8 @@ ROLE_INPUT_IDS = "input_ids"
 ROLE_LOSS_MASK = "loss_mask"
 ROLE_SUMS = "sums"
 DIGEST_BYTES = 8
+# What a stage's sums object may hold (`Manifest.sums_algorithm`); the first is the default.
+SUMS_ALGORITHMS = ("xxh3_64", "wmix64")
 # Element sizes of the dtypes a fragment may carry; the names are torch's.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -123,6 +127,8 @@ class Manifest:
     loss_mask: FragmentSpec | None = None
     # One per stage (schema 2), stage order; empty when every object carries its own digest.
     sums: tuple[FragmentSpec, ...] = ()
+    # The checksum the sums objects hold (`SUMS_ALGORITHMS`).
+    sums_algorithm: str = SUMS_ALGORITHMS[0]
 
     @property
     def layer_ids(self) -> list[int]:
@@ -178,7 +184,7 @@ class Manifest:
             if f["digest"] is None:
                 del f["digest"]
         if self.schema_version == UNSUMMED_SCHEMA_VERSION:
-            del d["sums"]
+            del d["sums"], d["sums_algorithm"]
         return d
 
     def to_json(self) -> str:
@@ -238,6 +244,7 @@ class Manifest:
             extra=dict(d.get("extra") or {}),
             loss_mask=None if d.get("loss_mask") is None else frag(d["loss_mask"], "loss_mask"),
             sums=tuple(frag(f, f"sums[{i}]") for i, f in enumerate(sums)),
+            sums_algorithm=d.get("sums_algorithm", SUMS_ALGORITHMS[0]),
             schema_version=int(version),
         )
         m.validate()
@@ -303,6 +310,10 @@ class Manifest:
             if self.sums:
                 raise bad("sums", f"is not part of schema {UNSUMMED_SCHEMA_VERSION}")
             return
+        if self.sums_algorithm not in SUMS_ALGORITHMS:
+            raise bad(
+                "sums_algorithm", f"is {self.sums_algorithm!r}, expected one of {list(SUMS_ALGORITHMS)}"
+            )
         if self.sums:
             want = tuple(self.sums_spec(s) for s in range(self.pp_size))
             if tuple(dataclasses.replace(f, digest=None) for f in self.sums) != want:
@@ -330,8 +341,10 @@ def build_manifest(
     dtype: str,
     partition: Sequence[int] | None = None,
     extra: Mapping[str, Any] | None = None,
+    sums_algorithm: str = SUMS_ALGORITHMS[0],
 ) -> Manifest:
-    """The manifest for one sample. The single place that lays out fragment keys and owners."""
+    """The manifest for one sample. The single place that lays out fragment keys and owners.
+    `sums_algorithm`: what the stages' sums objects hold (`wmix64` where the engine runs on CUDA)."""
     parts = tuple(pp_partition(num_layers, pp_size, partition))
     frags = tuple(
         FragmentSpec(
@@ -357,6 +370,7 @@ def build_manifest(
         input_ids=ids,
         fragments=frags,
         extra=dict(extra or {}),
+        sums_algorithm=sums_algorithm,
     )
     m = dataclasses.replace(m, sums=tuple(m.sums_spec(s) for s in range(pp_size)))
     m.validate()

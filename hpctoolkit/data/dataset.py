@@ -73,6 +73,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         remove: bool = True,
         expected_input_ids: Callable[[Manifest], torch.Tensor | None] | None = None,
         pool_buffers: int = 2,
+        device: torch.device | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} must lie in [0, world_size={world_size})")
@@ -85,7 +86,9 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self.world_size = world_size
         self.remove = remove
         self.expected_input_ids = expected_input_ids
-        self.pool = BufferPool(pool_buffers)
+        # A CUDA reader copies each sample to its device (`fetch_sample`): page-locked buffers.
+        self.device = device
+        self.pool = BufferPool(pool_buffers, pin=device is not None and device.type == "cuda")
         self._consumed = skip
 
     def state_dict(self) -> dict[str, int]:
@@ -124,6 +127,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 remove=self.remove,
                 expected_input_ids=expected,
                 pool=self.pool,
+                device=self.device,
             )
             self._consumed = local + 1
             yield sample

@@ -28,11 +28,13 @@ class BufferPool:
 
     A sample comes from the pool only through `fetch_sample(..., pool=)`, and goes back only when
     its consumer calls `Sample.release()`: a consumer that never releases just gets fresh buffers.
-    At most `max_buffers` idle buffers are kept.
+    At most `max_buffers` idle buffers are kept. `pin`: page-locked buffers (a CUDA reader copies
+    each sample to its GPU; torch's host allocator caches freed page-locked blocks).
     """
 
-    def __init__(self, max_buffers: int = 2):
+    def __init__(self, max_buffers: int = 2, pin: bool = False):
         self.max_buffers = max_buffers
+        self.pin = pin
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -43,7 +45,7 @@ class BufferPool:
                 best = min(fits, key=lambda b: b.numel())
                 self._free = [b for b in self._free if b is not best]
                 return best
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -72,6 +74,9 @@ class Sample:
     # `checksum.tensor_digest8` of each object `fetch_sample` checked, by key: what spooling the
     # sample records (`data.offline`) without hashing its bytes again.
     checked: dict[str, bytes] = field(default_factory=dict, repr=False)
+    # The same sample on a GPU, checked there (`fetch_sample(device=...)`): what a CUDA trainer
+    # collates from. None for a sample checked on the host.
+    device_copy: Sample | None = field(default=None, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
 
@@ -113,15 +118,42 @@ class Sample:
             dtype = dtypes.torch_dtype(hidden_dtypes.pop())
         except ConfigError as err:
             raise DataIntegrityError(f"manifest of sample {manifest.sample_key!r}: {err}") from None
+        total = cls.buffer_bytes(manifest, dtype)
+        backing = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
+        return cls._on(manifest, dtype, backing, pool)
+
+    @staticmethod
+    def buffer_bytes(manifest: Manifest, dtype: torch.dtype) -> int:
+        """The bytes of a sample's buffer: input_ids, hidden states, mask, sums, in that order."""
+        t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
+        elem = torch.empty((), dtype=dtype).element_size()
+        mask_bytes = t if manifest.loss_mask is not None else 0
+        return t * 8 + n * t * h * elem + mask_bytes + sum(f.nbytes for f in manifest.sums)
+
+    def copy_to(self, device: torch.device) -> Sample:
+        """The sample's whole buffer copied to `device` in one copy, queued on the current stream
+        (from page-locked memory, without the host waiting), with the same views."""
+        if self._buffer is None:
+            raise DataIntegrityError(f"sample {self.key!r} was released: it has no buffer to copy")
+        dtype = self.aux_hidden_states.dtype
+        total = self.buffer_bytes(self.manifest, dtype)
+        return self._on(self.manifest, dtype, self._buffer[:total].to(device, non_blocking=True), None)
+
+    def used_on(self, stream: torch.cuda.Stream) -> None:
+        """Tell the CUDA allocator that `stream` reads this (device) sample's buffer."""
+        if self._buffer is not None:
+            self._buffer.record_stream(stream)
+
+    @classmethod
+    def _on(
+        cls, manifest: Manifest, dtype: torch.dtype, backing: torch.Tensor, pool: BufferPool | None
+    ) -> Sample:
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
         ids_bytes = t * 8
-        elem = torch.empty((), dtype=dtype).element_size()
-        hidden_bytes = n * t * h * elem
+        hidden_bytes = n * t * h * torch.empty((), dtype=dtype).element_size()
         mask_bytes = t if manifest.loss_mask is not None else 0
         sums_at = ids_bytes + hidden_bytes + mask_bytes
-        total = sums_at + sum(f.nbytes for f in manifest.sums)
-        backing = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
-        buf = backing[:total]
+        buf = backing[: cls.buffer_bytes(manifest, dtype)]
         ids = buf[:ids_bytes].view(torch.int64)
         hidden = buf[ids_bytes : ids_bytes + hidden_bytes].view(dtype).view(n, t, h)
         mask = buf[ids_bytes + hidden_bytes : sums_at] if mask_bytes else None

@@ -95,7 +95,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
+from hpctoolkit import devsum
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
+from hpctoolkit.capture.manifest import SUMS_ALGORITHMS
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the connector's public names
     EXTRA_CONFIG_KEY,
@@ -159,6 +161,10 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._dtype = dtype_name(model_config.dtype)
         parallel = vllm_config.parallel_config
         self._pp_size = int(parallel.pipeline_parallel_size)
+        # A CUDA engine's stages sum their rows on the GPU, before the copy to the host
+        # (`hpctoolkit.devsum`); a CPU engine's, XXH3 on the host.
+        device_type = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        self._sums_algorithm = devsum.ALGORITHM if device_type == "cuda" else SUMS_ALGORITHMS[0]
         # ExampleHiddenStatesConnector's helpers find the hidden-state KV group by its spec type
         # (group 0 for a dense target; its own group for hybrid targets) and its block size.
         self._cache_gid = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
@@ -390,6 +396,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             num_layers=self._num_layers,
             pp_size=self._pp_size,
             dtype=self._dtype,
+            sums_algorithm=self._sums_algorithm,
             extra={
                 "last_hidden_states_prenorm": LAST_HIDDEN_STATES_PRENORM,
                 "request_id": req_id,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hpctoolkit import devsum
 from hpctoolkit.capture import Manifest
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.rows import gather_heads, slot_mapping
@@ -110,18 +111,25 @@ class StageRows:
         return event
 
     def gather(
-        self, block_ids: Sequence[int], num_tokens: int, ready: torch.cuda.Event | None = None
-    ) -> dict[int, torch.Tensor]:
-        """`{capture id: [num_tokens, hidden]}` host copies of the rows, read after `ready`."""
+        self,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ready: torch.cuda.Event | None = None,
+        device_sums: bool = False,
+    ) -> tuple[dict[int, torch.Tensor], dict[int, bytes] | None]:
+        """`{capture id: [num_tokens, hidden]}` host copies of the rows, read after `ready`, and
+        with `device_sums` on a GPU their `devsum` checksums by capture id, computed on the GPU
+        before the copy to the host (None on the CPU, where `publish_stage` sums the rows)."""
         kv = self.kv_cache
         slots = slot_mapping(block_ids, self.block_size, num_tokens)
         if ready is None:
-            return gather_heads(kv, slots, self.heads)
+            return gather_heads(kv, slots, self.heads), None
         # The rows are read on this thread's stream, which nothing orders after the writer's.
         ready.synchronize()
         with torch.cuda.device(kv.device):
             rows = gather_heads(kv, slots.to(kv.device), self.heads)
-            return {k: t.to("cpu") for k, t in rows.items()}
+            sums = dict(zip(rows, devsum.digests8(list(rows.values())), strict=True)) if device_sums else None
+            return {k: t.to("cpu") for k, t in rows.items()}, sums
 
     def publish(
         self,
@@ -137,9 +145,10 @@ class StageRows:
                 f"sample {manifest.sample_key}: cache dtype {self.kv_cache.dtype} differs from the "
                 f"manifest's {manifest.last.dtype}"
             )
-        layers = self.gather(block_ids, manifest.num_tokens, ready)
+        device_sums = bool(manifest.sums) and manifest.sums_algorithm == devsum.ALGORITHM
+        layers, sums = self.gather(block_ids, manifest.num_tokens, ready, device_sums)
         input_ids = torch.tensor(list(token_ids), dtype=torch.long) if self.stage == 0 else None
-        return publish_stage(store, manifest, self.stage, layers, input_ids)
+        return publish_stage(store, manifest, self.stage, layers, input_ids, sums)
 
     def remove(self, store: Any, manifest: Manifest) -> None:
         """Remove this stage's objects of one sample (one that will never be referenced)."""

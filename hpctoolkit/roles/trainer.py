@@ -173,6 +173,7 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...], done: ledger.Ledge
         spool_max_bytes=parse_size(cfg.training.spool_max_size, "training.spool_max_size"),
         engine_prefixes=prefixes,
         resumed=done is not None,
+        device="cuda" if cfg.training.device == "cuda" else None,
     )
 
 

@@ -50,7 +50,7 @@ from concurrent.futures import wait
 
 import torch
 
-from hpctoolkit import checksum
+from hpctoolkit import checksum, devsum
 from hpctoolkit.capture.manifest import DIGEST_BYTES, FragmentSpec, Manifest
 from hpctoolkit.data.sample import BufferPool, Sample
 from hpctoolkit.dtypes import dtype_name
@@ -87,13 +87,16 @@ def publish_stage(
     stage: int,
     layers: Mapping[int, torch.Tensor],
     input_ids: torch.Tensor | None,
+    layer_digests: Mapping[int, bytes] | None = None,
 ) -> int:
     """Put the objects that `stage` owns for one sample; return the bytes published.
 
     `layers` maps capture id to a `[num_tokens, hidden_size]` tensor and must hold exactly the
     capture ids the manifest assigns to `stage`. `input_ids` (`[num_tokens]` int64) is required on
     stage 0 and must be None elsewhere. Tensors on another device, or not contiguous, are copied
-    to contiguous CPU memory first.
+    to contiguous CPU memory first. `layer_digests`: for a `wmix64` manifest, the checksums of
+    (some of) `layers` by capture id, computed where the rows were (a CUDA engine's GPU, before its
+    copy to the host); the others are computed here.
     """
     key = manifest.sample_key
     if not 0 <= stage < manifest.pp_size:
@@ -129,9 +132,23 @@ def publish_stage(
         _check_tensor(manifest, spec, layers[layer_id])
         items.append((spec.key, layers[layer_id]))
     items = [(k, t.detach().to("cpu").contiguous()) for k, t in items]
+    if layer_digests is not None and manifest.sums_algorithm != devsum.ALGORITHM:
+        raise DataIntegrityError(
+            f"sample {key!r}: stage {stage} was given {devsum.ALGORITHM} digests for a manifest whose "
+            f"sums are {manifest.sums_algorithm}"
+        )
     if not manifest.sums:
         store.put_many(items)
         return sum(t.numel() * t.element_size() for _, t in items)
+    if manifest.sums_algorithm == devsum.ALGORITHM:
+        known = {want_layers[k].key: d for k, d in (layer_digests or {}).items() if k in want_layers}
+        by_key = dict(items)
+        todo = [f.key for f in manifest.summed(stage) if f.key not in known]
+        known.update(zip(todo, devsum.digests8([by_key[k] for k in todo]), strict=True))
+        store.put_many(items)
+        raw = b"".join(known[f.key] for f in manifest.summed(stage))
+        store.put_many([(manifest.sums[stage].key, torch.frombuffer(bytearray(raw), dtype=torch.uint8))])
+        return sum(t.numel() * t.element_size() for _, t in items) + len(raw)
     # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id. The
     # hashing threads read the bytes while the put copies them; the sums object goes in last (a
     # reader waits for every key the manifest names, so it never checks against a missing one).
@@ -206,11 +223,15 @@ def fetch_sample(
     expected_input_ids: torch.Tensor | None = None,
     pool: BufferPool | None = None,
     poll_interval_s: float = 0.05,
+    device: torch.device | None = None,
 ) -> Sample:
     """Fetch and check every object of `manifest`'s sample; return it whole or raise.
 
     `pool` recycles buffers of samples the consumer has `release()`d (a fresh buffer costs page
     faults on every sample). `expected_input_ids`, when given, must equal the fetched ids.
+    `device` (a CUDA trainer's): a sample whose sums are `wmix64` is copied there in one copy and
+    its stages' sums are checked there (`_check_on_device`); the sample's `device_copy` is that
+    checked copy. Without it, or for XXH3 sums, every check runs on the host.
     """
     manifest.validate()
     sample = Sample.empty_for(manifest, pool)
@@ -222,7 +243,10 @@ def fetch_sample(
             retry_max_wait_s,
             poll_interval_s,
         )
-        _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False))
+        if manifest.sums and manifest.sums_algorithm == devsum.ALGORITHM:
+            _check_on_device(sample, device)
+        else:
+            _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False))
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -262,6 +286,46 @@ def _check_digests(sample: Sample, own_checked: bool = False) -> None:
     finally:
         # The hashing threads read the sample's buffer: it is released only once they are done.
         wait(futures)
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _check_on_device(sample: Sample, device: torch.device | None) -> None:
+    """A `wmix64` sample: the objects its stages summed, checked on `device` (CUDA) from one copy
+    of the whole buffer there, made and summed on a stream of its own; the host waits for that
+    stream alone, never for the trainer's queued steps. The copy becomes `sample.device_copy`,
+    marked in use on the caller's stream. Without a CUDA device the sums run on the host (torch;
+    slow, see `hpctoolkit.devsum`). Objects with their own XXH3 digest (the loss mask) are checked
+    on the host."""
+    m = sample.manifest
+    where = f"sample {m.sample_key!r}, object"
+    views = dict(sample.destinations())
+    own = [spec for spec in m.data_objects if spec.digest is not None]
+    for spec, raw in zip(own, checksum.digests8([views[spec.key] for spec in own]), strict=True):
+        if checksum.digest8_text(raw) != spec.digest:
+            raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
+        sample.checked[spec.key] = raw
+    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
+    copy = None
+    if device is not None and device.type == "cuda":
+        consumer = torch.cuda.current_stream(device)
+        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            copy = sample.copy_to(device)
+            on_device = dict(copy.destinations())
+            got = devsum.digests8([on_device[spec.key] for *_, spec in summed])  # waits for `stream`
+        copy.used_on(consumer)  # allocated on `stream`, read on the caller's
+    else:
+        got = devsum.digests8([views[spec.key] for *_, spec in summed])
+    wants = [raw.numpy().tobytes() for raw in sample.sums]
+    for (stage, i, spec), raw in zip(summed, got, strict=True):
+        if raw != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+            raise DataIntegrityError(
+                f"{where} {spec.key!r}: its bytes do not match the {devsum.ALGORITHM} checksum stage "
+                f"{stage} published ({m.sums[stage].key!r})"
+            )
+    sample.device_copy = copy
 
 
 def _fill(

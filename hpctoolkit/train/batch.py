@@ -136,6 +136,37 @@ def padded_length(longest: int, max_seq_len: int, step: int) -> int:
     return min(max_seq_len, -(-longest // step) * step)
 
 
+def _hidden_batch(
+    samples: Sequence[Any], seq_len: int, pin_memory: bool
+) -> tuple[Sequence[Any], torch.Tensor, torch.Tensor]:
+    """(what to read the hidden states from, the zeroed `[B, S, n_aux*H]` and `[B, S, H]`): the
+    samples' device copies, and tensors on that device, when every sample has one."""
+    copies = [getattr(s, "device_copy", None) for s in samples]
+    hidden_from: Sequence[Any] = samples if any(c is None for c in copies) else copies
+    aux, last = hidden_from[0].aux_hidden_states, hidden_from[0].last_hidden_states
+    pin = pin_memory and aux.device.type == "cpu"
+    n_aux, _, H = aux.shape
+    B = len(samples)
+    context = torch.zeros(B, seq_len, n_aux * H, dtype=aux.dtype, device=aux.device, pin_memory=pin)
+    return (
+        hidden_from,
+        context,
+        torch.zeros(B, seq_len, last.shape[-1], dtype=last.dtype, device=aux.device, pin_memory=pin),
+    )
+
+
+def _check_shapes(s: Any, aux: torch.Tensor, last: torch.Tensor, n_aux: int, hidden: int) -> None:
+    if aux.shape[0] != n_aux or aux.shape[-1] != hidden or aux.shape[1] != s.input_ids.shape[0]:
+        raise DataIntegrityError(
+            f"sample {s.key}: aux_hidden_states {tuple(aux.shape)} does not match "
+            f"[{n_aux}, {s.input_ids.shape[0]}, {hidden}]"
+        )
+    if last.shape[0] != s.input_ids.shape[0]:
+        raise DataIntegrityError(
+            f"sample {s.key}: last_hidden_states has {last.shape[0]} rows, input_ids {s.input_ids.shape[0]}"
+        )
+
+
 def collate(
     samples: Sequence[Any], *, max_seq_len: int, min_loss_tokens: int, pin_memory: bool = False, step: int = 1
 ) -> Batch:
@@ -145,6 +176,11 @@ def collate(
     `pin_memory` (a CUDA trainer) collates the hidden states into page-locked memory, so their copy
     to the device is queued without the host waiting for it (and runs at copy-engine speed: 58 ms
     of pageable copy a step at K3 shapes on an H200, `benchmarks/train_k3_gpu.py`).
+
+    Samples that each carry a `device_copy` (checked on a CUDA device, `fetch_sample(device=...)`)
+    have their hidden states collated there, from those copies, on the current stream: the host
+    neither copies them nor moves them again. The small tensors (ids, lengths, masks) are
+    collated on the host either way, so a trainer reads them without waiting on the device.
     """
     if not samples:
         raise DataIntegrityError("collate got an empty list of samples")
@@ -160,28 +196,17 @@ def collate(
     first = samples[0]
     n_aux, _, H = first.aux_hidden_states.shape
     B = len(samples)
+    hidden_from, context, last = _hidden_batch(samples, S, pin_memory)
     input_ids = torch.zeros(B, S, dtype=torch.long, pin_memory=pin_memory)
-    context = torch.zeros(B, S, n_aux * H, dtype=first.aux_hidden_states.dtype, pin_memory=pin_memory)
-    last_dtype = first.last_hidden_states.dtype
-    last = torch.zeros(B, S, first.last_hidden_states.shape[-1], dtype=last_dtype, pin_memory=pin_memory)
     valid = torch.zeros(B, S, dtype=torch.bool)
     masked = torch.zeros(B, S, dtype=torch.bool)
-    for b, (s, n) in enumerate(zip(samples, lengths, strict=True)):
-        aux = s.aux_hidden_states
-        if aux.shape[0] != n_aux or aux.shape[-1] != H or aux.shape[1] != s.input_ids.shape[0]:
-            raise DataIntegrityError(
-                f"sample {s.key}: aux_hidden_states {tuple(aux.shape)} does not match "
-                f"[{n_aux}, {s.input_ids.shape[0]}, {H}]"
-            )
-        if s.last_hidden_states.shape[0] != s.input_ids.shape[0]:
-            raise DataIntegrityError(
-                f"sample {s.key}: last_hidden_states has {s.last_hidden_states.shape[0]} rows, "
-                f"input_ids {s.input_ids.shape[0]}"
-            )
+    for b, (s, hs, n) in enumerate(zip(samples, hidden_from, lengths, strict=True)):
+        aux = hs.aux_hidden_states
+        _check_shapes(s, aux, hs.last_hidden_states, n_aux, H)
         input_ids[b, :n] = s.input_ids[:n]
         # [n_aux, T, H] layer-major -> [T, n_aux * H] position-major, layer order kept.
         context[b, :n] = aux[:, :n].permute(1, 0, 2).reshape(n, n_aux * H)
-        last[b, :n] = s.last_hidden_states[:n]
+        last[b, :n] = hs.last_hidden_states[:n]
         valid[b, :n] = True
         mask = getattr(s, "loss_mask", None)
         if mask is None:

@@ -192,6 +192,9 @@ class LiveSource:
     spool_max_bytes: int | None = None
     engine_prefixes: tuple[str, ...] = ()
     resumed: bool = False
+    # "cuda": the rank's samples are checked on its current CUDA device and collated from there
+    # (`fetch_sample(device=...)`); None: on the host.
+    device: str | None = None
 
     @property
     def spools(self) -> bool:
@@ -227,6 +230,7 @@ class LiveSource:
                 rank=rank,
                 world_size=world_size,
                 skip=skip,
+                device=torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else None,
             )
             if self.spool_dir is None:
                 yield from samples

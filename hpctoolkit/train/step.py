@@ -117,6 +117,9 @@ class DeviceFeeder:
         if self.stream is None:
             return batch.to(self.device, self.dtype)
         compute = torch.cuda.current_stream(self.device)
+        if batch.context_BSC.device == self.device:
+            # Collated on the device (`collate`), on the compute stream: the copy stream reads it.
+            self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             moved = batch.to(self.device, self.dtype)
         compute.wait_stream(self.stream)
