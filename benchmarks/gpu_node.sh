@@ -12,7 +12,8 @@
 #   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
 #                                            tail and copy the results into $OUT (when set)
 #
-# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), tier_new
+# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
+# store_gpu (the GPU's checksums: tests, then their cost on the fragment path), tier_new
 # (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
 # capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
@@ -47,7 +48,8 @@ stage_tier() {
 stage_run() {
   touch "$HPC/venv/.hpctoolkit-setup"  # make's setup stamp: the wheelhouse venv is set up
   # 600 s cut the H100 run of 2026-12-05 off at its evaluation (80 MT-Bench + 164 HumanEval questions).
-  timeout -k 20 1200 make run VENV="$HPC/venv" PY="$py"
+  # RUN_ARGS: overrides for a shorter run (e.g. "evaluate.enabled=false training.steps=200").
+  timeout -k 20 1200 make run VENV="$HPC/venv" PY="$py" ARGS="${RUN_ARGS:-}"
   local rc=$?
   find runs/local_gpu -name summary.json -exec cp {} "$res/summary.json" \;
   return $rc
@@ -85,6 +87,19 @@ stage_bench() {
   export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
   [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
   timeout -k 20 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
+}
+
+# The GPU's own checksums (wmix64, hpctoolkit/devsum.py): the kernel against the definition, a
+# CUDA stage's publish and a CUDA reader's check end to end, the collate from checked copies; then
+# their cost on the fragment path of a CUDA engine and a CUDA trainer.
+stage_devsum() {
+  timeout -k 20 300 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
+    --basetemp "$res/tmp-devsum" --junitxml "$res/devsum.xml" \
+    tests/gpu/test_devsum_gpu.py tests/gpu/test_publish_gpu.py tests/gpu/test_train_gpu.py
+}
+
+stage_store_gpu() {
+  timeout -k 20 240 "$py" benchmarks/store_path.py --device cuda --iters 15
 }
 
 # The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores: the

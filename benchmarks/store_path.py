@@ -19,6 +19,11 @@ prints medians over `--iters` samples of:
   as a ratio (target <= 1.03); and the reader's hashing alone, over the bytes in place.
   `--register-pool` registers each recycled buffer with Mooncake once (the product registers a
   destination per call).
+* `--device cuda`: the fragment path of a CUDA engine and a CUDA trainer. The writer's rows are on
+  the GPU; with checksums each stage sums them there (wmix64, `hpctoolkit.devsum`) before
+  `publish_stage` copies them to the host, without them it only copies. The reader's sample ends on
+  the GPU either way: with checksums `fetch_sample(device=...)` copies it there and checks it
+  there, without them it is copied; both timed to the copy's end. In page-locked buffers.
 
 Before 2026-12-06 the variants shared one pool of one buffer. A sample with sums objects is a few
 bytes larger than one without, so the pool handed every checked fetch a fresh 280 MiB buffer and
@@ -77,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import hpctoolkit.store  # noqa: E402, F401  (import order)
-from hpctoolkit import checksum  # noqa: E402
+from hpctoolkit import checksum, devsum  # noqa: E402
 from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
 from hpctoolkit.data.sample import BufferPool  # noqa: E402
 from hpctoolkit.store import fragments  # noqa: E402
@@ -100,7 +105,8 @@ def _manifest(key: str, args: argparse.Namespace) -> Manifest:
     # `layers` captured ids of a 61-layer K3-like target over 2 PP stages; the last is the final layer.
     num_layers = 61
     ids = [*(2 + 12 * i for i in range(args.layers - 1)), num_layers]
-    return build_manifest(key, ids, args.tokens, args.hidden, num_layers, 2, "bfloat16")
+    algo = devsum.ALGORITHM if args.device == "cuda" else "xxh3_64"
+    return build_manifest(key, ids, args.tokens, args.hidden, num_layers, 2, "bfloat16", sums_algorithm=algo)
 
 
 def _unsummed(m: Manifest) -> Manifest:
@@ -129,6 +135,8 @@ def _writer(args: argparse.Namespace) -> None:
     layers = {f.layer_id: torch.randn(f.shape, generator=g).to(torch.bfloat16) for f in m0.fragments}
     ids = torch.randint(0, 150000, (args.tokens,), generator=g)
     srcs = [ids, *layers.values()]
+    if args.device == "cuda":  # a CUDA engine's rows: on its GPU, copied to the host by publish_stage
+        layers = {k: v.cuda() for k, v in layers.items()}
     client = store._client()
     for t in srcs:  # registered once, as a tuned raw user would; the fragment path reuses them
         store.register(t)
@@ -144,7 +152,11 @@ def _writer(args: argparse.Namespace) -> None:
             n = 0
             for stage in range(m.pp_size):
                 own = {k: v for k, v in layers.items() if m.fragments[m.layer_ids.index(k)].stage == stage}
-                n += fragments.publish_stage(store, m, stage, own, ids if stage == 0 else None)
+                sums = None
+                if m.sums and m.sums_algorithm == devsum.ALGORITHM and args.device == "cuda":
+                    # What `StageRows.gather` does: sum the rows on the GPU before their copy.
+                    sums = dict(zip(own, devsum.digests8(list(own.values())), strict=True))
+                n += fragments.publish_stage(store, m, stage, own, ids if stage == 0 else None, sums)
         elif cmd["op"] == "raw_put":
             keys = [f"{cmd['key']}_raw{i}" for i in range(len(srcs))]
             rcs = client.batch_put_from(
@@ -175,6 +187,7 @@ def _reader(args: argparse.Namespace) -> None:
     # One pool per variant: a sample with sums objects is a few bytes larger than one without, so
     # one shared pool would hand every other variant a fresh buffer (page faults on 280 MiB).
     pools: dict[str, BufferPool] = {}
+    device = torch.device("cuda") if args.device == "cuda" else None
     registered: set[int] = set()
     _reply({"ready": True})
     for line in sys.stdin:
@@ -191,17 +204,27 @@ def _reader(args: argparse.Namespace) -> None:
                 m,
                 retry_max_wait_s=30,
                 remove=False,
-                pool=pools.setdefault(cmd["variant"], BufferPool(1)) if cmd["reuse"] else None,
+                pool=pools.setdefault(cmd["variant"], BufferPool(1, pin=device is not None))
+                if cmd["reuse"]
+                else None,
+                device=device,
             )
+            if device is not None:
+                # A CUDA trainer's sample ends on its GPU: checked there (wmix64), or copied.
+                if sample.device_copy is None:
+                    sample.device_copy = sample.copy_to(device)
+                torch.cuda.synchronize()
             out["t"] = time.perf_counter() - t0
             if args.register_pool and cmd["reuse"] and sample._buffer.data_ptr() not in registered:
                 store.register(sample._buffer)  # once: later fetches into it skip the per-call registration
                 registered.add(sample._buffer.data_ptr())
             if m.sums:  # the same checksums again, on the same threads, the bytes in place: hashing alone
-                views = dict(sample.destinations())
+                on = sample.device_copy if m.sums_algorithm == devsum.ALGORITHM and device else sample
+                views = dict(on.destinations())
                 parts = [views[f.key] for st in range(m.pp_size) for f in m.summed(st)]
+                digests = devsum.digests8 if m.sums_algorithm == devsum.ALGORITHM else checksum.digests8
                 t0 = time.perf_counter()
-                checksum.digests8(parts)
+                digests(parts)
                 out["t_hash"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             store.remove([f.key for f in m.all_objects])
@@ -239,6 +262,7 @@ class Child:
         argv += [f"--tokens={args.tokens}", f"--hidden={args.hidden}", f"--layers={args.layers}"]
         argv += [f"--segment-mb={args.segment_mb}"]
         argv += ["--register-pool"] if args.register_pool else []
+        argv += [f"--device={args.device}"]
         self.log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -275,6 +299,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=5, help="captured layers per sample, the last included")
     p.add_argument("--segment-mb", type=int, default=2048)
     p.add_argument("--register-pool", action="store_true", help="register each recycled buffer once")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the engine's rows and the trainer's samples on the GPU, wmix64 sums checked there",
+    )
     p.add_argument("--role", choices=["writer", "reader"])
     p.add_argument("--address")
     p.add_argument("--verbose", action="store_true", help="print every iteration's timings")
@@ -395,7 +425,10 @@ def main() -> None:
             f"{statistics.median(without) * 1e3:8.1f} ms without; {paired:.3f}x median of paired ratios, "
             f"{statistics.median(with_s) / statistics.median(without):.3f}x ratio of medians (target <= 1.03)"
         )
-    print(f"  checksums alone, the reader's over the bytes in place: {med['hash_reused'] * 1e3:.1f} ms")
+    where = "on the GPU, wmix64" if args.device == "cuda" else "on the host, XXH3"
+    print(
+        f"  checksums alone, the reader's over the bytes in place ({where}): {med['hash_reused'] * 1e3:.2f} ms"
+    )
     print(f"  keys left in the master after the run    : {left}")
     print(f"  logs: {log_dir}")
 
