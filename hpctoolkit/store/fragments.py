@@ -310,7 +310,9 @@ def _check_on_device(sample: Sample, device: torch.device | None) -> None:
     copy = None
     if device is not None and device.type == "cuda":
         consumer = torch.cuda.current_stream(device)
-        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+        if device not in _copy_streams:
+            _copy_streams[device] = torch.cuda.Stream(device)
+        stream = _copy_streams[device]
         with torch.cuda.stream(stream):
             copy = sample.copy_to(device)
             on_device = dict(copy.destinations())

@@ -117,7 +117,7 @@ class DeviceFeeder:
         if self.stream is None:
             return batch.to(self.device, self.dtype)
         compute = torch.cuda.current_stream(self.device)
-        if batch.context_BSC.device == self.device:
+        if batch.context_BSC.is_cuda:
             # Collated on the device (`collate`), on the compute stream: the copy stream reads it.
             self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
