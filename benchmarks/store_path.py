@@ -43,13 +43,18 @@ object, so that one object is hashed on several threads (tried, not kept: see be
       * one store call per large object, each hashed while the next was in flight
     the same host, another fresh node, the code here (`gpu_node.sh start install tier store run`)
       whole            104.9 / 95.8   1.099x    32.0 / 29.9  1.061x     71.6 / 65.3  1.099x     5.6 ms
+    the same host, a third fresh node, the code here, `--device cuda` (wmix64 on the GPU) then the host
+      gpu sums         299.8 / 281.9  1.058x   208.6 / 204.5  1.014x    89.8 / 77.7  1.125x     0.68 ms
+      whole (XXH3)     111.1 / 104.6  1.098x    35.9 / 33.6  1.044x     75.0 / 68.2  1.103x     6.2 ms
+      (gpu: the writer's rows on the GPU, copied to pageable host memory by publish_stage; the
+      reader's sample ends on the GPU in both arms. The fetch's 12 ms is not the sums' 0.68 ms.)
     the same host, a second run (a killed test tier's processes possibly still running): fetch
       chunked 1.080x, chunked * 1.066x, whole * 1.110x; with --register-pool 1.124x, 1.120x, 1.162x
     the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21`
       chunked          195.0 / 164.6  1.137x    33.7 / 24.9  1.328x    159.4 / 140.2  1.103x     9.3 ms
       whole            181.7 / 164.6  1.101x    33.3 / 24.9  1.365x    147.7 / 140.2  1.047x     9.2 ms
 
-The 3 % goal is not met. What is left is the hashing itself: XXH3 over 280 MiB takes 6-7 ms on
+The 3 % goal is not met (the GPU's sums meet it on the writer's side only; below is what led to them). What is left is the hashing itself: XXH3 over 280 MiB takes 6-7 ms on
 the 16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16),
 8-10 % of a 74 ms loopback fetch; no CPU pass can be 3 % of it. Neither variant changed that:
 chunks hashed faster on the reader (5.7 against 7.3 ms) and slowed the writer (1.111x against
