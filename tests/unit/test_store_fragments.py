@@ -337,6 +337,19 @@ def _masked(key: str):
     return with_loss_mask(make_manifest(key), tensor_digest(mask)), mask
 
 
+def _spooled_masked(key: str, out_dir):
+    """A masked sample published, fetched and spooled to `out_dir`; its mask."""
+    from hpctoolkit.data.offline import ShardWriter
+
+    st = MemoryStore()
+    m, mask = _masked(key)
+    publish_all(st, m)
+    fragments.publish_loss_mask(st, m, mask)
+    with ShardWriter(out_dir) as w:
+        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    return mask
+
+
 def test_loss_mask_travels_with_the_sample_through_the_store_and_is_removed():
     st = MemoryStore()
     m, mask = _masked("m")
@@ -385,14 +398,9 @@ def test_a_corrupted_mask_in_the_store_is_refused_on_fetch():
 
 
 def test_loss_mask_is_a_tensor_in_offline_shards(tmp_path):
-    from hpctoolkit.data.offline import ShardReader, ShardWriter
+    from hpctoolkit.data.offline import ShardReader
 
-    st = MemoryStore()
-    m, mask = _masked("s")
-    publish_all(st, m)
-    fragments.publish_loss_mask(st, m, mask)
-    with ShardWriter(tmp_path) as w:
-        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    mask = _spooled_masked("s", tmp_path)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "shard-00000.safetensors"), "pt") as f:
@@ -484,14 +492,9 @@ def test_a_schema_1_sample_is_read_with_sizes_only():
 
 
 def test_a_corrupted_byte_in_a_spool_shard_is_refused_naming_the_object_and_shard(tmp_path):
-    from hpctoolkit.data.offline import ShardReader, ShardWriter
+    from hpctoolkit.data.offline import ShardReader
 
-    st = MemoryStore()
-    m, mask = _masked("t")
-    publish_all(st, m)
-    fragments.publish_loss_mask(st, m, mask)
-    with ShardWriter(tmp_path) as w:
-        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    _spooled_masked("t", tmp_path)
     shard = tmp_path / "shard-00000.safetensors"
     saved = ShardReader(tmp_path).manifests()[0]
     assert saved["schema_version"] == 2 and saved["sums"] == []
@@ -527,14 +530,9 @@ def test_a_replayed_shard_hashes_each_object_once(tmp_path, monkeypatch):
     """The shard's `get_into` checks each object against the digest saved with it; `fetch_sample`
     does not hash the same bytes again against the manifest's copy of those digests."""
     from hpctoolkit import checksum
-    from hpctoolkit.data.offline import ShardReader, ShardWriter
+    from hpctoolkit.data.offline import ShardReader
 
-    st = MemoryStore()
-    m, mask = _masked("h")
-    publish_all(st, m)
-    fragments.publish_loss_mask(st, m, mask)
-    with ShardWriter(tmp_path) as w:
-        w.add(fragments.fetch_sample(st, m, retry_max_wait_s=0))
+    _spooled_masked("h", tmp_path)
     hashed: list[int] = []
     real8, real = checksum.tensor_digest8, checksum.digest
 
