@@ -14,7 +14,9 @@ Sources
 Each sample is fetched whole by `fetch_sample` (see `hpctoolkit.store.fragments`); a partial
 sample is never yielded. A consumer that calls `sample.release()` once it is done with a sample
 (e.g. after copying it to the GPU) lets the next sample reuse its buffer instead of faulting in a
-fresh one; a consumer that does not release loses nothing but that speed. Use with `DataLoader(num_workers=0)`: the store client is one per process
+fresh one; a consumer that does not release loses nothing but that speed. `device` (a CUDA
+trainer's): samples with GPU sums are checked on that device and carry the checked copy
+(`Sample.device_copy`), in page-locked buffers. Use with `DataLoader(num_workers=0)`: the store client is one per process
 and the fetch is a zero-copy transfer, so worker processes would add a copy, not speed.
 """
 
