@@ -243,10 +243,10 @@ def fetch_sample(
             retry_max_wait_s,
             poll_interval_s,
         )
-        if manifest.sums and manifest.sums_algorithm == devsum.ALGORITHM:
+        on_device = bool(manifest.sums) and manifest.sums_algorithm == devsum.ALGORITHM
+        _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False), sums=not on_device)
+        if on_device:
             _check_on_device(sample, device)
-        else:
-            _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False))
         _check_sample(sample, expected_input_ids)
     except BaseException:
         sample.release()
@@ -256,29 +256,24 @@ def fetch_sample(
     return sample
 
 
-def _check_digests(sample: Sample, own_checked: bool = False) -> None:
-    """Every object of `sample` against its checksum: its own digest, or its stage's sums. All of
-    them are computed at once, on the hashing threads. `own_checked`: the store's `get_into`
-    already checked each object that carries a digest of its own (offline shards)."""
+def _check_digests(sample: Sample, own_checked: bool = False, sums: bool = True) -> None:
+    """Every object of `sample` against its XXH3 checksum: its own digest, and (`sums`) its
+    stage's sums. All of them are computed at once, on the hashing threads. `own_checked`: the
+    store's `get_into` already checked each object that carries a digest of its own (offline
+    shards). `sums=False`: the sums are WMIX64, checked by `_check_on_device`."""
     m = sample.manifest
     views = dict(sample.destinations())
-    where = f"sample {m.sample_key!r}, object"
     own = [] if own_checked else [spec for spec in m.data_objects if spec.digest is not None]
-    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
+    summed = _summed(m) if sums else []
     futures = checksum.digests8_async([views[spec.key] for spec in own] + [views[s.key] for *_, s in summed])
     try:
         for spec, fut in zip(own, futures[: len(own)], strict=True):
             if checksum.digest8_text(fut.result()) != spec.digest:
                 raise DataIntegrityError(
-                    f"{where} {spec.key!r}: its bytes do not match the manifest's checksum"
+                    f"sample {m.sample_key!r}, object {spec.key!r}: its bytes do not match the "
+                    "manifest's checksum"
                 )
-        wants = [raw.numpy().tobytes() for raw in sample.sums]
-        for (stage, i, spec), fut in zip(summed, futures[len(own) :], strict=True):
-            if fut.result() != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-                raise DataIntegrityError(
-                    f"{where} {spec.key!r}: its bytes do not match the checksum stage {stage} "
-                    f"published ({m.sums[stage].key!r})"
-                )
+        _compare_sums(sample, summed, [fut.result() for fut in futures[len(own) :]], "checksum")
         sample.checked.update(
             (spec.key, fut.result())
             for spec, fut in zip([*own, *(s for *_, s in summed)], futures, strict=True)
@@ -286,6 +281,25 @@ def _check_digests(sample: Sample, own_checked: bool = False) -> None:
     finally:
         # The hashing threads read the sample's buffer: it is released only once they are done.
         wait(futures)
+
+
+def _summed(m: Manifest) -> list[tuple[int, int, FragmentSpec]]:
+    """(stage, index in its sums object, object) of every object a stage's sums object covers."""
+    return [(stage, i, spec) for stage in range(len(m.sums)) for i, spec in enumerate(m.summed(stage))]
+
+
+def _compare_sums(
+    sample: Sample, summed: Sequence[tuple[int, int, FragmentSpec]], got: Sequence[bytes], what: str
+) -> None:
+    """Each of `got` against the 8 bytes its stage published; a mismatch names the object."""
+    m = sample.manifest
+    wants = [raw.numpy().tobytes() for raw in sample.sums]
+    for (stage, i, spec), raw in zip(summed, got, strict=True):
+        if raw != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
+            raise DataIntegrityError(
+                f"sample {m.sample_key!r}, object {spec.key!r}: its bytes do not match the {what} "
+                f"stage {stage} published ({m.sums[stage].key!r})"
+            )
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -296,37 +310,23 @@ def _check_on_device(sample: Sample, device: torch.device | None) -> None:
     of the whole buffer there, made and summed on a stream of its own; the host waits for that
     stream alone, never for the trainer's queued steps. The copy becomes `sample.device_copy`,
     marked in use on the caller's stream. Without a CUDA device the sums run on the host (torch;
-    slow, see `hpctoolkit.devsum`). Objects with their own XXH3 digest (the loss mask) are checked
-    on the host."""
-    m = sample.manifest
-    where = f"sample {m.sample_key!r}, object"
-    views = dict(sample.destinations())
-    own = [spec for spec in m.data_objects if spec.digest is not None]
-    for spec, raw in zip(own, checksum.digests8([views[spec.key] for spec in own]), strict=True):
-        if checksum.digest8_text(raw) != spec.digest:
-            raise DataIntegrityError(f"{where} {spec.key!r}: its bytes do not match the manifest's checksum")
-        sample.checked[spec.key] = raw
-    summed = [(stage, i, spec) for stage in range(len(sample.sums)) for i, spec in enumerate(m.summed(stage))]
+    slow, see `hpctoolkit.devsum`). Objects with their own XXH3 digest (the loss mask) are
+    `_check_digests`'s."""
+    summed = _summed(sample.manifest)
     copy = None
     if device is not None and device.type == "cuda":
         consumer = torch.cuda.current_stream(device)
         if device not in _copy_streams:
             _copy_streams[device] = torch.cuda.Stream(device)
-        stream = _copy_streams[device]
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(_copy_streams[device]):
             copy = sample.copy_to(device)
             on_device = dict(copy.destinations())
-            got = devsum.digests8([on_device[spec.key] for *_, spec in summed])  # waits for `stream`
-        copy.used_on(consumer)  # allocated on `stream`, read on the caller's
+            got = devsum.digests8([on_device[spec.key] for *_, spec in summed])  # waits for the stream
+        copy.used_on(consumer)  # allocated on the copy stream, read on the caller's
     else:
+        views = dict(sample.destinations())
         got = devsum.digests8([views[spec.key] for *_, spec in summed])
-    wants = [raw.numpy().tobytes() for raw in sample.sums]
-    for (stage, i, spec), raw in zip(summed, got, strict=True):
-        if raw != wants[stage][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-            raise DataIntegrityError(
-                f"{where} {spec.key!r}: its bytes do not match the {devsum.ALGORITHM} checksum stage "
-                f"{stage} published ({m.sums[stage].key!r})"
-            )
+    _compare_sums(sample, summed, got, f"{devsum.ALGORITHM} checksum")
     sample.device_copy = copy
 
 
