@@ -13,7 +13,8 @@
 #                                            tail and copy the results into $OUT (when set)
 #
 # Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
-# store_gpu (the GPU's checksums: tests, then their cost on the fragment path), tier_new
+# store_gpu (the GPU's checksums: tests, then their cost on the fragment path), reader (a CUDA
+# reader's fetch phase by phase, benchmarks/reader_device.py), tier_new
 # (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
 # capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
@@ -99,20 +100,30 @@ stage_devsum() {
 }
 
 stage_store_gpu() {
-  timeout -k 20 240 "$py" benchmarks/store_path.py --device cuda --iters 15
+  _with_variants timeout -k 20 240 "$py" benchmarks/store_path.py --device cuda --iters 15
 }
 
-# The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores: the
-# committed code, then each variant in dist/variant-*/ (files laid over a copy of the tree).
+# Where a CUDA reader's fetch time goes (benchmarks/reader_device.py): phase by phase, no store.
+stage_reader() {
+  _with_variants timeout -k 20 180 "$py" benchmarks/reader_device.py --iters 15 --profile
+}
+
+# The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores.
 stage_store() {
-  timeout -k 20 240 "$py" benchmarks/store_path.py --iters 15
+  _with_variants timeout -k 20 240 "$py" benchmarks/store_path.py --iters 15
+}
+
+# CMD in the committed tree, then in each variant in dist/variant-*/ (files laid over a copy of
+# the tree). The variants are read when the stage runs: a later call can still bring one (carry).
+_with_variants() {
+  "$@"
   for v in "$here"/dist/variant-*/; do
     [ -d "$v" ] || continue
     local tree
     tree=$HPC/$(basename "$v")
     rm -rf "$tree" && cp -a "$HPC/repo" "$tree" && cp -a "$v." "$tree/"
     echo "== variant $(basename "$v")"
-    (cd "$tree" && PYTHONPATH=$tree timeout -k 20 240 "$py" benchmarks/store_path.py --iters 15)
+    (cd "$tree" && PYTHONPATH=$tree "$@")
   done
 }
 
