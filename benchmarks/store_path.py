@@ -176,8 +176,31 @@ def _writer(args: argparse.Namespace) -> None:
     store.close()
 
 
+# The reader's fetch phase by phase (host wall time of each step of `fetch_sample`, and of the
+# copy to the GPU where the reader makes it): where a variant's extra time goes.
+PHASES: dict[str, float] = {}
+FETCH_STEPS = ("_fill", "_check_digests", "_check_on_device", "_check_sample")
+
+
+def _time_fetch_steps() -> None:
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    for name in FETCH_STEPS:
+        setattr(fragments, name, timed(name, getattr(fragments, name)))
+
+
 def _reader(args: argparse.Namespace) -> None:
     from hpctoolkit.store.mooncake import MooncakeStore
+
+    _time_fetch_steps()
 
     store = MooncakeStore(args.address, _cfg(args), role="reader")
     client = store._client()
@@ -203,6 +226,7 @@ def _reader(args: argparse.Namespace) -> None:
         out: dict[str, Any] = {}
         if op == "fetch":
             m = Manifest.from_dict(cmd["manifest"])
+            PHASES.clear()
             t0 = time.perf_counter()
             sample = fragments.fetch_sample(
                 store,
@@ -216,10 +240,13 @@ def _reader(args: argparse.Namespace) -> None:
             )
             if device is not None:
                 # A CUDA trainer's sample ends on its GPU: checked there (wmix64), or copied.
+                t1 = time.perf_counter()
                 if sample.device_copy is None:
                     sample.device_copy = sample.copy_to(device)
                 torch.cuda.synchronize()
+                PHASES["copy"] = time.perf_counter() - t1
             out["t"] = time.perf_counter() - t0
+            out["phases"] = dict(PHASES)
             if args.register_pool and cmd["reuse"] and sample._buffer.data_ptr() not in registered:
                 store.register(sample._buffer)  # once: later fetches into it skip the per-call registration
                 registered.add(sample._buffer.data_ptr())
@@ -345,6 +372,8 @@ def main() -> None:
             rec(f"roundtrip_{tag}", pub["t"] + got["t"] + got["t_remove"])
             if "t_hash" in got:
                 rec(f"hash_{tag}", got["t_hash"])
+            for step, t in got.get("phases", {}).items():
+                rec(f"step_{tag}:{step}", t)
 
         def raw(i: int) -> None:
             put = writer.call(op="raw_put", key=f"r{i}")
@@ -430,6 +459,10 @@ def main() -> None:
             f"{statistics.median(without) * 1e3:8.1f} ms without; {paired:.3f}x median of paired ratios, "
             f"{statistics.median(with_s) / statistics.median(without):.3f}x ratio of medians (target <= 1.03)"
         )
+    for tag in ("reused", "reused_nosums"):
+        steps = sorted(k.split(":", 1)[1] for k in med if k.startswith(f"step_{tag}:"))
+        parts = ", ".join(f"{st.strip('_')} {med[f'step_{tag}:{st}'] * 1e3:.2f}" for st in steps)
+        print(f"  fetch ({tag:13s}) step by step, medians in ms: {parts}")
     where = "on the GPU, wmix64" if args.device == "cuda" else "on the host, XXH3"
     print(
         f"  checksums alone, the reader's over the bytes in place ({where}): {med['hash_reused'] * 1e3:.2f} ms"
