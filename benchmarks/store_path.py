@@ -48,14 +48,25 @@ object, so that one object is hashed on several threads (tried, not kept: see be
       whole (XXH3)     111.1 / 104.6  1.098x    35.9 / 33.6  1.044x     75.0 / 68.2  1.103x     6.2 ms
       (gpu: the writer's rows on the GPU, copied to pageable host memory by publish_stage; the
       reader's sample ends on the GPU in both arms. The fetch's 12 ms is not the sums' 0.68 ms.)
+    a fourth fresh node, `--device cuda`, each sample freed inside its own iteration (below)
+      gpu sums         308.3 / 297.2  1.006x   223.6 / 220.4  1.013x    75.5 / 81.7  1.005x     0.48 ms
+      (step by step: the device check 5.81 ms against the plain copy's 5.44 ms; fill 69.2 / 76.0)
     the same host, a second run (a killed test tier's processes possibly still running): fetch
       chunked 1.080x, chunked * 1.066x, whole * 1.110x; with --register-pool 1.124x, 1.120x, 1.162x
     the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21`
       chunked          195.0 / 164.6  1.137x    33.7 / 24.9  1.328x    159.4 / 140.2  1.103x     9.3 ms
       whole            181.7 / 164.6  1.101x    33.3 / 24.9  1.365x    147.7 / 140.2  1.047x     9.2 ms
 
-The 3 % goal is not met (the GPU's sums meet it on the writer's side only; below is what led to them). What is left is the hashing itself: XXH3 over 280 MiB takes 6-7 ms on
-the 16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16),
+Until 2026-12-06 the reader freed each sample when the next fetch's result replaced it, inside
+the next arm's timing. The checked arm always followed the fresh-buffer arm, so it paid for
+freeing that arm's unpooled 280 MiB buffer: the "gpu sums" fetch's 1.125x above was mostly that,
+and the host rows' fetch figures include it too. Re-measured with the sample freed in its own
+iteration, on the 2-core host (`--iters 15`): roundtrip 1.092x, publish 1.286x, fetch 1.068x,
+hashing alone 10.4 ms.
+
+The 3 % goal is met where production meets it, by the GPU's sums (CUDA engines and trainers); the
+host's XXH3 cannot meet it (what led to the GPU's sums follows). On the host what is left is the
+hashing itself: XXH3 over 280 MiB takes 6-7 ms on the 16-core host's hashing threads (memory-bound: 25.9 ms on one thread, 10.6 on 8, 12.6 on 16),
 8-10 % of a 74 ms loopback fetch; no CPU pass can be 3 % of it. Neither variant changed that:
 chunks hashed faster on the reader (5.7 against 7.3 ms) and slowed the writer (1.111x against
 1.036x), and lost on the 2-core host; fetching object by object to hash behind the transfer
@@ -63,10 +74,9 @@ gained nothing (1.104x against 1.070x, then 1.066x against 1.080x). So the manif
 checksum per object and the reader makes one call. The lever left is the trainer's GPU, which
 copies every sample anyway: on the H100 (2026-12-06, `benchmarks/device_checksum.py`) a
 position-keyed sum of mixed 32-bit words over the same bytes took 0.15 ms as one Triton kernel
-(6.4 ms as chunked torch ops), against 5.3 ms for the host-to-device copy from pinned memory. A
-checksum computed there (and by the engine before its device-to-host copy) is not built: it needs
-the trainer to collate on the device from the copy it checked, or the check's copy only adds to the
-fetch.
+(6.4 ms as chunked torch ops), against 5.3 ms for the host-to-device copy from pinned memory.
+`hpctoolkit.devsum` is that sum: the engine sums its rows before its device-to-host copy, and the
+trainer checks the copy it collates from (the "gpu sums" rows).
 """
 
 from __future__ import annotations
@@ -263,6 +273,9 @@ def _reader(args: argparse.Namespace) -> None:
             out["t_remove"] = time.perf_counter() - t0
             out["sum"] = float(sample.last_hidden_states[:4].float().sum())
             sample.release()  # the trainer's part: done with it (copied to the GPU)
+            # Freed here, not when the next fetch's result replaces it: a fresh (unpooled) buffer's
+            # free (munmap of 280 MiB) landed inside the next arm's timing until 2026-12-06.
+            del sample
         elif op == "raw_get":
             keys = [f"{cmd['key']}_raw{i}" for i in range(len(sizes))]
             t0 = time.perf_counter()

@@ -22,10 +22,12 @@ against transport and storage faults, not against an adversary.
 where Triton is missing), chunked torch ops on the host (slow: about 0.5 s for 280 MiB on 16 cores;
 a host reads XXH3 sums instead, see `hpctoolkit.store.fragments`). Torch only; no store.
 
-On the fragment path (one H100, 2026-12-06, `benchmarks/store_path.py --device cuda --iters 15`,
-280 MiB samples): publish 208.6 against 204.5 ms without sums (1.014x); fetch to the GPU 89.8
-against 77.7 ms (1.125x), of which the sums are 0.68 ms (six objects, launches included); the rest
-came with the copy on the check's stream, not traced.
+On the fragment path (one H100 node, 2026-12-06, `benchmarks/store_path.py --device cuda --iters
+15`, 280 MiB samples, medians of paired ratios against the same path without sums): publish
+1.013x, fetch to the GPU 1.005x, roundtrip 1.006x. The reader's check, copy and sums on its own
+stream, took 5.81 ms where the plain copy took 5.44 ms; the sums alone 0.48-0.91 ms (six objects,
+launches included). (A first figure, fetch 1.125x, was the benchmark freeing another arm's buffer
+inside this arm's timing.)
 """
 
 from __future__ import annotations

@@ -130,9 +130,23 @@ def _run_steps(ctx, cfg, batches, *, overlapped: bool, mixed: bool = True):
 
 
 def _max_diff(a, b) -> float:
+    return _where_apart(a, b)[0]
+
+
+def _where_apart(a, b) -> tuple[float, str]:
+    """The largest difference between two runs and where it is: the first step whose statistics
+    differ most (and which of them), or the parameter."""
     (sa, pa), (sb, pb) = a, b
-    d = float((sa - sb).abs().max())
-    return max([d, *(float((pa[n].double() - pb[n].double()).abs().max()) for n in pa)])
+    per_step = (sa.double() - sb.double()).abs()
+    worst = [
+        (
+            float(per_step.max()),
+            f"statistics, step {int(per_step.max(dim=1).values.argmax())}, "
+            f"entry {int(per_step.max(dim=0).values.argmax())}: {sa.tolist()} against {sb.tolist()}",
+        )
+    ]
+    worst += [(float((pa[n].double() - pb[n].double()).abs().max()), f"parameter {n}") for n in pa]
+    return max(worst, key=lambda w: w[0])
 
 
 def test_overlapped_steps_train_as_drained_ones(ctx):
@@ -160,13 +174,15 @@ def test_overlapped_steps_train_as_drained_ones(ctx):
     again = _run_steps(ctx, cfg, batches, overlapped=False)
     overlapped = _run_steps(ctx, cfg, batches, overlapped=True)
     noise = _max_diff(drained, again)
-    gap = _max_diff(drained, overlapped)
+    gap, where = _where_apart(drained, overlapped)
     print(f"drained vs drained {noise:.3e}, drained vs overlapped {gap:.3e}")
     # Two drained runs are bit for bit equal in some calls and 1e-8..1e-6 apart in others (the
     # atomics), so an overlapped run that picked up that noise when the drained pair did not is
     # allowed 1e-5; wrong data moves the statistics by whole units.
     bound = max(2 * noise, 1e-5)
-    assert gap <= bound, f"overlapped steps differ by {gap:.3e}; two drained runs by {noise:.3e}"
+    # Where (a flaky failure in the tier of 2026-12-06, after the vLLM engine tests, passed alone,
+    # in a smaller module run and beside a loaded GPU): which step and statistic, or parameter.
+    assert gap <= bound, f"overlapped steps differ by {gap:.3e} ({where}); two drained runs by {noise:.3e}"
 
 
 def test_the_mixed_adamw_kernel_is_fused_adamw():
