@@ -34,7 +34,7 @@ from hpctoolkit.capture import Manifest
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.rows import gather_heads, slot_mapping
 from hpctoolkit.errors import DataIntegrityError
-from hpctoolkit.store.fragments import publish_stage
+from hpctoolkit.store.fragments import host_copies, publish_stage
 
 # A job's tag: ("publish" | "remove", request id).
 Tag = tuple[str, str]
@@ -129,7 +129,7 @@ class StageRows:
         with torch.cuda.device(kv.device):
             rows = gather_heads(kv, slots.to(kv.device), self.heads)
             sums = dict(zip(rows, devsum.digests8(list(rows.values())), strict=True)) if device_sums else None
-            return {k: t.to("cpu") for k, t in rows.items()}, sums
+            return dict(zip(rows, host_copies(list(rows.values())), strict=True)), sums
 
     def publish(
         self,

@@ -114,3 +114,25 @@ def test_the_same_gather_without_the_event_reads_stale_rows():
     stale, total = _run(use_event=False, trials=CONTROL_TRIALS)
     print(f"without the event: {stale} stale rows of {total}")
     assert stale > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_copies_of_gpu_rows_are_page_locked_and_exact():
+    """`host_copies` (what a CUDA stage's rows and `publish_stage` go through): a GPU tensor,
+    contiguous or not, comes back in page-locked memory, bit for bit, its copy complete when the
+    call returns even behind queued work; a host tensor comes back as it is."""
+    from hpctoolkit.store.fragments import host_copies
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(NUM_TOKENS, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    strided = torch.randn(HIDDEN, NUM_TOKENS, device="cuda", generator=g).to(torch.bfloat16).t()
+    ids = torch.arange(NUM_TOKENS)
+    torch.cuda._sleep(SLEEP_CYCLES)  # queued ahead of the copies: the call must wait it out
+    rows.add_(1)  # behind the sleep: the copy must read the sum, not the bytes before it
+    got = host_copies([rows, strided, ids])
+    assert [t.device.type for t in got] == ["cpu"] * 3
+    assert got[0].is_pinned() and got[1].is_pinned() and got[1].is_contiguous()
+    assert got[2].data_ptr() == ids.data_ptr()
+    assert torch.equal(got[0].view(torch.int16), rows.cpu().view(torch.int16))
+    assert torch.equal(got[1].view(torch.int16), strided.contiguous().cpu().view(torch.int16))

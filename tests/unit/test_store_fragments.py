@@ -577,3 +577,14 @@ def test_spooling_a_fetched_sample_reuses_the_readers_digests(tmp_path, monkeypa
     views = dict(sample.destinations())
     for spec in [saved["input_ids"], *saved["fragments"]]:
         assert spec["digest"] == checksum.tensor_digest(views[spec["key"]])
+
+
+def test_host_copies_pass_host_tensors_through_contiguous():
+    """`host_copies` on the host: a contiguous tensor is returned as it is (no copy), a strided one
+    as a contiguous copy with the same values (GPU tensors: tests/gpu/test_publish_gpu.py)."""
+    a = torch.arange(12, dtype=torch.int64)
+    b = torch.arange(12, dtype=torch.float32).view(3, 4).t()
+    got = fragments.host_copies([a, b])
+    assert got[0].data_ptr() == a.data_ptr()
+    assert got[1].is_contiguous() and torch.equal(got[1], b)
+    assert fragments.host_copies([]) == []
