@@ -168,9 +168,11 @@ def publish_stage(
         by_key = dict(items)
         todo = [f.key for f in manifest.summed(stage) if f.key not in known]
         known.update(zip(todo, devsum.digests8([by_key[k] for k in todo]), strict=True))
-        store.put_many(items)
+        # Known before the put: the sums object goes in the same batch (one store call, not two).
         raw = b"".join(known[f.key] for f in manifest.summed(stage))
-        store.put_many([(manifest.sums[stage].key, torch.frombuffer(bytearray(raw), dtype=torch.uint8))])
+        store.put_many(
+            [*items, (manifest.sums[stage].key, torch.frombuffer(bytearray(raw), dtype=torch.uint8))]
+        )
         return sum(t.numel() * t.element_size() for _, t in items) + len(raw)
     # In manifest order (`summed`): input_ids first on stage 0, then the layers by capture id. The
     # hashing threads read the bytes while the put copies them; the sums object goes in last (a
