@@ -46,11 +46,16 @@ object, so that one object is hashed on several threads (tried, not kept: see be
     the same host, a third fresh node, the code here, `--device cuda` (wmix64 on the GPU) then the host
       gpu sums         299.8 / 281.9  1.058x   208.6 / 204.5  1.014x    89.8 / 77.7  1.125x     0.68 ms
       whole (XXH3)     111.1 / 104.6  1.098x    35.9 / 33.6  1.044x     75.0 / 68.2  1.103x     6.2 ms
-      (gpu: the writer's rows on the GPU, copied to pageable host memory by publish_stage; the
+      (gpu: the writer's rows on the GPU, copied to pageable host memory by publish_stage then; the
       reader's sample ends on the GPU in both arms. The fetch's 12 ms is not the sums' 0.68 ms.)
     a fourth fresh node, `--device cuda`, each sample freed inside its own iteration (below)
       gpu sums         308.3 / 297.2  1.006x   223.6 / 220.4  1.013x    75.5 / 81.7  1.005x     0.48 ms
       (step by step: the device check 5.81 ms against the plain copy's 5.44 ms; fill 69.2 / 76.0)
+    a fifth fresh node, `--device cuda`, a CUDA stage's rows copied to page-locked memory
+    (`fragments.host_copies`; pageable before): publish from the GPU 224 -> 59 ms in both arms.
+    With the stage's sums object put in a second store call, that call now showed: publish 1.076x
+    (`--iters 7`). In the same batch as the objects (the code here, `--iters 13`):
+      gpu sums         164.1 / 159.7  1.007x    62.1 / 60.9  1.019x   101.5 / 98.3  1.011x     1.04 ms
     the same host, a second run (a killed test tier's processes possibly still running): fetch
       chunked 1.080x, chunked * 1.066x, whole * 1.110x; with --register-pool 1.124x, 1.120x, 1.162x
     the 2-core development host, `.venv/bin/python benchmarks/store_path.py --iters 21`

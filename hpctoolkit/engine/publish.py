@@ -15,7 +15,8 @@ thread records an event on its current stream when it hands a sample to the thre
 before it was queued), and the job waits for that event before it gathers. On the CPU the
 writes are synchronous and there is no event.
 
-Lifetime. The rows are copied to the host before `publish` returns; the connector reports a
+Lifetime. The rows are copied to the host (page-locked, `fragments.host_copies`) before `publish`
+returns; the connector reports a
 sample sent only after that, and vLLM frees its blocks only once every stage reported.
 """
 
