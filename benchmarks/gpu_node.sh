@@ -12,10 +12,13 @@
 #   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
 #                                            tail and copy the results into $OUT (when set)
 #
+# The lent machine goes back after 30 s without a call, stages and all: poll with `wait 25`, and
+# make edits in the same batch of calls as a poll, not between them (2026-12-06: one node lost).
+#
 # Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
 # store_gpu (the GPU's checksums: tests, then their cost on the fragment path), reader (a CUDA
 # reader's fetch phase by phase, benchmarks/reader_device.py), tier_new
-# (the gpu tests not yet run on CUDA), run (`make run` with that venv: the GPU default), bench
+# (the gpu tests not yet run on CUDA), flake (the overlapped-steps test after the vLLM tests), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
 # capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
 # $HPC/results/stages.txt; the stages go on after a failed one. Every limit ends in a SIGKILL 20 s
@@ -97,6 +100,14 @@ stage_devsum() {
   timeout -k 20 300 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
     --basetemp "$res/tmp-devsum" --junitxml "$res/devsum.xml" \
     tests/gpu/test_devsum_gpu.py tests/gpu/test_publish_gpu.py tests/gpu/test_train_gpu.py
+}
+
+# The overlapped-steps test that failed once in the tier of 2026-12-06, after the vLLM engine tests
+# in the same process (and passed 14 times elsewhere): those tests, then it ten times.
+stage_flake() {
+  HPCTOOLKIT_OVERLAP_REPEATS=10 timeout -k 20 600 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra -s \
+    --basetemp "$res/tmp-flake" --junitxml "$res/flake.xml" tests/gpu/test_gpu_vllm.py \
+    tests/gpu/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones
 }
 
 stage_store_gpu() {

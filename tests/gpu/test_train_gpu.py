@@ -7,6 +7,7 @@ decoder layers, FlexAttention), the fused DSpark loss, on the tiny K3 MLA draft.
 """
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -149,7 +150,13 @@ def _where_apart(a, b) -> tuple[float, str]:
     return max(worst, key=lambda w: w[0])
 
 
-def test_overlapped_steps_train_as_drained_ones(ctx):
+# Repeats in one process (`gpu_node.sh` stage `flake` runs them after the vLLM engine tests, where
+# the tier of 2026-12-06 saw this test fail once).
+OVERLAP_REPEATS = int(os.environ.get("HPCTOOLKIT_OVERLAP_REPEATS", "1"))
+
+
+@pytest.mark.parametrize("repeat", range(OVERLAP_REPEATS))
+def test_overlapped_steps_train_as_drained_ones(ctx, repeat):
     """The training loop's steps (`step.launch`, page-locked batches moved on a copy stream, each
     step queued before the previous one's statistics are read) against the same steps drained one
     at a time with plain copies: the same statistics and weights after 8 steps over 4 distinct
