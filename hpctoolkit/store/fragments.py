@@ -88,7 +88,8 @@ def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     A CUDA stage's rows went to pageable memory before 2026-12-06 (`Tensor.to("cpu")`): on an H100
     node publishing 280 MiB from the GPU took 206-224 ms, against 34 ms from host tensors; through
     page-locked memory 59-62 ms (`benchmarks/store_path.py --device cuda`). Page-locked blocks come
-    from torch's host allocator, which keeps freed ones for the next sample.
+    from torch's host allocator, which rounds each up to a power of two and keeps freed ones for
+    the next sample: a stage's publisher thread keeps a few times its largest sample's rows pinned.
     """
     out = [t.detach() for t in tensors]
     devices = {t.device for t in out if t.device.type == "cuda"}
