@@ -51,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.store_path import PHASES, time_fetch_steps, timed_step  # the same step timers
 from hpctoolkit import devsum
 from hpctoolkit.capture.manifest import UNSUMMED_SCHEMA_VERSION, Manifest, build_manifest
 from hpctoolkit.data.sample import BufferPool, Sample
@@ -85,28 +86,12 @@ class HeldStore:
         pass
 
 
-PHASES: dict[str, float] = defaultdict(float)
-
-
-def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            PHASES[name] += time.perf_counter() - t0
-
-    return wrapper
-
-
 COPY_EVENTS: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
 
 def _instrument() -> None:
-    for name in ("_fill", "_check_digests", "_check_on_device", "_check_sample"):
-        setattr(fragments, name, _timed(name, getattr(fragments, name)))
-    devsum_digests = devsum.digests8
-    devsum.digests8 = _timed("digests8", devsum_digests)
+    time_fetch_steps()
+    devsum.digests8 = timed_step("digests8", devsum.digests8)
     copy_to = Sample.copy_to
 
     def timed_copy(self: Sample, device: torch.device) -> Sample:
@@ -114,7 +99,7 @@ def _instrument() -> None:
         start.record()
         t0 = time.perf_counter()
         out = copy_to(self, device)
-        PHASES["copy_to (host)"] += time.perf_counter() - t0
+        PHASES["copy_to (host)"] = PHASES.get("copy_to (host)", 0.0) + time.perf_counter() - t0
         end.record()
         COPY_EVENTS.append((start, end))
         return out

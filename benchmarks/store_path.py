@@ -192,30 +192,35 @@ def _writer(args: argparse.Namespace) -> None:
 
 
 # The reader's fetch phase by phase (host wall time of each step of `fetch_sample`, and of the
-# copy to the GPU where the reader makes it): where a variant's extra time goes.
+# copy to the GPU where the reader makes it): where a variant's extra time goes. Also
+# `benchmarks/reader_device.py`'s.
 PHASES: dict[str, float] = {}
 FETCH_STEPS = ("_fill", "_check_digests", "_check_on_device", "_check_sample")
 
 
-def _time_fetch_steps() -> None:
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - t0
+def timed_step(name: str, fn: Any) -> Any:
+    """`fn`, adding its wall time to `PHASES[name]` on every call."""
 
-        return wrapper
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - t0
 
+    return wrapper
+
+
+def time_fetch_steps() -> None:
+    """Time each step of `fragments.fetch_sample` into `PHASES` (this process only)."""
     for name in FETCH_STEPS:
-        setattr(fragments, name, timed(name, getattr(fragments, name)))
+        setattr(fragments, name, timed_step(name, getattr(fragments, name)))
 
 
 def _reader(args: argparse.Namespace) -> None:
     from hpctoolkit.store.mooncake import MooncakeStore
 
-    _time_fetch_steps()
+    time_fetch_steps()
 
     store = MooncakeStore(args.address, _cfg(args), role="reader")
     client = store._client()
