@@ -109,13 +109,15 @@ def _instrument() -> None:
 
 @contextlib.contextmanager
 def _check_stream_is_current(dev: torch.device) -> Iterator[None]:
-    saved = dict(fragments._copy_streams)
-    fragments._copy_streams[dev] = torch.cuda.current_stream(dev)  # type: ignore[assignment]
+    fragments._copy_stream(dev)  # this thread's table of copy streams exists
+    streams = fragments._copy_streams.by_device
+    saved = dict(streams)
+    streams[dev] = torch.cuda.current_stream(dev)
     try:
         yield
     finally:
-        fragments._copy_streams.clear()
-        fragments._copy_streams.update(saved)
+        streams.clear()
+        streams.update(saved)
 
 
 def main() -> None:

@@ -18,10 +18,19 @@ fresh one; a consumer that does not release loses nothing but that speed. `devic
 trainer's): samples with GPU sums are checked on that device and carry the checked copy
 (`Sample.device_copy`), in page-locked buffers. Use with `DataLoader(num_workers=0)`: the store client is one per process
 and the fetch is a zero-copy transfer, so worker processes would add a copy, not speed.
+
+Read ahead
+    With `read_ahead=D` and `workers=W` (both > 0) the next `D` samples are fetched and checked
+    on `W` threads while the consumer trains on the current one (`data.prefetch.read_ahead`):
+    the order stays the manifests' order, `state_dict()` counts the samples handed out (not
+    those fetched ahead), and at most `D` fetched samples wait beside the one the consumer holds.
+    A CUDA reader's copy and check run on a side stream per thread, marked in use on the stream
+    that was current where the iteration started (the trainer's compute stream).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hpctoolkit.capture.manifest import Manifest
+from hpctoolkit.data import prefetch
 from hpctoolkit.data.sample import BufferPool, Sample
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.store.api import ObjectStore
@@ -76,6 +86,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         expected_input_ids: Callable[[Manifest], torch.Tensor | None] | None = None,
         pool_buffers: int = 2,
         device: torch.device | None = None,
+        read_ahead: int = 0,
+        workers: int = 0,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} must lie in [0, world_size={world_size})")
@@ -90,7 +102,13 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self.expected_input_ids = expected_input_ids
         # A CUDA reader copies each sample to its device (`fetch_sample`): page-locked buffers.
         self.device = device
-        self.pool = BufferPool(pool_buffers, pin=device is not None and device.type == "cuda")
+        if read_ahead < 0 or workers < 0:
+            raise ConfigError(f"read_ahead={read_ahead} and workers={workers} must be >= 0")
+        self.read_ahead, self.workers = read_ahead, workers
+        # Buffers recycled by `release()`: enough for every sample in flight.
+        self.pool = BufferPool(
+            max(pool_buffers, read_ahead + 1), pin=device is not None and device.type == "cuda"
+        )
         self._consumed = skip
 
     def state_dict(self) -> dict[str, int]:
@@ -112,24 +130,51 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 "HiddenStateDataset must run with DataLoader(num_workers=0 or 1): sharding is by "
                 "data-parallel rank, and a second worker would fetch (and remove) the same samples"
             )
-        local = -1
         start = self._consumed
-        for i, raw in enumerate(_iter_source(self.manifests)):
-            if i % self.world_size != self.rank:
-                continue
-            local += 1
-            if local < start:
-                continue
-            manifest = as_manifest(raw)
+        consumer = (
+            torch.cuda.current_stream(self.device)
+            if self.device is not None and self.device.type == "cuda"
+            else None
+        )
+
+        def mine() -> Iterator[tuple[int, Manifest]]:
+            local = -1
+            for i, raw in enumerate(_iter_source(self.manifests)):
+                if i % self.world_size != self.rank:
+                    continue
+                local += 1
+                if local >= start:
+                    yield local, as_manifest(raw)
+
+        cancel = threading.Event()
+
+        def fetch(item: tuple[int, Manifest]) -> tuple[int, Sample]:
+            local, manifest = item
             expected = self.expected_input_ids(manifest) if self.expected_input_ids else None
-            sample = fetch_sample(
-                self.store,
-                manifest,
-                retry_max_wait_s=self.retry_max_wait_s,
-                remove=self.remove,
-                expected_input_ids=expected,
-                pool=self.pool,
-                device=self.device,
-            )
+            if consumer is None:
+                return local, self._fetch(manifest, expected, cancel)
+            with torch.cuda.stream(consumer):  # a worker thread's current stream: the consumer's
+                return local, self._fetch(manifest, expected, cancel)
+
+        for local, sample in prefetch.read_ahead(
+            mine(),
+            fetch,
+            workers=self.workers,
+            depth=self.read_ahead,
+            name=f"fetch-rank{self.rank}",
+            cancel=cancel,
+        ):
             self._consumed = local + 1
             yield sample
+
+    def _fetch(self, manifest: Manifest, expected: torch.Tensor | None, cancel: threading.Event) -> Sample:
+        return fetch_sample(
+            self.store,
+            manifest,
+            retry_max_wait_s=self.retry_max_wait_s,
+            remove=self.remove,
+            expected_input_ids=expected,
+            pool=self.pool,
+            device=self.device,
+            cancel=cancel if self.workers > 0 and self.read_ahead > 0 else None,
+        )

@@ -7,9 +7,15 @@ Layout of `out_dir`
     carries every object's checksum (`FragmentSpec.digest`, from the bytes written; the store's
     per-stage sums objects are not saved), and the reader checks each object it reads against
     it, refusing a mismatch with a `DataIntegrityError` naming the object and the shard.
-    `index.json`: `{"format", "shards": [{"file", "samples", "nbytes"}], "num_samples"}`. Shards
-    and the index are written atomically (`rundir.atomic`), and the index is rewritten
-    after every shard, so a crash leaves an index that names only complete shards.
+    `index.jsonl`: the index, appended to: a first line `{"format"}`, then one line per shard
+    `{"file", "samples": [keys], "sizes": [bytes per sample], "nbytes"}`, appended (and synced)
+    once the shard's file is complete. Shards are written atomically (`rundir.atomic`), so a crash
+    leaves an index that names only complete shards; a line torn by the crash is not taken (and
+    an appending writer first rewrites the index without it). The bytes the index takes per sample
+    do not grow with the spool (the index of 2026-12-06 and before, `index.json`, was rewritten
+    whole after every shard; it is still read, and converted when appended to).
+    A line may name fewer samples than its shard file holds: `keep_first` cuts a spool to the
+    samples a checkpoint trained on by shortening the last kept line, never by rewriting a shard.
 
 `ShardReader` is an `ObjectStore` (read-only; `remove` is a no-op) plus a manifest source, so
 `HiddenStateDataset(reader.manifests(), reader, ...)` replays shards with the same checks as
@@ -18,6 +24,7 @@ training online. Reads go from the file straight into the sample's buffer (`read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -34,10 +41,12 @@ from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.dtypes import safetensors_code
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir.atomic import atomic_path, write_json_atomic
+from hpctoolkit.rundir.atomic import atomic_path, write_text_atomic
 from hpctoolkit.store.api import MissingKeysError
 
-INDEX_NAME = "index.json"
+INDEX_NAME = "index.jsonl"
+# The whole-file index of 2026-12-06 and before: read, and converted when appended to.
+LEGACY_INDEX_NAME = "index.json"
 FORMAT = "hpctoolkit-hidden-states-v1"
 MANIFESTS_META = "hpctoolkit.manifests"
 
@@ -66,11 +75,67 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
             f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))  # type: ignore[arg-type]
 
 
+def read_index(out_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]:
+    """The shards a directory's index names, in order, and whether its last line was torn (a
+    crash while appending: that line is not taken). An empty list when there is no index."""
+    out = Path(out_dir)
+    path = out / INDEX_NAME
+    if not path.exists():
+        legacy = out / LEGACY_INDEX_NAME
+        if not legacy.exists():
+            return [], False
+        data = json.loads(legacy.read_text())
+        if data.get("format") != FORMAT:
+            raise DataIntegrityError(f"{legacy}: format {data.get('format')!r}, expected {FORMAT!r}")
+        return [_with_sizes(out, s) for s in data["shards"]], False
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    torn = lines[-1] != b""  # a complete index ends in a newline
+    lines = lines[:-1]
+    if not lines:
+        return [], torn
+    head = json.loads(lines[0])
+    if head.get("format") != FORMAT:
+        raise DataIntegrityError(f"{path}: format {head.get('format')!r}, expected {FORMAT!r}")
+    shards = []
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            shards.append(json.loads(line))
+        except ValueError as err:
+            raise DataIntegrityError(f"{path}: line {n} is not JSON ({err})") from err
+    return shards, torn
+
+
+def _with_sizes(out: Path, shard: dict[str, Any]) -> dict[str, Any]:
+    """A legacy index line, with the per-sample sizes read from its shard's manifests."""
+    if "sizes" in shard:
+        return shard
+    _, header = _read_header(out / shard["file"])
+    manifests = json.loads((header.get("__metadata__") or {}).get(MANIFESTS_META, "[]"))
+    sizes = [Manifest.from_dict(m).nbytes for m in manifests][: len(shard["samples"])]
+    return {**shard, "sizes": sizes}
+
+
+def _index_text(shards: Sequence[dict[str, Any]]) -> str:
+    lines = [json.dumps({"format": FORMAT})] + [json.dumps(s, separators=(",", ":")) for s in shards]
+    return "".join(line + "\n" for line in lines)
+
+
+def write_index(out_dir: str | os.PathLike[str], shards: Sequence[dict[str, Any]]) -> None:
+    """Rewrite a directory's index whole, atomically (a cut, a conversion); appends are the
+    writer's. A legacy `index.json` beside it goes."""
+    out = Path(out_dir)
+    write_text_atomic(out / INDEX_NAME, _index_text(shards))
+    (out / LEGACY_INDEX_NAME).unlink(missing_ok=True)
+
+
 class ShardWriter:
     """Append samples; a shard is closed when the next sample would take it past `max_shard_bytes`.
 
     A single sample larger than `max_shard_bytes` gets a shard of its own. Call `close()` (or use
-    it as a context manager) to write the last shard.
+    it as a context manager) to write the last shard. `flush()` closes the shard being filled now
+    (a checkpoint's barrier: every sample added so far is then durable). Each shard costs one
+    append to the index, whatever the spool's size (`index_bytes_written` counts them).
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], max_shard_bytes: int = 1 << 30):
@@ -81,14 +146,18 @@ class ShardWriter:
         self.max_shard_bytes = max_shard_bytes
         self._pending: list[Sample] = []
         self._pending_bytes = 0
-        self._shards: list[dict[str, Any]] = []
-        self._keys: set[str] = set()
-        index = self.out_dir / INDEX_NAME
-        if index.exists():
-            # Appending to an existing directory keeps what is there.
-            data = json.loads(index.read_text())
-            self._shards = list(data["shards"])
-            self._keys = {k for s in self._shards for k in s["samples"]}
+        # Appending to an existing directory keeps what its index names.
+        shards, torn = read_index(self.out_dir)
+        self._shards: list[dict[str, Any]] = shards
+        self._keys: set[str] = {k for s in self._shards for k in s["samples"]}
+        self.index_bytes_written = 0
+        if torn or (self.out_dir / LEGACY_INDEX_NAME).exists() or not (self.out_dir / INDEX_NAME).exists():
+            write_index(self.out_dir, self._shards)
+
+    @property
+    def samples_written(self) -> int:
+        """Samples in complete shards the index names (durable)."""
+        return sum(len(s["samples"]) for s in self._shards)
 
     def add(self, sample: Sample) -> None:
         if sample.key in self._keys:
@@ -109,24 +178,26 @@ class ShardWriter:
         meta = {MANIFESTS_META: json.dumps(manifests), "format": FORMAT}
         with atomic_path(self.out_dir / name) as tmp:
             _write_safetensors(tmp, tensors, meta)
-        self._shards.append(
-            {"file": name, "samples": [s.key for s in self._pending], "nbytes": self._pending_bytes}
-        )
-        self._write_index()
+        shard = {
+            "file": name,
+            "samples": [s.key for s in self._pending],
+            "sizes": [s.manifest.nbytes for s in self._pending],
+            "nbytes": self._pending_bytes,
+        }
+        self._append_index(shard)
+        self._shards.append(shard)
         self._pending, self._pending_bytes = [], 0
 
-    def _write_index(self) -> None:
-        index = {
-            "format": FORMAT,
-            "shards": self._shards,
-            "num_samples": sum(len(s["samples"]) for s in self._shards),
-        }
-        write_json_atomic(self.out_dir / INDEX_NAME, index, indent=1)
+    def _append_index(self, shard: dict[str, Any]) -> None:
+        line = (json.dumps(shard, separators=(",", ":")) + "\n").encode()
+        with open(self.out_dir / INDEX_NAME, "ab") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self.index_bytes_written += len(line)
 
     def close(self) -> None:
         self.flush()
-        if not self._shards:
-            self._write_index()
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -166,25 +237,30 @@ def _summed_manifest(sample: Sample) -> Manifest:
 
 
 def keep_first(out_dir: str | os.PathLike[str], n: int) -> tuple[int, int]:
-    """Cut a shard directory to its first `n` samples (whole shards: the later shards' files go,
-    then the index names only the rest); `(samples, bytes)` kept. A resumed replay spool keeps what
-    its checkpoint trained on. Raises when it holds fewer, or `n` falls inside a shard."""
+    """Cut a shard directory to its first `n` samples; `(samples, bytes)` kept. A resumed replay
+    spool keeps what its checkpoint trained on. The shard holding sample `n` keeps its file and
+    its index line names only its first samples; the later shards' files go. Raises, naming the
+    directory, when it holds fewer than `n`."""
     out = Path(out_dir)
-    index = out / INDEX_NAME
-    shards = json.loads(index.read_text())["shards"] if index.exists() else []
+    shards, _ = read_index(out)
     kept: list[dict[str, Any]] = []
     count = 0
     for shard in shards:
         if count >= n:
             break
-        kept.append(shard)
-        count += len(shard["samples"])
+        take = min(len(shard["samples"]), n - count)
+        if take < len(shard["samples"]):
+            sizes = list(shard["sizes"])[:take]
+            kept.append({**shard, "samples": shard["samples"][:take], "sizes": sizes, "nbytes": sum(sizes)})
+        else:
+            kept.append(shard)
+        count += take
     if count != n:
         raise DataIntegrityError(
-            f"{out} holds {count} samples in whole shards up to sample {n} "
-            f"({sum(len(s['samples']) for s in shards)} in all): it cannot be cut to the first {n}"
+            f"{out} holds {count} samples, fewer than the {n} its checkpoint trained on: "
+            "it cannot be cut to them"
         )
-    write_json_atomic(index, {"format": FORMAT, "shards": kept, "num_samples": count}, indent=1)
+    write_index(out, kept)
     for shard in shards[len(kept) :]:
         (out / shard["file"]).unlink(missing_ok=True)
     return count, sum(int(s["nbytes"]) for s in kept)
@@ -200,6 +276,12 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return 8 + n, header
 
 
+def _objects_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """A saved manifest's data objects (its sums objects are never saved)."""
+    objects = [manifest.get("input_ids"), *(manifest.get("fragments") or []), manifest.get("loss_mask")]
+    return [o for o in objects if o]
+
+
 class ShardReader:
     """Offline shards as an `ObjectStore` and a manifest source; see the module docstring."""
 
@@ -209,32 +291,38 @@ class ShardReader:
 
     def __init__(self, shard_dir: str | os.PathLike[str]):
         self.dir = Path(shard_dir)
-        index_path = self.dir / INDEX_NAME
-        if not index_path.exists():
+        if not (self.dir / INDEX_NAME).exists() and not (self.dir / LEGACY_INDEX_NAME).exists():
             raise DataIntegrityError(f"{self.dir} has no {INDEX_NAME}")
-        index = json.loads(index_path.read_text())
-        if index.get("format") != FORMAT:
-            raise DataIntegrityError(f"{index_path}: format {index.get('format')!r}, expected {FORMAT!r}")
+        shards, _ = read_index(self.dir)
         self._objects: dict[str, tuple[Path, int, int]] = {}
         self._digests: dict[str, str] = {}
         self._manifests: list[dict[str, Any]] = []
-        for shard in index["shards"]:
+        for shard in shards:
             path = self.dir / shard["file"]
             base, header = _read_header(path)
             meta = header.pop("__metadata__", {}) or {}
-            manifests = json.loads(meta.get(MANIFESTS_META, "[]"))
+            # The index may name only the first samples of a shard (`keep_first`).
+            manifests = json.loads(meta.get(MANIFESTS_META, "[]"))[: len(shard["samples"])]
             if [m.get("sample_key") for m in manifests] != shard["samples"]:
                 raise DataIntegrityError(f"shard {path}: its manifests disagree with {INDEX_NAME}")
+            keys = {o["key"] for m in manifests for o in _objects_of(m)}
             self._manifests.extend(manifests)
             for m in manifests:
                 if m.get("schema_version") == UNSUMMED_SCHEMA_VERSION:
                     continue  # saved before the checksums: sizes only
-                objects = [m.get("input_ids"), *(m.get("fragments") or []), m.get("loss_mask")]
-                self._digests.update({o["key"]: o["digest"] for o in objects if o and o.get("digest")})
+                self._digests.update({o["key"]: o["digest"] for o in _objects_of(m) if o.get("digest")})
             for key, info in header.items():
-                begin, end = info["data_offsets"]
-                self._objects[key] = (path, base + begin, end - begin)
+                if key in keys:
+                    begin, end = info["data_offsets"]
+                    self._objects[key] = (path, base + begin, end - begin)
         self._lock = threading.Lock()
+        self._fds: dict[Path, int] = {}
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
 
     def manifests(self) -> list[dict[str, Any]]:
         """Manifest dicts in write order (parsed and validated by the dataset)."""
@@ -266,20 +354,22 @@ class ShardReader:
         missing = [k for k in keys if k not in self._objects]
         if missing:
             raise MissingKeysError(missing)
-        with self._lock:
-            for key, dst in zip(keys, dests, strict=True):
-                path, offset, size = self._objects[key]
-                want = dst.numel() * dst.element_size()
-                if size != want:
-                    raise StoreError(f"object {key!r} holds {size} bytes, destination expects {want}")
-                if not dst.is_contiguous() or dst.device.type != "cpu":
-                    raise StoreError(f"object {key!r}: destination must be contiguous CPU memory")
-                view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]  # buffer protocol
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    got = f.readinto(view)
-                if got != size:
+        for key, dst in zip(keys, dests, strict=True):
+            path, offset, size = self._objects[key]
+            want = dst.numel() * dst.element_size()
+            if size != want:
+                raise StoreError(f"object {key!r} holds {size} bytes, destination expects {want}")
+            if not dst.is_contiguous() or dst.device.type != "cpu":
+                raise StoreError(f"object {key!r}: destination must be contiguous CPU memory")
+            view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]  # buffer protocol
+            # Positioned reads on one descriptor per shard: readers on several threads
+            # (`data.prefetch`) share it without a lock around the reads.
+            fd, got = self._fd(path), 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
                     raise StoreError(f"object {key!r}: shard {path} is truncated ({got} of {size} bytes)")
+                got += n
         # Every object with a saved digest, all at once on the hashing threads (a replayed sample's
         # only check of them: `checks_own_digests`).
         summed = [(k, d) for k, d in zip(keys, dests, strict=True) if k in self._digests]
@@ -299,7 +389,14 @@ class ShardReader:
         pass
 
     def close(self) -> None:
-        pass
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def save_manifest_samples(

@@ -44,6 +44,7 @@ Manifest `extra` keys this module reads
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import wait
@@ -241,6 +242,10 @@ def _check_sample(sample: Sample, expected_input_ids: torch.Tensor | None) -> No
         raise DataIntegrityError(f"sample {m.sample_key!r}, object {ids_key!r}: negative token ids")
 
 
+class FetchCancelledError(Exception):
+    """A fetch whose reader stopped waiting (`fetch_sample(cancel=...)`); never a data error."""
+
+
 def fetch_sample(
     store: ObjectStore,
     manifest: Manifest,
@@ -251,6 +256,7 @@ def fetch_sample(
     pool: BufferPool | None = None,
     poll_interval_s: float = 0.05,
     device: torch.device | None = None,
+    cancel: threading.Event | None = None,
 ) -> Sample:
     """Fetch and check every object of `manifest`'s sample; return it whole or raise.
 
@@ -259,6 +265,8 @@ def fetch_sample(
     `device` (a CUDA trainer's): a sample whose sums are `wmix64` is copied there in one copy and
     its stages' sums are checked there (`_check_on_device`); the sample's `device_copy` is that
     checked copy. Without it, or for XXH3 sums, every check runs on the host.
+    `cancel`, once set, ends a wait for objects not yet published with `FetchCancelledError` (a reader
+    fetching ahead whose consumer stopped: `data.prefetch`).
     """
     manifest.validate()
     sample = Sample.empty_for(manifest, pool)
@@ -269,6 +277,7 @@ def fetch_sample(
             sample.destinations() + sample.sum_destinations(),
             retry_max_wait_s,
             poll_interval_s,
+            cancel,
         )
         on_device = bool(manifest.sums) and manifest.sums_algorithm == devsum.ALGORITHM
         _check_digests(sample, own_checked=getattr(store, "checks_own_digests", False), sums=not on_device)
@@ -329,7 +338,17 @@ def _compare_sums(
             )
 
 
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+# One copy stream per (thread, device): a reader's worker threads (`data.prefetch`) copy and check
+# their samples side by side, each waiting only for its own stream.
+_copy_streams = threading.local()
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    streams: dict[torch.device, torch.cuda.Stream] = getattr(_copy_streams, "by_device", None) or {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+        _copy_streams.by_device = streams
+    return streams[device]
 
 
 def _check_on_device(sample: Sample, device: torch.device | None) -> None:
@@ -343,9 +362,7 @@ def _check_on_device(sample: Sample, device: torch.device | None) -> None:
     copy = None
     if device is not None and device.type == "cuda":
         consumer = torch.cuda.current_stream(device)
-        if device not in _copy_streams:
-            _copy_streams[device] = torch.cuda.Stream(device)
-        with torch.cuda.stream(_copy_streams[device]):
+        with torch.cuda.stream(_copy_stream(device)):
             copy = sample.copy_to(device)
             on_device = dict(copy.destinations())
             got = devsum.digests8([on_device[spec.key] for *_, spec in summed])  # waits for the stream
@@ -363,6 +380,7 @@ def _fill(
     dests: Sequence[tuple[str, torch.Tensor]],
     retry_max_wait_s: float,
     poll_interval_s: float,
+    cancel: threading.Event | None = None,
 ) -> None:
     keys = [k for k, _ in dests]
     tensors = [t for _, t in dests]
@@ -397,7 +415,12 @@ def _fill(
                     f"sample {manifest.sample_key!r}: still failing after {retry_max_wait_s:g}s "
                     f"(store.get_retry_max_wait_seconds): {last_err}"
                 ) from last_err
-            time.sleep(min(delay, deadline - now))
+            if cancel is None:
+                time.sleep(min(delay, deadline - now))
+            elif cancel.wait(min(delay, deadline - now)):
+                raise FetchCancelledError(
+                    f"sample {manifest.sample_key!r}: its reader stopped waiting for it"
+                )
             delay = min(delay * 1.5, 1.0)
             try:
                 present = store.exists(list(pending))

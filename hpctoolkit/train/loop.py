@@ -160,6 +160,9 @@ class _Run:
         return self.job.files
 
     def save(self) -> None:
+        # The samples this checkpoint counts as trained on must be durable in the replay spool
+        # first: a resume cuts the spool to exactly them.
+        self.stream.sync()
         self.ckpt.save(
             self.step,
             self.trainer,

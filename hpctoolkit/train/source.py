@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpctoolkit.data.prefetch import read_ahead
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.rundir.layout import SpoolDir
 
@@ -49,8 +50,10 @@ def _open_shards(path: Path, rank: int, world_size: int, epoch: int, skip: int, 
         g = torch.Generator().manual_seed(seed * 7919 + epoch)
         order = torch.randperm(n, generator=g).tolist()
     mine = order[rank::world_size]
-    for i in mine[skip:]:
-        yield reader[i]
+    try:
+        yield from read_ahead(mine[skip:], reader.__getitem__, workers=2, depth=8, name=f"shards-rank{rank}")
+    finally:
+        reader.close()
 
 
 def make_opener(source: SamplesSource, seed: int) -> Callable[[int, int, int, int], Iterable[Any]]:
@@ -93,10 +96,24 @@ class SampleStream:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def rewind(self, position: dict[str, int]) -> None:
-        """Back to `position` (a batch read but never trained on: a preemption dropped it)."""
+        """Back to `position` (a batch read but never trained on: a preemption dropped it). The
+        source's iterator is closed here, so what it must finish (a spool) finishes, or fails, now."""
         self.epoch, self.offset = int(position["epoch"]), int(position["offset"])
-        self._it = None
+        self.close()
         self.exhausted = False
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+    def sync(self) -> None:
+        """What a checkpoint waits for: the source's record of what it handed out is durable
+        (`LiveSource.sync`: the replay spool); nothing for a source without one."""
+        sync = getattr(self.opener, "sync", None)
+        if sync is not None:
+            sync()
 
     def _next(self) -> Any | None:
         fresh_epochs = 0
@@ -179,6 +196,21 @@ class LiveSource:
     counts samples of the earlier attempt's queue and is not applied to this one's.
     `spool_max_bytes` bounds the spool of all ranks together (each rank keeps at most
     its `1/world_size`); a sample that would pass it raises, never silently goes unspooled.
+
+    The input path keeps the trainer's GPU fed (measured in `benchmarks/trainer_input.py`):
+    - the store is read `read_ahead` samples ahead of the trainer on `fetch_workers` threads
+      (`data.prefetch`), in the manifests' order, each sample checked (and, for a CUDA trainer,
+      copied and checked on its GPU on a side stream) before it is handed out;
+    - the spool is written on a thread of its own (`data.spool.SpoolWriter`), in shards of
+      `spool_shard_bytes` with one index line each; `sync()` (called before every checkpoint) makes
+      every sample handed out so far durable, so a resume cuts the spool to exactly the samples
+      its checkpoint trained on;
+    - the read record is rewritten at most once a second (`data.spool.ThrottledRecord`);
+    - the replay reads ahead the same way.
+    Host memory beyond the batch being trained: up to `read_ahead` fetched samples, up to
+    `spool_queue` samples waiting for the spool's thread, and up to `spool_shard_bytes` (plus one
+    sample) of the shard being filled; with the defaults and SmolLM2's longest samples (about
+    6 MiB) about 0.4 GiB.
     """
 
     manifests_path: str
@@ -195,6 +227,22 @@ class LiveSource:
     # "cuda": the rank's samples are checked on its current CUDA device and collated from there
     # (`fetch_sample(device=...)`); None: on the host.
     device: str | None = None
+    read_ahead: int = 8
+    fetch_workers: int = 4
+    spool_shard_bytes: int = 256 << 20
+    spool_queue: int = 16
+    # This process's spool writer while a first pass runs (never pickled: each rank opens its own).
+    _writer: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_writer"] = None
+        return state
+
+    def sync(self) -> None:
+        """Make every sample handed out so far durable in the spool (a checkpoint's barrier)."""
+        if self._writer is not None:
+            self._writer.sync()
 
     @property
     def spools(self) -> bool:
@@ -231,6 +279,8 @@ class LiveSource:
                 world_size=world_size,
                 skip=skip,
                 device=torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else None,
+                read_ahead=self.read_ahead,
+                workers=self.fetch_workers,
             )
             if self.spool_dir is None:
                 yield from samples
@@ -249,15 +299,16 @@ class LiveSource:
         return self.spool.read_record(rank)
 
     def _read(self, samples: Iterable[Any], rank: int, world_size: int, keep: int = 0) -> Iterator[Any]:
-        """Hand out `samples`, each first added to this rank's replay spool (when it spools) and
+        """Hand out `samples`, each first put to this rank's replay spool (when it spools) and
         counted in its read record. `keep`: a resumed first pass continues the spool after the
         earlier attempt's first `keep` samples (those its checkpoint trained on); else it starts anew."""
         import contextlib
         import shutil
+        import sys
 
-        from hpctoolkit.data.offline import ShardWriter, keep_first
+        from hpctoolkit.data.offline import keep_first
+        from hpctoolkit.data.spool import SpoolWriter, ThrottledRecord
         from hpctoolkit.errors import DataIntegrityError
-        from hpctoolkit.rundir.atomic import write_json_atomic
 
         shard_dir = self.spool.shards(rank)
         n = nbytes = 0
@@ -266,21 +317,26 @@ class LiveSource:
         else:
             shutil.rmtree(shard_dir, ignore_errors=True)  # an earlier run's; this pass starts fresh
         self.spool.root.mkdir(parents=True, exist_ok=True)
-        record = self.read_record(rank)
         bound = None if self.spool_max_bytes is None else self.spool_max_bytes // world_size
         engines: list[dict[str, Any]] = [{"samples": 0, "stage_bytes": []} for _ in self.engine_prefixes]
+        complete = False
 
-        def note(complete: bool) -> None:
+        def render() -> dict[str, Any]:
             rec: dict[str, Any] = {"samples": n, "bytes": nbytes, "complete": complete}
             if engines:
                 # The prefixes tell this attempt's record from an earlier one's (`rundir.ledger`).
-                rec["engines"], rec["prefixes"] = engines, list(self.engine_prefixes)
-            write_json_atomic(record, rec)
+                rec["engines"] = [{**e, "stage_bytes": list(e["stage_bytes"])} for e in engines]
+                rec["prefixes"] = list(self.engine_prefixes)
+            return rec
 
-        note(False)
-        with contextlib.ExitStack() as stack:
-            # Flushed per sample: a shard is the replay's copy, and the run may stop at any step.
-            writer = stack.enter_context(ShardWriter(shard_dir, max_shard_bytes=1)) if self.spools else None
+        record = ThrottledRecord(self.read_record(rank), render)
+        writer = (
+            SpoolWriter(shard_dir, max_shard_bytes=self.spool_shard_bytes, max_queued=self.spool_queue)
+            if self.spools
+            else None
+        )
+        self._writer = writer
+        try:
             for sample in samples:
                 m = sample.manifest
                 if writer is not None:
@@ -289,14 +345,31 @@ class LiveSource:
                             f"rank {rank}'s spool would pass its {bound} bytes of training.spool_max_size "
                             f"({self.spool_max_bytes} over {world_size} rank(s)) at sample {n + 1}; raise it"
                         )
-                    writer.add(sample)
-                    writer.flush()
-                n += 1
-                nbytes += m.nbytes
-                _count_engine(engines, self.engine_prefixes, m)
-                note(False)
+                    writer.put(sample)
+                with record.lock:
+                    n += 1
+                    nbytes += m.nbytes
+                    _count_engine(engines, self.engine_prefixes, m)
+                record.touch()
                 yield sample
-        note(True)
+            if writer is not None:
+                writer.close()  # every sample durable before the record says complete
+            complete = True
+        finally:
+            self._writer = None
+            try:
+                # Stopped early (a preemption, an error): what was handed out is still made
+                # durable; a resume cuts the spool to what its checkpoint trained on. A spool
+                # failure here is raised (a checkpoint must not follow it), unless a reading
+                # error is already on its way out.
+                if writer is not None and not complete:
+                    if isinstance(sys.exc_info()[1], Exception):
+                        with contextlib.suppress(Exception):
+                            writer.close()
+                    else:
+                        writer.close()
+            finally:
+                record.close()
 
     def _replay(self, rank: int, skip: int) -> Iterator[Any]:
         import json
@@ -307,8 +380,16 @@ class LiveSource:
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
         reader = ShardReader(self.spool.shards(rank))
-        for i in range(skip, len(reader)):
-            yield reader[i]
+        try:
+            yield from read_ahead(
+                range(skip, len(reader)),
+                reader.__getitem__,
+                workers=min(self.fetch_workers, 2),
+                depth=self.read_ahead,
+                name=f"replay-rank{rank}",
+            )
+        finally:
+            reader.close()
 
 
 def _count_engine(engines: list[dict[str, Any]], prefixes: tuple[str, ...], manifest: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 from store_fixtures import assert_sample_matches, make_manifest, publish_all
 
 from hpctoolkit.data.dataset import HiddenStateDataset
-from hpctoolkit.data.offline import ShardReader, ShardWriter, save_manifest_samples
+from hpctoolkit.data.offline import ShardReader, ShardWriter, read_index, save_manifest_samples
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.store.memory import MemoryStore
 
@@ -123,9 +123,9 @@ def test_shards_roundtrip_through_the_same_dataset_path(tmp_path):
     per_sample = ms[0].nbytes
     n = save_manifest_samples(online, tmp_path, max_shard_bytes=2 * per_sample + 1)
     assert n == 5
-    index = json.loads((tmp_path / "index.json").read_text())
-    assert index["num_samples"] == 5 and len(index["shards"]) >= 2
-    assert [k for s in index["shards"] for k in s["samples"]] == [m.sample_key for m in ms]
+    shards, torn = read_index(tmp_path)
+    assert not torn and len(shards) >= 2
+    assert [k for s in shards for k in s["samples"]] == [m.sample_key for m in ms]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
 
     reader = ShardReader(tmp_path)
@@ -164,8 +164,7 @@ def test_index_names_only_complete_shards_after_a_crash(tmp_path):
     w.add(samples[0])
     w.add(samples[1])  # closes shard 0
     # Crash here: sample 1 was pending and never written.
-    index = json.loads((tmp_path / "index.json").read_text())
-    assert [s["samples"] for s in index["shards"]] == [["s0"]]
+    assert [s["samples"] for s in read_index(tmp_path)[0]] == [["s0"]]
     assert [s.key for s in ShardReader(tmp_path).dataset()] == ["s0"]
     # A new writer appends to what is there and refuses duplicates.
     w2 = ShardWriter(tmp_path, max_shard_bytes=1)
@@ -194,7 +193,7 @@ def test_a_shard_write_failing_midway_leaves_no_partial_or_temporary_file(tmp_pa
     w.add(samples[1])
     with pytest.raises(OSError, match="disk full"):
         w.flush()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.jsonl", "shard-00000.safetensors"]
     assert [s.key for s in ShardReader(tmp_path).dataset()] == ["s0"]
 
 
