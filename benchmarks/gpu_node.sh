@@ -59,6 +59,25 @@ stage_run() {
   return $rc
 }
 
+# One rung of the acceptance ladder (benchmarks/acceptance.py --ladder), the GPU's utilization
+# sampled every second beside it (smi.csv), each point's summary and trainer log copied back.
+# LADDER_POINTS (default 4096:2048) and LADDER_FAMILIES (default dflash) pick the rung.
+stage_ladder() {
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 1 \
+    > "$res/smi.csv" 2>&1 &
+  local smi=$!
+  timeout -k 20 1500 "$py" benchmarks/acceptance.py --ladder --points "${LADDER_POINTS:-4096:2048}" \
+    --families "${LADDER_FAMILIES:-dflash}" --out runs/acceptance
+  local rc=$?
+  kill "$smi" 2>/dev/null
+  cp runs/acceptance/acceptance.json "$res/" 2>/dev/null
+  find runs/acceptance -path '*latest/summary.json' | while read -r f; do
+    cp "$f" "$res/summary-$(basename "$(dirname "$(dirname "$f")")").json"
+  done
+  find runs/acceptance -name '*.log' -path '*trainer*' -exec cp {} "$res/" \; 2>/dev/null
+  return $rc
+}
+
 # The first runs on CUDA of tests written after the last GPU session, ahead of the whole tier.
 NEW_GPU_TESTS=(
   "tests/e2e/test_engine_real.py::test_a_request_aborted_mid_prefill_leaves_no_fragment"
