@@ -174,6 +174,9 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...], done: ledger.Ledge
         engine_prefixes=prefixes,
         resumed=done is not None,
         device="cuda" if cfg.training.device == "cuda" else None,
+        # Two batches fetched and checked ahead of the step that takes them: the host reads the
+        # next batch whole while the GPU trains on this one (`benchmarks/trainer_input.py`).
+        read_ahead=max(8, 2 * cfg.training.batch_size),
     )
 
 

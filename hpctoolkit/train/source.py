@@ -384,7 +384,7 @@ class LiveSource:
             yield from read_ahead(
                 range(skip, len(reader)),
                 reader.__getitem__,
-                workers=min(self.fetch_workers, 2),
+                workers=self.fetch_workers,
                 depth=self.read_ahead,
                 name=f"replay-rank{rank}",
             )
