@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hpctoolkit.data.config import MagpieConfig
-from hpctoolkit.data.synth_filter import Candidate, EvalIndex, Selection, eval_texts, select, turn_reason
+from hpctoolkit.data.synth_filter import (
+    Candidate,
+    EvalIndex,
+    Selection,
+    answer_reason,
+    eval_texts,
+    select,
+    turn_reason,
+)
 from hpctoolkit.data.template import ChatSpec, apply_system_policy, eot_ids, prompt_ids, render
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 
@@ -194,8 +202,7 @@ def _answer_round(alive: list[Candidate], t: int, knobs: MagpieConfig, ctx: _Ctx
     for (c, _, _), (ids, _) in zip(jobs, outs, strict=True):
         content = str(ctx.tok.decode(_body(ids, ctx.eot), skip_special_tokens=True))
         c.answers.append(content)
-        if not content:
-            c.reason = "bad_answer"
+        c.reason = answer_reason(content)
 
 
 def _run_batch(batch: list[Candidate], knobs: MagpieConfig, ctx: _Ctx) -> None:

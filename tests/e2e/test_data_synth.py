@@ -144,6 +144,7 @@ def test_select_counts_every_reason_in_order():
         "no_end": 1,
         "too_short": 1,
         "too_long": 1,
+        "degenerate": 0,
         "bad_answer": 1,
         "eval_copy": 2,
         "exact_dup": 1,
