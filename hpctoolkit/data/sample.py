@@ -14,13 +14,24 @@ sample and no tensor is assembled by concatenating copies. `input_ids`, `aux_hid
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from hpctoolkit import dtypes
 from hpctoolkit.capture.manifest import Manifest
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+
+
+class ReadEvent(Protocol):
+    """What `BufferPool` needs of a `torch.cuda.Event` recorded after the device work that reads a
+    buffer: whether that work is done, and a way to wait for it."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 class BufferPool:
@@ -30,27 +41,53 @@ class BufferPool:
     its consumer calls `Sample.release()`: a consumer that never releases just gets fresh buffers.
     At most `max_buffers` idle buffers are kept. `pin`: page-locked buffers (a CUDA reader copies
     each sample to its GPU; torch's host allocator caches freed page-locked blocks).
+
+    Device reads. A copy from a page-locked buffer to a GPU (`Sample.copy_to`) is queued on a
+    stream and may run long after the host moved on, so a buffer can come back while a copy still
+    reads it. It comes back with the events recorded after those reads (`give(buf, until=)`), and
+    `take` never hands it out before every one of them has completed: writing the next sample
+    into it earlier would hand the device that sample's bytes. `take` prefers a fitting buffer
+    whose reads are done and waits (`synchronize`) only when every fit is still being read (at
+    most one queued copy, where a fresh page-locked buffer costs page faults and pinning). torch's host
+    allocator does the same for a page-locked tensor that is freed, not pooled (it records an
+    event on the copy's stream), so a buffer the full pool drops is safe as it is. A buffer given
+    back without events (every CPU consumer) is handed out as before.
     """
 
     def __init__(self, max_buffers: int = 2, pin: bool = False):
         self.max_buffers = max_buffers
         self.pin = pin
         self._free: list[torch.Tensor] = []
+        # id() of a buffer in `_free` -> the events its device reads end with; absent: none.
+        self._until: dict[int, tuple[ReadEvent, ...]] = {}
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
+        best: torch.Tensor | None = None
+        until: tuple[ReadEvent, ...] = ()
         with self._lock:
             fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
             if fits:
-                best = min(fits, key=lambda b: b.numel())
+                ready = [b for b in fits if all(e.query() for e in self._until.get(id(b), ()))]
+                best = min(ready or fits, key=lambda b: b.numel())
                 self._free = [b for b in self._free if b is not best]
-                return best
+                until = self._until.pop(id(best), ())
+                if ready:  # its reads have run: nothing to wait for
+                    until = ()
+        if best is not None:
+            for event in until:  # outside the lock: another reader may take a ready buffer meanwhile
+                event.synchronize()
+            return best
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, until: Sequence[ReadEvent] = ()) -> None:
+        """Keep `buf` for a later `take` (if fewer than `max_buffers` are idle). `until`: events
+        recorded after device work that still reads `buf`; `take` waits for them."""
         with self._lock:
             if len(self._free) < self.max_buffers:
                 self._free.append(buf)
+                if until:
+                    self._until[id(buf)] = tuple(until)
 
 
 @dataclass
@@ -79,16 +116,29 @@ class Sample:
     device_copy: Sample | None = field(default=None, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
+    # Events recorded after queued device work that reads `_buffer` (`in_use_until`).
+    _reads: list[ReadEvent] = field(default_factory=list, repr=False, compare=False)
 
     def release(self) -> None:
         """Hand the buffer back to its pool. The sample's tensors must not be used afterwards.
 
-        Call it once the sample has been consumed (e.g. copied to the GPU). Optional: without it
-        the buffer is simply freed when the last reference goes.
+        Call it once the sample has been consumed (e.g. its copy to the GPU queued). Optional:
+        without it the buffer is simply freed when the last reference goes. A copy still queued
+        (`copy_to`, `in_use_until`) keeps the pool from handing the buffer out until it has run.
         """
         if self._pool is not None and self._buffer is not None:
-            self._pool.give(self._buffer)
+            if self._reads:
+                self._pool.give(self._buffer, until=tuple(self._reads))
+            else:
+                self._pool.give(self._buffer)
         self._buffer = self._pool = None
+        self._reads = []
+
+    def in_use_until(self, event: ReadEvent) -> None:
+        """Device work queued before `event` (recorded on that work's stream) reads this sample's
+        buffer: `release()` keeps the pool from handing the buffer out before `event` completes.
+        `copy_to` calls it for its own copy; a consumer that queues other reads calls it too."""
+        self._reads.append(event)
 
     @property
     def num_tokens(self) -> int:
@@ -132,12 +182,19 @@ class Sample:
 
     def copy_to(self, device: torch.device) -> Sample:
         """The sample's whole buffer copied to `device` in one copy, queued on the current stream
-        (from page-locked memory, without the host waiting), with the same views."""
+        (from page-locked memory, without the host waiting), with the same views. A copy from the
+        host to a GPU records an event on that stream (`in_use_until`), so that the buffer, once
+        `release()`d, is not handed out again before the copy has read it."""
         if self._buffer is None:
             raise DataIntegrityError(f"sample {self.key!r} was released: it has no buffer to copy")
         dtype = self.aux_hidden_states.dtype
         total = self.buffer_bytes(self.manifest, dtype)
-        return self._on(self.manifest, dtype, self._buffer[:total].to(device, non_blocking=True), None)
+        moved = self._buffer[:total].to(device, non_blocking=True)
+        if moved.device.type == "cuda" and self._buffer.device.type == "cpu":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(moved.device))
+            self.in_use_until(copied)
+        return self._on(self.manifest, dtype, moved, None)
 
     def used_on(self, stream: torch.cuda.Stream) -> None:
         """Tell the CUDA allocator that `stream` reads this (device) sample's buffer."""
