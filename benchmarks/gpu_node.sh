@@ -18,7 +18,8 @@
 # Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
 # store_gpu (the GPU's checksums: tests, then their cost on the fragment path), reader (a CUDA
 # reader's fetch phase by phase, benchmarks/reader_device.py), tier_new
-# (the gpu tests not yet run on CUDA), flake (the overlapped-steps test after the vLLM tests), run (`make run` with that venv: the GPU default), bench
+# (the gpu tests not yet run on CUDA), flake (the overlapped-steps test after the vLLM tests), stress
+# (that test under stress, with its positive controls and CUDA-sanitizer arms), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
 # capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
 # $HPC/results/stages.txt; the stages go on after a failed one. Every limit ends in a SIGKILL 20 s
@@ -132,6 +133,26 @@ stage_flake() {
     -m gpu -p no:cacheprovider -o addopts= -ra -s --basetemp "$res/tmp-flake-import" "$t"
   timeout -k 20 600 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra -s \
     --basetemp "$res/tmp-flake" --junitxml "$res/flake.xml" tests/gpu/test_gpu_vllm.py "$t"
+}
+
+# Issue 42, item 2: the overlapped steps under stress (spins on both streams, poisoned page-locked
+# batches, freed device blocks handed out again), its positive controls (DeviceFeeder.put without
+# wait_stream, without record_stream: each in a child, each must differ) and its CUDA-sanitizer
+# arms, with the pool's copy-event test. The STRESS-REPORT lines (-s) say which statistic differed
+# and each arm's dynamo recompiles. Then the stress test once more after `import vllm`, as in flake.
+stage_stress() {
+  local f=tests/gpu/test_train_gpu.py
+  timeout -k 20 900 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra -s \
+    --basetemp "$res/tmp-stress" --junitxml "$res/stress.xml" \
+    "$f::test_a_pooled_buffer_goes_out_again_only_after_its_copy_has_read_it" \
+    "$f::test_overlapped_steps_under_stress" \
+    "$f::test_the_stress_catches_a_feeder_without" \
+    "$f::test_the_stressed_steps_under_the_cuda_sanitizer"
+  local rc=$?
+  timeout -k 20 300 "$py" -c "import sys, vllm, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
+    -m gpu -p no:cacheprovider -o addopts= -ra -s --basetemp "$res/tmp-stress-import" \
+    "$f::test_overlapped_steps_under_stress" || rc=$?
+  return $rc
 }
 
 stage_store_gpu() {
