@@ -62,6 +62,11 @@ class RegenReport:
     truncated: int = 0
     failed: int = 0
     bad_samples: int = 0
+    # Answers the target wrote in a repetition loop (`data.synth_filter.repetition_loop`): not
+    # trained on (the row keeps its own response, as a failed turn's does), and not a failure:
+    # they are the target's own greedy behaviour, so they do not count toward the bad fraction.
+    degenerate: int = 0
+    degenerate_samples: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -93,11 +98,13 @@ def regenerate_rows(
     max_model_len: int,
 ) -> tuple[list[dict[str, Any]], RegenReport]:
     """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts."""
+    from hpctoolkit.data.synth_filter import degenerate
     from hpctoolkit.data.template import eot_ids, prompt_ids
 
     eot = eot_ids(tok, spec.end_of_turn_tokens)
     report = RegenReport(samples=len(rows))
     bad: set[int] = set()
+    looping: set[int] = set()
     convs, texts = _split_rows(rows, tok, spec, max_prompt_tokens)
     text_out: dict[int, list[int]] = {}
     # The last regenerated turn of a chat: (its prompt, the target's exact tokens).
@@ -117,6 +124,10 @@ def regenerate_rows(
         ok = got is not None and bool(content)
         if not ok:
             bad.add(n)
+        elif degenerate(content):
+            report.degenerate += 1
+            looping.add(n)
+            return False
         return ok
 
     # Plain text: one turn.
@@ -124,7 +135,7 @@ def regenerate_rows(
     for (n, _, _), got in zip(text_jobs, run(text_jobs), strict=True):
         body = [] if got is None else list(got[0])
         note(n, got, _content(tok, body, eot))
-        text_out[n] = body
+        text_out[n] = [] if n in looping else body  # a loop: the prompt alone, nothing supervised
     # Chats: round r regenerates the r-th assistant turn of every conversation that has one.
     # A row's first `answered` assistant turns are the target's own already (`data.synth`).
     turn_index = {
@@ -145,6 +156,7 @@ def regenerate_rows(
                     assert got is not None
                     last_turn[n] = (prompt, list(got[0]))
     report.bad_samples = len(bad)
+    report.degenerate_samples = len(looping - bad)
     out = _assemble(
         rows, tok, spec, texts, text_out, convs, last_turn, max_prompt_tokens, sampling.max_new_tokens
     )

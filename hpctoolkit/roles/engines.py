@@ -128,7 +128,8 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     write_json_atomic(ctx.run.logs / f"regenerate-engine{engine}.json", report.to_dict())
     say(
         f"engine {engine}: regenerated {report.turns} turns of {report.samples} rows: {report.empty} empty, "
-        f"{report.truncated} truncated, {report.failed} failed ({report.bad_samples} rows kept their own responses)"
+        f"{report.truncated} truncated, {report.failed} failed, {report.degenerate} in a repetition loop "
+        f"({report.bad_samples + report.degenerate_samples} rows kept their own responses)"
     )
     report.check(d.regenerate_max_bad_fraction)
     return [(list(x["input_ids"]), list(x["loss_mask"])) for x in out["samples"]]

@@ -82,6 +82,8 @@ def test_multi_turn_is_regenerated_turn_by_turn(tok):
         "truncated": 0,
         "failed": 0,
         "bad_samples": 0,
+        "degenerate": 0,
+        "degenerate_samples": 0,
     }
 
 
@@ -122,6 +124,23 @@ def test_empty_truncated_and_failed_are_counted_and_the_threshold_holds(tok):
     ):
         report.check(0.5)
     assert RegenReport(samples=4, bad_samples=0).check(0.0) is None
+
+
+def test_an_answer_in_a_repetition_loop_is_not_trained_on_and_is_counted_apart_from_failures(tok):
+    loop = "the end " + "so so so so " * 40  # the target looping until its token limit
+    rows = [chat("the cat", "KEEP"), chat("the dog"), {"kind": "text", "text": "a b", "origin": "t"}]
+    gen = Fake(tok, [loop, loop, "fine"], finish="length")
+    # The text row is regenerated first: its continuation is the first answer.
+    out, report = regenerate_rows(
+        rows, tok, ChatSpec(), gen, Sampling(64), max_prompt_tokens=64, max_model_len=512
+    )
+    assert (report.degenerate, report.degenerate_samples, report.bad_samples) == (2, 2, 0)
+    assert not any(out[2]["loss_mask"])  # the text row: its prompt alone
+    assert "KEEP" in tok.decode(out[0]["input_ids"]) and "so so so" not in tok.decode(out[0]["input_ids"])
+    assert tok.decode([i for i, m in zip(out[1]["input_ids"], out[1]["loss_mask"], strict=True) if m]) == (
+        "fine<|im_end|>"
+    )
+    report.check(0.0)  # loops are the target's own behaviour, not a failed regeneration
 
 
 def test_leader_masks_are_found_by_input_ids_and_refuse_a_stranger(tok):
