@@ -58,6 +58,12 @@ class EngineConfig:
     # stages' publish reports is paid once per batch, not per sample. The manifests of a batch
     # are handed on when the whole batch is published; a failure fails the whole batch.
     capture_batch: int = 16
+    # Generating engines that regenerate this engine's rows side by side, each on every N-th row
+    # (`roles.engines.engine_prompts`), on the engine's one GPU: a small target leaves a GPU
+    # nearly idle while one engine's scheduler works on one CPU core (SmolLM2 on an H100,
+    # 2026-12-07: two engines 2.08x one). Each gets `1/N` of `gpu_memory_utilization`. The merged
+    # rows are the same rows, in the same order, as one engine's. A one-GPU engine only.
+    regenerate_replicas: int = 1
     # None: decided per backend (eager for a single CPU process; compiled for CPU PP, which
     # needs the compile warm-up to allocate its intermediate-tensor buffers).
     enforce_eager: bool | None = None
@@ -78,6 +84,7 @@ class EngineConfig:
         "max_num_batched_tokens": Int(1),
         "max_num_seqs": Int(1),
         "capture_batch": Int(1),
+        "regenerate_replicas": Int(1, 16),
         "enforce_eager": Bool(optional=True),
         "in_process": Bool(),
         "cpu_kvcache_space_gb": Int(1, 1 << 20),
@@ -100,6 +107,12 @@ class EngineConfig:
             "pp_size",
             f"must divide the engine world size nnodes*gpus_per_node={self.world_size}",
             self.pp_size,
+        )
+        require(
+            self.regenerate_replicas == 1 or self.world_size == 1,
+            "regenerate_replicas",
+            f"must be 1 for an engine of {self.world_size} GPUs (replicas share one engine's one GPU)",
+            self.regenerate_replicas,
         )
         clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
         require(

@@ -96,8 +96,10 @@ def regenerate_rows(
     *,
     max_prompt_tokens: int,
     max_model_len: int,
+    row_ids: Sequence[int] | None = None,
 ) -> tuple[list[dict[str, Any]], RegenReport]:
-    """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts."""
+    """`[{"input_ids", "loss_mask", "origin"}]` of the regenerated rows, and the counts. `row_ids`:
+    each row's index in the engine's whole share, when `rows` are a replica's slice of it."""
     from hpctoolkit.data.synth_filter import degenerate
     from hpctoolkit.data.template import eot_ids, prompt_ids
 
@@ -111,7 +113,7 @@ def regenerate_rows(
     last_turn: dict[int, tuple[list[int], list[int]]] = {}
 
     def run(jobs: list[tuple[int, int, list[int]]]) -> list[Generated | None]:
-        return _generate_fitting(generate, sampling, jobs, max_prompt_tokens, max_model_len)
+        return _generate_fitting(generate, sampling, jobs, max_prompt_tokens, max_model_len, row_ids)
 
     def note(n: int, got: Generated | None, content: str) -> bool:
         report.turns += 1
@@ -190,15 +192,18 @@ def _generate_fitting(
     jobs: list[tuple[int, int, list[int]]],
     max_prompt_tokens: int,
     max_model_len: int,
+    row_ids: Sequence[int] | None = None,
 ) -> list[Generated | None]:
-    """(row, turn, prompt) -> generated, in one `generate` call, or None where the prompt does not fit."""
+    """(row, turn, prompt) -> generated, in one `generate` call, or None where the prompt does not
+    fit. A request's seed follows its row's index in the engine's whole share (`row_ids[row]`:
+    a replica's rows are a slice of it), so sampling does not depend on the replicas."""
     fits = [j for j in jobs if len(j[2]) <= max_prompt_tokens and len(j[2]) < max_model_len - 1]
     outs = iter(
         generate(
             [p for _, _, p in fits],
             # A captured sample must stay under max_model_len (`CaptureEngine.capture`).
             [min(sampling.max_new_tokens, max_model_len - 1 - len(p)) for _, _, p in fits],
-            [sampling.seed + 1000 * n + t for n, t, _ in fits],
+            [sampling.seed + 1000 * (n if row_ids is None else row_ids[n]) + t for n, t, _ in fits],
         )
         if fits
         else []
@@ -323,15 +328,43 @@ def generator_llm_kwargs(
     return kwargs
 
 
+@dataclass(frozen=True)
+class Gate:
+    """A replica's turn to start its engine: once `after` exists (the replica before it has its
+    engine up; None: the first), and `started` once its own is up."""
+
+    after: str | None
+    started: str
+    timeout_s: float = 1800.0
+
+    def wait(self) -> None:
+        if self.after is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.after):
+            if time.monotonic() > deadline:
+                raise DataIntegrityError(
+                    f"regeneration replica: the replica before it did not start its engine within "
+                    f"{self.timeout_s:.0f}s ({self.after} never appeared)"
+                )
+            time.sleep(0.5)
+
+    def opened(self) -> None:
+        Path(self.started).touch()
+
+
 def vllm_generator(
     target_dir: str | os.PathLike,
     sampling: Sampling,
     max_model_len: int,
     llm_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    gate: Gate | None = None,
 ) -> Generate:
     """A `Generate` over the target in vLLM, started from this process: `llm_kwargs`/`env` from
-    `generation_kwargs` (the engine's own layout), or one device by default."""
+    `generation_kwargs` (the engine's own layout), or one device by default. `gate`: replicas
+    sharing a GPU start their engines one at a time (vLLM sizes its cache from the memory it finds
+    free, which an engine starting beside it changes)."""
     from hpctoolkit.engine.env import detect_backend, engine_env
 
     if env is None:
@@ -346,7 +379,11 @@ def vllm_generator(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if gate is not None:
+        gate.wait()
     llm = LLM(**generator_llm_kwargs(target_dir, sampling.seed, max_model_len, llm_kwargs))
+    if gate is not None:
+        gate.opened()
 
     def generate(
         prompts: list[list[int]],
@@ -416,9 +453,12 @@ def regenerate(
     max_model_len: int,
     llm_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    replica: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Child-process entry: `{"samples": [...], "report": {...}, "synthesized": {...} | None}`
-    (JSON-native); `builtin:magpie` rows are written by the target first (`data.synth`)."""
+    (JSON-native); `builtin:magpie` rows are written by the target first (`data.synth`).
+    `replica` (`roles.engines.engine_prompts` with `engine.regenerate_replicas > 1`): `{"row_ids",
+    "after", "started"}`, this replica's rows' indices in the engine's share and its `Gate`."""
     from transformers import AutoTokenizer
 
     from hpctoolkit.data.synth import Limits, fill_rows
@@ -427,10 +467,18 @@ def regenerate(
     chat = ChatSpec(**{**spec, "end_of_turn_tokens": tuple(spec.get("end_of_turn_tokens", ()))})
     samp = Sampling(**sampling)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    gen = vllm_generator(target_dir, samp, max_model_len, llm_kwargs, env)
+    gate = None if replica is None else Gate(replica["after"], replica["started"])
+    gen = vllm_generator(target_dir, samp, max_model_len, llm_kwargs, env, gate)
     limits = Limits(samp.max_new_tokens, max_prompt_tokens, max_model_len)
     rows, synthesized = fill_rows(rows, tok, chat, gen, limits)  # type: ignore[arg-type]
     samples, report = regenerate_rows(
-        rows, tok, chat, gen, samp, max_prompt_tokens=max_prompt_tokens, max_model_len=max_model_len
+        rows,
+        tok,
+        chat,
+        gen,
+        samp,
+        max_prompt_tokens=max_prompt_tokens,
+        max_model_len=max_model_len,
+        row_ids=None if replica is None else replica["row_ids"],
     )
     return {"samples": samples, "report": report.to_dict(), "synthesized": synthesized}

@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def test_local_engine_leader_regenerates_turn_by_turn(tmp_path):
-    """The same roles on the local backend (`make run`'s path)."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_local_engine_leader_regenerates_turn_by_turn(tmp_path, replicas):
+    """The same roles on the local backend (`make run`'s path); with two generating engines side
+    by side (`engine.regenerate_replicas=2`), the merged rows are the same as one engine's."""
     from hpctoolkit.targets.resolve import resolve_target
 
     target = resolve_target("builtin:tiny-qwen3")
@@ -37,6 +39,7 @@ def test_local_engine_leader_regenerates_turn_by_turn(tmp_path):
             f"paths.output_dir={out}",
             *common_overrides(data),
             "evaluate.enabled=false",
+            f"engine.regenerate_replicas={replicas}",
         ],
         cwd=ROOT,
         capture_output=True,

@@ -210,3 +210,45 @@ def test_the_generating_engines_environment_wins_over_the_inherited_one(monkeypa
     env = {"VLLM_HOST_IP": "198.18.1.13", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     vllm_generator(tmp_path, Sampling(4), 64, {"enforce_eager": True}, env)
     assert seen == env
+
+
+def test_replicas_each_on_a_slice_give_one_engines_rows_seeds_and_counts(tok):
+    """`engine.regenerate_replicas`: replica j regenerates rows j::N with the seeds those rows
+    have in the whole share, and the merge puts them back in order with the counts summed."""
+    from hpctoolkit.roles.engines import merge_replicas
+
+    rows = [chat(f"row {i}") for i in range(5)]
+    whole = Fake(tok, [f"answer {i}" for i in range(5)])
+    out, report = regenerate_rows(
+        rows, tok, ChatSpec(), whole, Sampling(8, 0.7, 0.9, 3), max_prompt_tokens=64, max_model_len=256
+    )
+    parts, seeds = [], []
+    for j in range(2):
+        fake = Fake(tok, [f"answer {i}" for i in range(j, 5, 2)])
+        o, r = regenerate_rows(
+            rows[j::2],
+            tok,
+            ChatSpec(),
+            fake,
+            Sampling(8, 0.7, 0.9, 3),
+            max_prompt_tokens=64,
+            max_model_len=256,
+            row_ids=list(range(j, 5, 2)),
+        )
+        seeds += fake.calls[0][2]
+        parts.append({"samples": o, "report": r.to_dict(), "synthesized": None})
+    assert sorted(seeds) == sorted(whole.calls[0][2])
+    merged = merge_replicas(parts, 5)
+    assert merged["samples"] == out
+    assert merged["report"] == report.to_dict()
+    with pytest.raises(DataIntegrityError, match="replica 1 of 2 returned 1 rows, expected 2"):
+        merge_replicas([parts[0], {**parts[1], "samples": parts[1]["samples"][:1]}], 5)
+
+
+def test_replicas_need_a_one_gpu_engine():
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.errors import ConfigError
+
+    EngineConfig(regenerate_replicas=4).validate()
+    with pytest.raises(ConfigError, match="regenerate_replicas must be 1 for an engine of 8 GPUs"):
+        EngineConfig(regenerate_replicas=2, gpus_per_node=8).validate()
