@@ -13,7 +13,8 @@ file must hold the rows the run takes from it (`data.num_samples`, plus the held
 `engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so);
 where `sinfo` reports node memory the busiest node's store segments, buffers and workers must fit
 in it; and a job resuming a run by hand (`HPCTOOLKIT_RUN_ID`) must have the recipe and inputs the
-run was pinned to (`rundir.inputs`). Every field of the recipe is checked against its declared kind first (`config/fields.py`).
+run was pinned to (`rundir.inputs`). Every field of the recipe is checked against its declared kind first (`config/fields.py`),
+and each flag against the recipe's `cluster.backend` (`FLAG_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
 from hpctoolkit.plan.sizing import StoreSizing, check_node_memory
+
+# The `cluster.backend`s each flag fits, by its argparse dest: a flag given with a recipe of
+# another backend is refused once the recipe is read, naming the field, before anything runs.
+FLAG_BACKENDS: dict[str, tuple[str, ...]] = {"render_sbatch": ("slurm",)}
+
+
+def check_flags(args: Any, cfg: RecipeConfig) -> None:
+    """Each flag given against `FLAG_BACKENDS`; `ConfigError` naming `cluster.backend` and the flag."""
+    for dest, backends in FLAG_BACKENDS.items():
+        if getattr(args, dest) and cfg.cluster.backend not in backends:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(
+                f"cluster.backend must be {' or '.join(backends)} for {flag}, got {cfg.cluster.backend!r} "
+                f"(in {args.recipe} or its overrides)"
+            )
 
 
 def check_files(cfg: RecipeConfig) -> None:
@@ -170,11 +186,13 @@ def main(argv: list[str]) -> int:
         from hpctoolkit.slurm.render import load_for_render, render_sbatch
 
         cfg, _ = load_for_render(args.recipe, args.overrides)
+        check_flags(args, cfg)
         sys.stdout.write(
             render_sbatch(cfg, make_plan(cfg), recipe_path=args.recipe, overrides=args.overrides)
         )
         return 0
     cfg, recipe_yaml = load_pinned(args.recipe, args.overrides)
+    check_flags(args, cfg)
     plan = make_plan(cfg)
     sized = store_sizing(cfg, plan)
     check_files(cfg)

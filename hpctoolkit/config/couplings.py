@@ -6,9 +6,11 @@ They read the target's `config.json` and the draft config JSON (small files); no
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
+from hpctoolkit.config.schema import LAYER_FIELDS
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.families import serving_for
 from hpctoolkit.plan.sizing import StoreSizing, size_store
@@ -45,6 +47,18 @@ def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
         floor, why = serving.min_loss_tokens(draft)
         if cfg.training.min_loss_tokens < floor:
             raise ConfigError(f"training.min_loss_tokens={cfg.training.min_loss_tokens} must be >= {why}")
+
+
+def check_layer_fields(cfg: RecipeConfig, target_layers: int, draft: dict[str, Any]) -> None:
+    """Every field that names layers (`schema.LAYER_FIELDS`) against the depth of the target
+    and of the draft (its `num_hidden_layers`; unchecked where its config leaves it out)."""
+    draft_layers = draft.get("num_hidden_layers")
+    depths = {
+        "target": (target_layers, cfg.paths.target_model),
+        "draft": (draft_layers if isinstance(draft_layers, int) else None, cfg.draft.config),
+    }
+    for key, layers in LAYER_FIELDS.items():
+        layers.check(key, operator.attrgetter(key)(cfg), depths)
 
 
 def fill_from_draft(cfg: RecipeConfig) -> RecipeConfig:
@@ -95,6 +109,7 @@ def check_couplings(cfg: RecipeConfig) -> None:
         raise ConfigError(f"engine.pp_size={e.pp_size} exceeds the target's {num_layers} layers")
 
     draft = read_json_object(cfg.draft.config, "draft.config")
+    check_layer_fields(cfg, num_layers, draft)
     draft_ids = draft_target_layer_ids(draft)
     if draft_ids is None:
         raise ConfigError(f"draft.config: {cfg.draft.config} names no target_layer_ids")

@@ -11,8 +11,14 @@ The kinds: `Int` (bounded; the default bound is what a count, an index or a toke
 `Choice`, `Text` (free text), `SlurmText` (a string that reaches sbatch or a shell: no control
 characters, so a newline cannot end the `#SBATCH` block), `SlurmTime` (Slurm's six time-limit forms,
 `slurm_time_seconds`), `Network` (an interface name or a CIDR), `Size` (`512MB`), `HostPort`, `Path`
-(a path: `SlurmText`'s rule, since paths reach sbatch and scripts), `Bool`, `ListOf`, `Mapping`,
-`Nested` (a dataclass with its own `KINDS`).
+(a path: `SlurmText`'s rule, since paths reach sbatch and scripts, and one the filesystem can
+name), `Name` (one file or directory name the run makes), `Bool`, `ListOf`, `Mapping`, `Nested` (a
+dataclass with its own `KINDS`).
+
+Each kind bounds its values to what the code can hold: a count to an int32, a size to 1 PiB (parsed
+exactly), a number to a finite float, a free mapping's integers to an int64, a string to UTF-8
+text, a path to NAME_MAX and PATH_MAX. Layer indices, bounded by the resolved target or draft, are
+declared beside the recipe (`schema.LAYER_FIELDS`) and checked with the couplings.
 
 Every check raises `ConfigError` naming the key relative to its section; the recipe loader adds the
 section prefix, so the user sees `store.kv_lease_ttl_s must be > 0, got -1`. `read_text` reads a
@@ -28,6 +34,7 @@ import os
 import re
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
+from decimal import Context, Decimal
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -46,13 +53,26 @@ SECONDS_MAX = 365 * 24 * 3600.0
 PORT_MAX = 65535
 # Linux IFNAMSIZ - 1.
 IFNAME_MAX = 15
+# A file name, in bytes (Linux NAME_MAX), and a whole path (PATH_MAX less its NUL).
+NAME_MAX = 255
+PATH_MAX = 4095
+# What a mapping's integers may be: the libraries they reach (vLLM, a chat template) hold int64.
+INT64_MAX = 2**63 - 1
+SHOWN_MAX = 100  # characters of a value a message shows whole (`shown`)
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 SLURM_TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 
 
+def shown(value: Any) -> str:
+    """`value`'s repr for a message; past `SHOWN_MAX` characters its middle is left out (a
+    400-digit number or a long path still reads as one line)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_MAX else f"{text[:60]}...{text[-20:]} ({len(text)} characters)"
+
+
 def require(cond: bool, key: str, why: str, value: Any) -> None:
     if not cond:
-        raise ConfigError(f"{key} {why}, got {value!r}")
+        raise ConfigError(f"{key} {why}, got {shown(value)}")
 
 
 def positive(obj: Any, *names: str) -> None:
@@ -79,12 +99,28 @@ def parse_size(text: str | int, key: str) -> int:
     else:
         m = _SIZE.match(str(text))
         if not m:
-            raise ConfigError(f"{key} must be a size like 512MB or 4GB, got {text!r}")
+            raise ConfigError(f"{key} must be a size like 512MB or 4GB, got {shown(text)}")
         unit = m.group(2).upper().replace("I", "").rstrip("B") or ""
-        n = int(float(m.group(1)) * _UNITS[unit])
+        whole = m.group(1).partition(".")[0].lstrip("0")
+        # Exactly, in decimal: a float turns 400 digits into inf, and int() refuses 4300.
+        n = SIZE_MAX + 1
+        if len(whole) <= len(str(SIZE_MAX)):
+            n = int(Context(prec=60).multiply(Decimal(m.group(1)), _UNITS[unit]))
     require(n > 0, key, "must be a positive size", text)
     require(n <= SIZE_MAX, key, f"must be at most {SIZE_MAX} bytes (1 PiB)", text)
     return n
+
+
+def check_unicode(key: str, text: str) -> None:
+    """`text` must encode as UTF-8: a lone surrogate (YAML's "\\ud800", or a byte of an argument
+    that is not UTF-8) can become neither a file name nor a process argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        n = ord(text[err.start])
+        escaped = 0xDC80 <= n <= 0xDCFF  # a byte that is not UTF-8, as Python reads argv
+        found = f"byte 0x{n - 0xDC00:02x}, not UTF-8" if escaped else f"{chr(n)!r}, a lone surrogate"
+        raise ConfigError(f"{key} must be UTF-8 text (found {found}), got {shown(text)}") from None
 
 
 def control_char(text: str) -> str | None:
@@ -207,7 +243,8 @@ class Float(Kind):
     def check(self, key: str, value: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         require(ok, key, "must be a number", value)
-        require(math.isfinite(value), key, "must be a finite number", value)
+        # An int is finite (and math.isfinite cannot take one past a float's range).
+        require(isinstance(value, int) or math.isfinite(value), key, "must be a finite number", value)
         lo_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
         hi_ok = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
         if self.lo is not None and self.hi is not None:
@@ -255,6 +292,7 @@ class Text(Kind):
 
     def check(self, key: str, value: Any) -> None:
         require(isinstance(value, str), key, "must be a string", value)
+        check_unicode(key, value)
         if self.nonempty:
             require(bool(value), key, "must not be empty", value)
 
@@ -271,6 +309,7 @@ class SlurmText(Kind):
 
     def check(self, key: str, value: Any) -> None:
         require(isinstance(value, str), key, "must be a string", value)
+        check_unicode(key, value)
         bad = control_char(value)
         require(bad is None, key, f"must hold no control characters (found {bad})", value)
         if self.nonempty:
@@ -281,13 +320,48 @@ class SlurmText(Kind):
 
 @dataclass(frozen=True)
 class Path(Kind):
-    """A path (or a `builtin:` / `pypi:` name): `SlurmText`'s rule; `nonempty` refuses ""."""
+    """A path (or a `builtin:` / `pypi:` name): `SlurmText`'s rule, and one the filesystem can
+    name: each component at most `NAME_MAX` bytes, the whole at most `PATH_MAX` less `room` (what
+    the run writes below it). `slurm_pattern`: it also names files in `#SBATCH --output`, a
+    Slurm file-name pattern where `%` expands and a backslash stops the expansion, so neither
+    may appear. `nonempty` refuses ""."""
 
     nonempty: bool = False
     optional: bool = False
+    room: int = 0
+    slurm_pattern: bool = False
 
     def check(self, key: str, value: Any) -> None:
         SlurmText(nonempty=self.nonempty).check(key, value)
+        part = max(value.split("/"), key=lambda p: len(p.encode()))
+        n = len(part.encode())
+        why = f"must name each directory and file in at most {NAME_MAX} bytes ({part[:16]!r}... has {n})"
+        require(n <= NAME_MAX, key, why, value)
+        most = PATH_MAX - self.room
+        room = f" ({PATH_MAX} less {self.room} for the run's files below it)" if self.room else ""
+        require(len(value.encode()) <= most, key, f"must be at most {most} bytes long{room}", value)
+        if self.slurm_pattern:
+            why = (
+                "must hold no % or \\ (it names the job's log in #SBATCH --output, where Slurm expands them)"
+            )
+            require("%" not in value and "\\" not in value, key, why, value)
+
+
+@dataclass(frozen=True)
+class Name(Kind):
+    """A name that becomes one file or directory name, `reserve` bytes longer once the code
+    appends to it (a run's name: its run directory is `<name>-<UTC time>-<4 hex>`): `SlurmText`'s
+    word, no `/`, not `.` or `..`, at most `NAME_MAX - reserve` bytes."""
+
+    reserve: int = 0
+    optional: bool = False
+
+    def check(self, key: str, value: Any) -> None:
+        SlurmText(word=True, nonempty=True).check(key, value)
+        require("/" not in value and value not in (".", ".."), key, "must be one file name (no /)", value)
+        most = NAME_MAX - self.reserve
+        grows = f" (a file name holds {NAME_MAX}; the code appends {self.reserve})" if self.reserve else ""
+        require(len(value.encode()) <= most, key, f"must be at most {most} bytes{grows}", value)
 
 
 @dataclass(frozen=True)
@@ -368,6 +442,23 @@ class Mapping(Kind):
         require(isinstance(value, MappingABC), key, "must be a mapping", value)
         for k in value:
             require(isinstance(k, str), key, "must have string keys", k)
+        _free_values(key, value)
+
+
+def _free_values(key: str, value: Any) -> None:
+    """The values of a free mapping, nested ones too, as far as any library can take them: text
+    that encodes as UTF-8, integers an int64 holds."""
+    if isinstance(value, MappingABC):
+        for k, v in value.items():
+            _free_values(f"{key}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _free_values(f"{key}[{i}]", v)
+    elif isinstance(value, str):
+        check_unicode(key, value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        ok = -INT64_MAX - 1 <= value <= INT64_MAX
+        require(ok, key, f"must be an integer an int64 holds (at most {INT64_MAX})", value)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,11 @@ field is then checked against its declared kind (`config.fields.check_fields`), 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from omegaconf.errors import (
 )
 
 from hpctoolkit.config.couplings import check_couplings, fill_from_draft
-from hpctoolkit.config.fields import check_fields, read_text
+from hpctoolkit.config.fields import check_fields, check_unicode, read_text, shown
 from hpctoolkit.config.precision import resolve_precision
 from hpctoolkit.config.schema import SECTIONS, RecipeConfig
 from hpctoolkit.errors import ConfigError
@@ -56,9 +60,44 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
     return ConfigError(f"{key}: {str(err).splitlines()[0]} ({origin})")
 
 
+# Python reads no integer of more digits than this (0: no limit); no field takes one anywhere near.
+DIGITS_MAX = sys.get_int_max_str_digits()
+_YAML_INT = "tag:yaml.org,2002:int"
+
+
+def too_many_digits(key: str, text: str) -> None:
+    """`ConfigError` naming `key` when `text` holds a number longer than Python reads."""
+    run = max(re.findall(r"\d+", text.replace("_", "")), key=len, default="")
+    if DIGITS_MAX and len(run) > DIGITS_MAX:
+        raise ConfigError(
+            f"{key} must be a number of at most {DIGITS_MAX} digits (no field takes more: a count is at "
+            f"most 2147483647, a size 1 PiB), got one of {len(run)} digits"
+        )
+
+
+def _check_numbers(node: yaml.Node, key: str) -> None:
+    """`too_many_digits` for every integer of the document under `node`, named by its key path."""
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            _check_numbers(v, f"{key}.{k.value}" if key else str(k.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_numbers(v, f"{key}[{i}]")
+    elif node.tag == _YAML_INT:
+        too_many_digits(f"{key or 'the document'} (line {node.start_mark.line + 1})", node.value)
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error naming the
-    key and both lines (PyYAML keeps the last one silently)."""
+    key and both lines (PyYAML keeps the last one silently), and so is an integer longer than
+    Python reads (`DIGITS_MAX`; PyYAML would raise a bare ValueError)."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_numbers(node, "")
+        return self.construct_document(node)  # type: ignore[no-untyped-call]
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -107,10 +146,44 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _parse_overrides(overrides: Sequence[str]) -> list[str]:
     for o in overrides:
-        key, eq, _ = o.partition("=")
+        key, eq, value = o.partition("=")
         if not eq or not key or key.startswith("-"):
-            raise ConfigError(f"override {o!r} must look like section.key=value")
+            raise ConfigError(f"override {shown(o)} must look like section.key=value")
+        check_unicode(key, value)  # OmegaConf's parser would raise UnicodeEncodeError
+        too_many_digits(key, value)
     return list(overrides)
+
+
+def _leaves(data: Any, parts: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], Any]]:
+    if isinstance(data, dict):
+        return [leaf for k, v in data.items() for leaf in _leaves(v, (*parts, str(k)))]
+    if isinstance(data, list):
+        return [leaf for i, v in enumerate(data) for leaf in _leaves(v, (*parts, i))]
+    return [(parts, data)]
+
+
+def _is_float_field(parts: tuple[str | int, ...]) -> bool:
+    t: Any = RecipeConfig
+    for p in parts:
+        if isinstance(p, int):
+            t = (typing.get_args(t) or (None,))[0]
+        elif dataclasses.is_dataclass(t):
+            t = typing.get_type_hints(t).get(p)
+        else:
+            return False
+    return float in (t, *typing.get_args(t))
+
+
+def _overflow(data: Any) -> ConfigError:
+    """OmegaConf converts a float field's value with `float()`: past a float's range, an integer
+    raises `OverflowError`. The error naming the field that holds one."""
+    for parts, value in _leaves(data):
+        if isinstance(value, int) and abs(value) > sys.float_info.max and _is_float_field(parts):
+            key = ".".join(f"[{p}]" if isinstance(p, int) else p for p in parts).replace(".[", "[")
+            return ConfigError(
+                f"{key} must be a finite number (at most {sys.float_info.max:.4g}), got {shown(value)}"
+            )
+    return ConfigError(f"a number of the recipe is too large for a float (at most {sys.float_info.max:.4g})")
 
 
 def _missing_keys(data: Any, prefix: str = "") -> list[str]:
@@ -130,9 +203,14 @@ def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Reci
         merged = OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as err:
         raise _explain(err, str(path)) from err
+    except OverflowError:
+        raise _overflow(data) from None
+    dotlist = OmegaConf.create()
     try:
         dotlist = OmegaConf.from_dotlist(_parse_overrides(overrides))
         merged = OmegaConf.merge(merged, dotlist)
+    except OverflowError:
+        raise _overflow(OmegaConf.to_container(dotlist)) from None
     except GrammarParseError as err:
         raise ConfigError(f"override could not be parsed: {str(err).splitlines()[0]}") from err
     except OmegaConfBaseException as err:

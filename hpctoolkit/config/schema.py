@@ -6,8 +6,9 @@ only composes them. `???` in a recipe marks a value the user must give.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
@@ -17,6 +18,7 @@ from hpctoolkit.config.fields import (
     Int,
     Kind,
     ListOf,
+    Name,
     Nested,
     Path,
     Seconds,
@@ -31,6 +33,13 @@ from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.store.config import StoreConfig
 from hpctoolkit.train.config import TrainingConfig
 
+# What a run id adds to `name`: `-<UTC time>-<4 hex>` locally (`rundir.layout.local_run_id`), at
+# most `-j<10-digit job id>` under Slurm; the run directory's name must still fit NAME_MAX.
+RUN_ID_SUFFIX = len("-20261207-185332-8c97")
+# Bytes a run writes below `paths.output_dir`: its run id (NAME_MAX) and its deepest files
+# (`train/tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>`, temporary names), with room.
+RUN_FILES_ROOM = 512
+
 
 @dataclass
 class PathsConfig:
@@ -40,7 +49,8 @@ class PathsConfig:
     target_model: str = MISSING
 
     KINDS: ClassVar[dict[str, Kind]] = {
-        "output_dir": Path(nonempty=True),
+        # The run directories are made below it; the job's log is `#SBATCH --output` in it.
+        "output_dir": Path(nonempty=True, room=RUN_FILES_ROOM, slurm_pattern=True),
         "target_model": Path(nonempty=True),
     }
 
@@ -122,9 +132,9 @@ class RecipeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
-    # `name` names the run directory and the Slurm job's files.
+    # `name` names the run directory (`<name>-<UTC time>-<4 hex>`, `<name>-j<job id>`).
     KINDS: ClassVar[dict[str, Kind]] = {
-        "name": SlurmText(word=True, nonempty=True),
+        "name": Name(reserve=RUN_ID_SUFFIX),
         **{
             s: Nested()
             for s in ("paths", "data", "draft", "engine", "store", "training", "cluster", "evaluate")
@@ -133,3 +143,44 @@ class RecipeConfig:
 
 
 SECTIONS = ("paths", "data", "draft", "engine", "store", "training", "cluster", "evaluate")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """What a field that names layers of a model accepts, once the recipe resolves the model
+    (`couplings.check_layer_fields`, `--dry-run` included): `model` is "target" or "draft"; its
+    values are layer indices 0..depth-1 (an int or a list of them), or with `count` a number of
+    layers 0..depth. `last_apart`: why the model's last layer is not an index it takes ("": it
+    is). `one_per`: a list with at most one entry per layer of that model."""
+
+    model: str
+    count: bool = False
+    last_apart: str = ""
+    one_per: str = ""
+
+    def check(self, key: str, value: Any, depths: Mapping[str, tuple[int | None, str]]) -> None:
+        depth, source = depths[self.model]
+        if depth is not None and self.count:
+            why = f"must be at most the {self.model}'s {depth} layers ({source})"
+            require(value <= depth, key, why, value)
+        elif depth is not None:
+            hi = depth - 2 if self.last_apart else depth - 1
+            apart = f"; {self.last_apart}" if self.last_apart else ""
+            why = f"must be a layer index of the {self.model}, 0..{hi} ({source} has {depth} layers{apart})"
+            for i, v in enumerate(value if isinstance(value, list) else [value]):
+                require(0 <= v <= hi, f"{key}[{i}]" if isinstance(value, list) else key, why, v)
+        if self.one_per and depths[self.one_per][0] is not None:
+            most, source = depths[self.one_per]
+            why = f"must list at most one entry per {self.one_per} layer ({source} has {most})"
+            require(len(value) <= (most or 0), key, why, list(value))
+
+
+# Every field that names layers of the target or the draft, and what it accepts (`Layers`);
+# `tests/unit/test_field_contracts.py` fails when a field that names layers is missing here.
+LAYER_FIELDS: dict[str, Layers] = {
+    "engine.target_layer_ids": Layers(
+        "target", last_apart="the last is captured separately as last_hidden_states"
+    ),
+    "training.init_layers_from_target": Layers("target", one_per="draft"),
+    "training.activation_checkpoint_layers": Layers("draft", count=True),
+}

@@ -362,3 +362,68 @@ def test_check_extra_args_against_a_given_list():
         ConfigError, match=r"^engine\.extra_args\.sed is not .*did you mean seed\? \(unknown: sed, zz\)$"
     ):
         vllm_args.check_extra_args(["sed", "zz", "seed"], known)
+
+
+# The four late failures of the 2026-12-07 probes (issue 44): each now stops at submission. The
+# contracts behind them are probed field by field in test_field_contracts.py.
+LATE_FOUR = [
+    # A size so large it overflowed a conversion: OverflowError from int(float(...)).
+    (
+        [f"store.global_segment_size={'9' * 400}MB"],
+        "store.global_segment_size must be at most 1125899906842624 bytes (1 PiB), got '999",
+    ),
+    # A layer index past the target's depth, accepted by --dry-run; the trainer refused it after
+    # the engines had captured every sample.
+    (
+        ["training.init_layers_from_target=[99]"],
+        "training.init_layers_from_target[0] must be a layer index of the target, 0..5 "
+        "(builtin:tiny-qwen3 has 6 layers), got 99",
+    ),
+    # A flag that does not fit the recipe's backend: ValueError from the renderer, exit 1.
+    (["--render-sbatch"], "cluster.backend must be slurm for --render-sbatch, got 'local'"),
+    # A run name that cannot be a directory: ValueError (a '/') or OSError ENAMETOOLONG when the
+    # run directory was made, after the plan was printed.
+    (["name=team/a"], "name must be one file name (no /), got 'team/a'"),
+    (["name=" + "x" * 300], "name must be at most 234 bytes (a file name holds 255; the code appends 21)"),
+]
+
+
+@pytest.mark.parametrize(("args", "line"), LATE_FOUR)
+def test_the_late_four_fail_at_submission(capsys, tmp_path, args, line):
+    argv = [*base(tmp_path), *args]
+    with pytest.raises(SystemExit) as done:
+        run_cli(main, argv if "--render-sbatch" in args else [*argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {line}"), err
+
+
+@pytest.mark.parametrize(("args", "line"), [c for c in LATE_FOUR if "--render-sbatch" not in c[0]])
+def test_the_late_four_without_dry_run_start_nothing(capsys, tmp_path, args, line):
+    # Without --dry-run the local backend would run the job: it must stop before the run directory.
+    with pytest.raises(SystemExit) as done:
+        run_cli(main, [*base(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert err.startswith(f"error: {line}"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_late_four_through_python_dash_m(tmp_path):
+    """As a user runs them: a fresh interpreter each, exit 2, one line, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HPCTOOLKIT_CACHE": str(tmp_path / "cache")}
+    for args, line in LATE_FOUR[:4]:
+        extra = [] if "--render-sbatch" in args else ["--dry-run"]
+        done = subprocess.run(
+            [sys.executable, "-m", "hpctoolkit.submit", *base(tmp_path), *args, *extra],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), done.stderr
+        assert not (tmp_path / "cache" / "errors").exists()  # no traceback was kept either
