@@ -153,6 +153,16 @@ def describe(cfg: RecipeConfig, plan: Plan | None, sized: StoreSizing) -> str:
         f"draft       {cfg.draft.config}",
         f"capture     target layers {list(e.target_layer_ids)} -> capture ids {capture} (last = last_hidden_states)",
         f"engine      {e.num_engines} x (TP={e.tp_size} x PP={e.pp_size}) over {e.nnodes} node(s) each, {e.dtype}",
+        *(
+            [
+                f"regenerate  {e.regenerate_replicas} generating engines per engine GPU "
+                f"(engine.regenerate_replicas), each on every {e.regenerate_replicas}th row with "
+                f"1/{e.regenerate_replicas} of its memory: one engine's scheduler keeps a small "
+                "target's GPU mostly idle"
+            ]
+            if e.regenerate_replicas > 1 and cfg.data.regenerate_tokens
+            else []
+        ),
         f"store       Mooncake master: {master}; lease {s.kv_lease_ttl_s}s; reader retry {s.get_retry_max_wait_seconds}s",
         f"training    {t.steps} steps, {t.world_size} rank(s), FSDP {t.fsdp_mode}, device {t.device}, "
         f"{t.mixed_precision}",

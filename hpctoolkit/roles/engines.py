@@ -35,6 +35,7 @@ from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
 from hpctoolkit.roles.context import NodeContext, client_store_config, engine_node_args, store_address
+from hpctoolkit.roles.replicas import REGENERATE_LINGER_S, replicated
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, term_event, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_json_atomic
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 
 # Leaders: the trainers' `drained` record after the last capture.
 DRAIN_TIMEOUT_S = 3600.0
-# Leaders: how long the generating process may take to exit after its result.
-REGENERATE_LINGER_S = 20.0
 # Followers: the leader's `regenerated` record once its generating engine left.
 REGENERATED_TIMEOUT_S = 600.0
 
@@ -71,69 +70,6 @@ def _regenerate(
     return regenerate(
         target_dir, rows, spec, sampling, max_prompt_tokens, max_model_len, llm_kwargs, env, replica
     )
-
-
-def merge_replicas(parts: list[dict[str, Any]], total: int) -> dict[str, Any]:
-    """One result from the replicas' (`parts[j]` regenerated rows `j::len(parts)` of `total`): the samples
-    back in the rows' order, the counts summed. Each replica synthesized the same pool
-    (`data.synth`: same seeds), so the synthesis report is the first replica's."""
-    from hpctoolkit.engine.regenerate import RegenReport
-
-    n = len(parts)
-    samples: list[Any] = [None] * total
-    for j, part in enumerate(parts):
-        if len(part["samples"]) != len(range(j, total, n)):
-            raise DataIntegrityError(
-                f"regeneration replica {j} of {n} returned {len(part['samples'])} rows, "
-                f"expected {len(range(j, total, n))}"
-            )
-        samples[j::n] = part["samples"]
-    reports = [RegenReport(**p["report"]) for p in parts]
-    report = {k: sum(int(getattr(r, k)) for r in reports) for k in reports[0].to_dict()}
-    return {"samples": samples, "report": report, "synthesized": parts[0].get("synthesized")}
-
-
-def _replicated(
-    ctx: NodeContext, engine: int, args: tuple[Any, ...], rows: list[dict[str, Any]], replicas: int
-) -> dict[str, Any]:
-    """`replicas` generating engines on this engine's GPU, replica `j` on rows `j::replicas`,
-    started one after another (`engine.regenerate.Gate`) and run side by side; one result."""
-    target_dir, _, spec, sampling, max_prompt, max_len, llm_kwargs, env = args
-    llm_kwargs = dict(llm_kwargs)
-    from hpctoolkit.engine.env import detect_backend
-
-    if detect_backend() == "cuda":
-        # vLLM's share of the GPU, split: the replicas hold together what one engine would.
-        share = float(llm_kwargs.get("gpu_memory_utilization", 0.9))
-        llm_kwargs["gpu_memory_utilization"] = share / replicas
-    gates = [ctx.run.logs / f".regenerate-engine{engine}-replica{j}.started" for j in range(replicas)]
-    for g in gates:
-        g.unlink(missing_ok=True)
-    children = []
-    try:
-        for j in range(replicas):
-            replica = {
-                "row_ids": list(range(j, len(rows), replicas)),
-                "after": None if j == 0 else str(gates[j - 1]),
-                "started": str(gates[j]),
-            }
-            part = (
-                target_dir,
-                rows[j::replicas],
-                spec,
-                sampling,
-                max_prompt,
-                max_len,
-                llm_kwargs,
-                env,
-                replica,
-            )
-            children.append(Child(f"regenerate-replica{j}", _regenerate, part, ctx.run.logs))
-        parts = [c.result(linger_s=REGENERATE_LINGER_S) for c in children]
-    finally:
-        for c in children:  # a failed replica: the others (running, or waiting for its gate) end too
-            c.kill_tree()
-    return merge_replicas(parts, len(rows))
 
 
 def generation_node_args(ctx: NodeContext, proc: Process) -> NodeArgs:
@@ -183,7 +119,7 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     replicas = min(cfg.engine.regenerate_replicas, len(rows))
     if replicas > 1:
         say(f"engine {engine}: {replicas} generating engines share its GPU, each on every {replicas}th row")
-        out = _replicated(ctx, engine, args, rows, replicas)
+        out = replicated(ctx, engine, _regenerate, args, rows, replicas)
     else:
         # vLLM does not release its workers within a process: the generation gets its own.
         # Its engine's exit-time shutdown may wait on the other nodes' workers: it is ended once done.

@@ -160,9 +160,7 @@ class _Run:
         return self.job.files
 
     def save(self) -> None:
-        # The samples this checkpoint counts as trained on must be durable in the replay spool
-        # first: a resume cuts the spool to exactly them.
-        self.stream.sync()
+        self.stream.sync()  # what the checkpoint counts as trained is durable in the spool first
         self.ckpt.save(
             self.step,
             self.trainer,

@@ -215,7 +215,7 @@ def test_the_generating_engines_environment_wins_over_the_inherited_one(monkeypa
 def test_replicas_each_on_a_slice_give_one_engines_rows_seeds_and_counts(tok):
     """`engine.regenerate_replicas`: replica j regenerates rows j::N with the seeds those rows
     have in the whole share, and the merge puts them back in order with the counts summed."""
-    from hpctoolkit.roles.engines import merge_replicas
+    from hpctoolkit.roles.replicas import merge_replicas
 
     rows = [chat(f"row {i}") for i in range(5)]
     whole = Fake(tok, [f"answer {i}" for i in range(5)])
