@@ -25,6 +25,7 @@ from hpctoolkit.train.batch import collate, length_step
 from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, compile_enabled, init_distributed, shard_trainer
+from hpctoolkit.train.gpu_busy import GpuBusy
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
 from hpctoolkit.train.progress import TrainProgress
@@ -380,19 +381,18 @@ def _next_samples(run: _Run) -> tuple[list[Any] | None, bool]:
 def _truncate_order(path: Path, start_step: int) -> None:
     """Keep only the steps up to the checkpoint a run resumed from (a crash may have logged more).
     Rewritten atomically: a crash here must not lose the steps the checkpoint trained on."""
-    if not start_step:
-        write_text_atomic(path, "")
+    if start_step and not path.exists():
         return
-    if not path.exists():
-        return
-    kept = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= start_step]
+    lines = path.read_text().splitlines() if start_step else []
+    kept = [x for x in lines if x.strip() and json.loads(x)["step"] <= start_step]
     write_text_atomic(path, "".join(x + "\n" for x in kept))
 
 
 def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     run = _build(ctx, job)
     t_start = time.monotonic()
-    _train_steps(run)
+    with GpuBusy(ctx.device) as busy:  # the summary's `gpu_busy`: a starved input path shows
+        _train_steps(run)
     wall = time.monotonic() - t_start
     cfg = run.cfg
     if run.preempted:
@@ -425,7 +425,7 @@ def _train(ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
     ctx.barrier()
     if not ctx.is_main:
         return None
-    summary = _summary(run, wall)
+    summary = _summary(run, wall) | busy.fields()
     if export_dir is not None:
         summary["export_dir"] = str(export_dir)
     if export_error is not None:
