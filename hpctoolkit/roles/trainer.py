@@ -104,7 +104,7 @@ def _preempted(ctx: NodeContext, proc: Process, result: dict[str, Any] | None) -
 
 def _train_fields(ctx: NodeContext, result: dict[str, Any] | None) -> dict[str, Any]:
     result = result or {}
-    keys = ("steps_trained", "steps_this_run", "final_loss", "supervised_tokens", "export_dir")
+    keys = ("steps_trained", "steps_this_run", "final_loss", "supervised_tokens", "export_dir", "gpu_busy")
     return {k: result.get(k) for k in keys} | trainer_fields(result, ctx.cfg.evaluate.num_speculative_tokens)
 
 
