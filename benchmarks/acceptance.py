@@ -196,6 +196,73 @@ def row(family: str, samples: int, steps: int, s: dict[str, Any]) -> dict[str, A
     }
 
 
+LADDER_RESULTS = REPO / "benchmarks" / "results" / "ladder.jsonl"
+
+
+def _gpu_name() -> str | None:
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        )  # fmt: skip
+    except OSError:
+        return None
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def _commit() -> str | None:
+    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
+    if r.returncode == 0:
+        return r.stdout.strip()
+    # A tree laid from `git archive` (benchmarks/gpu_node.sh): the commit is in the tar's header.
+    stamp = REPO / ".commit"
+    return stamp.read_text().strip() if stamp.is_file() else None
+
+
+def ladder_row(family: str, samples: int, steps: int, s: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One rung as `benchmarks/results/ladder.jsonl` keeps it: small, no data or weights."""
+    import datetime
+
+    per_set = s.get("per_set") or {}
+    logs = out / f"{family}-{samples}x{steps}" / "latest" / "logs"
+    regen = [json.loads(p.read_text()) for p in sorted(logs.glob("regenerate-engine*.json"))]
+    return {
+        "family": family,
+        "conversations": samples,
+        "steps": steps,
+        "batch_size": s.get("batch_size", 16),
+        "epochs": round(steps * 16 / samples, 2),
+        "supervised_tokens": s.get("supervised_tokens"),
+        "k": s.get("num_speculative_tokens", 3),
+        "served": {
+            name: {
+                "tau": v.get("served_acceptance_length"),
+                "by_category": v.get("served_acceptance_by_category"),
+                "by_turn": v.get("served_acceptance_by_turn"),
+            }
+            for name, v in per_set.items()
+        }
+        or {"mt_bench": {"tau": s.get("served_acceptance_length")}},
+        "served_per_position": s.get("served_per_position_acceptance"),
+        "served_by_category": s.get("served_acceptance_by_category"),
+        "served_by_turn": s.get("served_acceptance_by_turn"),
+        "trainer_tau_at_k": s.get("acceptance_length_at_served_k", s.get("acceptance_length")),
+        "regenerated": {k: sum(int(r.get(k, 0)) for r in regen) for k in ("turns", "truncated", "degenerate")}
+        if regen
+        else None,
+        "seconds": {
+            "wall": s.get("wall_seconds"),
+            "train": s.get("train_wall_seconds"),
+            "phases": s.get("phases_s"),
+        },
+        "gpu_busy": s.get("gpu_busy"),
+        "gpu_seconds": s.get("wall_seconds") if s.get("recipe") == "local_gpu" else None,
+        "gpu": _gpu_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "family  samples  steps  sup.tokens  served  min-max by category  trainer-sim  human_eval"
@@ -263,6 +330,12 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="only read the points already run under --out (table and plot of those; the rest listed)",
     )
+    ap.add_argument(
+        "--record",
+        type=Path,
+        default=LADDER_RESULTS,
+        help="--ladder: append each rung's row here (default benchmarks/results/ladder.jsonl)",
+    )
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every point (key=value)")
     args = ap.parse_args(argv)
     points = args.points or (LADDER_POINTS if args.ladder else DEFAULT_POINTS)
@@ -284,9 +357,13 @@ def main(argv: list[str]) -> int:
                 )
                 continue
             print(f"[acceptance] {family} {samples} samples x {steps} steps ...", flush=True)
-            rows.append(
-                row(family, samples, steps, run_point(family, samples, steps, args.out, overrides, recipe))
-            )
+            summary = run_point(family, samples, steps, args.out, overrides, recipe)
+            rows.append(row(family, samples, steps, summary))
+            if args.ladder and not args.no_run:
+                # The curve grows across sessions: one row per rung run (`--no-run` draws it).
+                args.record.parent.mkdir(parents=True, exist_ok=True)
+                with args.record.open("a") as f:
+                    f.write(json.dumps(ladder_row(family, samples, steps, summary, args.out)) + "\n")
             print(table(rows[-1:]).splitlines()[1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance.json").write_text(json.dumps(rows, indent=2) + "\n")

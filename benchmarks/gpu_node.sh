@@ -68,7 +68,7 @@ stage_ladder() {
     > "$res/smi.csv" 2>&1 &
   local smi=$!
   timeout -k 20 1500 "$py" benchmarks/acceptance.py --ladder --points "${LADDER_POINTS:-4096:2048}" \
-    --families "${LADDER_FAMILIES:-dflash}" --out runs/acceptance
+    --families "${LADDER_FAMILIES:-dflash}" --out runs/acceptance --record "$res/ladder.jsonl"
   local rc=$?
   kill "$smi" 2>/dev/null
   cp runs/acceptance/acceptance.json "$res/" 2>/dev/null
@@ -209,6 +209,9 @@ case ${1:-} in
     rm -rf "$res/stages.txt" "$HPC/repo" && mkdir -p "$HPC/repo"
     if [ -f "$here/dist/snapshot.tar" ]; then
       tar -xf "$here/dist/snapshot.tar" -C "$HPC/repo"
+      # The commit `git archive` wrote into the tar's header: what a ladder row records.
+      python3 -c 'import sys, tarfile; print(tarfile.open(sys.argv[1]).pax_headers.get("comment", ""))' \
+        "$here/dist/snapshot.tar" > "$HPC/repo/.commit"
     else
       cp -a "$here/." "$HPC/repo/"
     fi
