@@ -45,6 +45,7 @@ from hpctoolkit.roles.master import run_master, run_watcher
 from hpctoolkit.roles.trainer import run_trainer
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.roles.watch import PeerWatch, Probe
+from hpctoolkit.rundir import alive
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.slurm.env import SlurmEnvironment
 from hpctoolkit.slurm.tasks import WATCHER, task_process
@@ -134,13 +135,16 @@ def _watched(ctx: NodeContext, proc: Process, beat: Heartbeat) -> int:
         # A lost host is the cause of whatever the role then saw (a failed get, a stalled wait).
         watch.stop()
         lost = watch.lost or (watch.verdict() if isinstance(err, Exception) else None)
-        beat.leave("failed")
+        # A dead peer found (the master, whose store this role's calls then failed on) is why this
+        # role failed: its end record names it, so the run names that role, not this one.
+        beat.leave(alive.FAILED, cause=watch.cause if lost else None)
         if lost:
             raise StoreError(lost) from err
         raise
     finally:
         watch.stop()
-        beat.leave("ok")  # the first call counts: "failed" when the role raised
+        # The first call counts: "failed" when the role raised, or when a loss came as it returned.
+        beat.leave(alive.FAILED if watch.lost else "ok", cause=watch.cause if watch.lost else None)
         probe.close()
     if watch.lost:
         raise StoreError(watch.lost)

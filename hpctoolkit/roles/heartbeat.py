@@ -36,22 +36,23 @@ class Heartbeat:
             signal.signal(signal.SIGTERM, self._on_term)
         return self
 
-    def _write(self, left: str | None) -> None:
+    def _write(self, left: str | None, cause: str | None = None) -> None:
         alive.write_record(
-            self.ctx.run.root, self.key, self.role, self.ctx.node, self.ctx.nodename, os.getpid(), left
+            self.ctx.run.root, self.key, self.role, self.ctx.node, self.ctx.nodename, os.getpid(), left, cause
         )
 
     def _beat(self) -> None:
         while not self._stop.wait(alive.HEARTBEAT_S):
             alive.beat(self.path)
 
-    def leave(self, how: str) -> None:
-        """Record how this role left (the first call counts) and stop beating."""
+    def leave(self, how: str, cause: str | None = None) -> None:
+        """Record how this role left (the first call counts) and stop beating. `cause`: the role
+        whose death this one failed of (its watch found it gone), so the run names that role."""
         if self.left is not None:
             return
         self.left = how
         self._stop.set()
-        self._write(how)
+        self._write(how, cause)
 
     def _on_term(self, signum: int, _frame: FrameType | None) -> None:
         self.leave(f"signal {signum}")

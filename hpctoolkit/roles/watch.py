@@ -138,6 +138,10 @@ class PeerWatch:
         self._misses: dict[int, int] = {}
         self._seen: dict[int, list[_ProbeRecord]] = {}
         self._refused: dict[Path, int] = {}
+        # Roles whose probe refused `DEAD_ROUNDS` rounds while their record said they never left.
+        self._gone: set[str] = set()
+        # The role whose death this watch found (named in this role's end record, `rundir.alive`).
+        self.cause: str | None = None
         self._thread = threading.Thread(target=self._run, name="hpctoolkit-peer-watch", daemon=True)
 
     def start(self) -> PeerWatch:
@@ -158,11 +162,14 @@ class PeerWatch:
         self._refused[probe.path] = self._refused.get(probe.path, 0) + 1
         if self._refused[probe.path] < DEAD_ROUNDS or not probe.path.exists():
             return None
+        self._gone.add(probe.key)
         # The first of the run's roles to end is the cause: one ended with a failure of its own
         # makes the others' deaths (srun ending them) no news; an earlier silent one is the death.
+        # Only roles known gone count: a live one that is starved (it holds the GIL in a long C
+        # call on a loaded host) stops beating too, and its old beat would take it for the cause.
         keys = [role_key(p) for p in self.ctx.plan.processes()]
         records = alive.read_records(root, keys)
-        first = alive.culprit(records)
+        first = alive.culprit(records, ended=self._gone)
         dead = records.get(first) if first else None
         if dead is None:
             return "stopping: another role of the run failed (its error line says how)"
@@ -170,9 +177,12 @@ class PeerWatch:
         if dead.key == record.key:
             how += f"; nothing listens on {probe.address}:{probe.port}"
         if alive.claim_death(root, dead.key, dead.role, dead.host, how, by=self.ctx.nodename):
+            self.cause = dead.key
             # Not the run's died line: in a batch job the batch script says that one from the
             # claim (this role's own output may be cut off as srun ends its step).
             return f"stopping: {dead.role} (node {dead.host}) is dead ({how})"
+        claim = alive.claimed(root)
+        self.cause = str(claim["key"]) if claim and claim.get("key") in keys else dead.key
         return f"stopping: another role of the run is dead ({alive.died_path(root)} names it)"
 
     def _check(self, node: int) -> str | None:

@@ -2,7 +2,9 @@
 left. Small file I/O and pure rules; no processes, no sockets.
 
     alive/<key>.json   {"key", "role", "node", "host", "pid", "left": null | "ok" | "failed" |
-                        "signal <n>"}; its mtime is the role's heartbeat (touched every HEARTBEAT_S)
+                        "signal <n>", "cause": null | <key>}; its mtime is the role's heartbeat
+                        (touched every HEARTBEAT_S); "cause": a role whose death its watch found
+                        before it failed (its failure follows from that death)
     faults/died.json   {"key", "role", "host", "how", "by"}: the first to notice a death claims it,
                        so the run says it once (`claim_death`)
 
@@ -11,8 +13,12 @@ before it closes anything a peer could see; a role killed outright (SIGKILL, the
 does. So a peer tells the two apart by evidence that cannot lie rather than by a clock: the role's
 process is gone (the port it listened on refuses, `roles.watch`; its step ended, the batch script)
 while its record says it never left. The heartbeat does not judge liveness (a starved process misses
-beats); it orders deaths: of a step's roles that died, the first to stop beating is the cause, the
-others (ended with it by srun) follow.
+beats: a long C call that holds the GIL, such as loading a shared library on a loaded host, stops
+its heartbeat thread for seconds); it orders deaths: of the roles known to have ended, the first to
+stop beating is the cause, the others (ended with it by srun) follow. A role not known to have ended
+is alive however old its beat (`culprit`), and a death a role's watch found before that role failed
+is named in its end record ("cause"): that death explains the failure and every death that srun
+then dealt, whatever their beats say.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,7 @@ class RoleRecord:
     pid: int
     left: str | None
     beat: float  # the record's mtime
+    cause: str | None = None  # the role whose death this one's failure followed from
 
     @classmethod
     def read(cls, path: Path) -> RoleRecord | None:
@@ -84,14 +91,24 @@ class RoleRecord:
                 int(rec["pid"]),
                 None if rec.get("left") is None else str(rec["left"]),
                 beat,
+                None if rec.get("cause") is None else str(rec["cause"]),
             )
         except (KeyError, TypeError, ValueError):
             return None
 
 
-def write_record(root: Path, key: str, role: str, node: int, host: str, pid: int, left: str | None) -> Path:
+def write_record(
+    root: Path,
+    key: str,
+    role: str,
+    node: int,
+    host: str,
+    pid: int,
+    left: str | None,
+    cause: str | None = None,
+) -> Path:
     path = record_path(root, key)
-    body = {"key": key, "role": role, "node": node, "host": host, "pid": pid, "left": left}
+    body = {"key": key, "role": role, "node": node, "host": host, "pid": pid, "left": left, "cause": cause}
     return write_json_atomic(path, body)
 
 
@@ -119,21 +136,48 @@ def role_state(connect: str, record: RoleRecord | None) -> str:
     return UNANSWERED
 
 
-def culprit(records: dict[str, RoleRecord | None], missing_died: bool = False) -> str | None:
-    """Which role's end came first, when that end was a death: of the roles (key -> record; None:
-    it never wrote one, which counts as dying first only with `missing_died`), those that never
-    said they left end at their last heartbeat, those that failed (and said so) at their record's
-    last write; those that left well or were ended (a signal) are no cause. None when no role
-    ended or the first to end failed with its own error line (the roles ended with it by srun,
+def _never_left(rec: RoleRecord | None) -> bool:
+    return rec is None or rec.left is None
+
+
+def causes(records: Mapping[str, RoleRecord | None]) -> set[str]:
+    """The roles that the failed roles of `records` name as the death they failed of."""
+    return {r.cause for r in records.values() if r is not None and r.left == FAILED and r.cause}
+
+
+def culprit(
+    records: Mapping[str, RoleRecord | None],
+    ended: Collection[str] | None = None,
+    missing_died: bool = False,
+) -> str | None:
+    """Which role's end came first, when that end was a death. `records`: key -> record (None: it
+    never wrote one); `ended`: the keys whose process is known gone (a step that exited, a probe
+    that refuses; all of `records` when None). Pure: records in, verdict out.
+
+    A role whose record says it never left died at its last heartbeat, but only when it is known
+    gone: a live role that misses beats (starved) is no death, however old its beat. One that never
+    wrote a record died first only with `missing_died` (a signal ended its step). A role that
+    failed (and said so) ended at its record's last write; one that failed of a death its watch
+    found names it (its "cause"), which makes that death known (its watch saw the process gone),
+    and the failure no cause of its own. A death so named explains the failures and the deaths
+    that followed it (srun ending their steps; a starved role's beat may be older than the death
+    it followed): when any is named, only named deaths and unexplained failures are ordered.
+    Those that left well or were ended (a signal) are no cause. None when no role ended, or the
+    first to end failed with its own error line (the roles ended with it by srun,
     --kill-on-bad-exit, then look dead, but are not the cause)."""
+    gone = set(records) if ended is None else set(ended)
+    # A named death whose record says the role left after all (failed, a signal) is no death.
+    named = {c for c in causes(records) if c in records and _never_left(records[c])}
+    deaths = named or gone
     events: list[tuple[float, str, bool]] = []
     for key, rec in records.items():
         if rec is None:
-            if missing_died:
+            if key in deaths and (missing_died or key in named):
                 events.append((float("-inf"), key, True))
         elif rec.left is None:
-            events.append((rec.beat, key, True))
-        elif rec.left == FAILED:
+            if key in deaths:
+                events.append((rec.beat, key, True))
+        elif rec.left == FAILED and rec.cause not in named:
             events.append((rec.beat, key, False))
     if not events:
         return None
