@@ -282,7 +282,9 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
         target_dir = str(resolve_target(cfg.paths.target_model))
         keys = row_keys(cfg.data, cfg.data.num_samples)[e.index :: cfg.engine.num_engines]
         _refuse_changed_prompts(ctx, e.index, keys)
+        t_regen = time.monotonic()
         samples = engine_prompts(ctx, proc, target_dir)
+        phases = {"regenerate": round(time.monotonic() - t_regen, 1)}
         # What a pruned draft vocabulary is chosen from: every sample's supervised tokens.
         _write_vocab_counts(ctx, e.index, samples, queue.run_prefix)
         if regenerates(cfg, e.index):
@@ -308,6 +310,11 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
                 f"capturing {len(todo)} prompts"
             )
             _capture(ctx, e.index, eng, queue, masks, todo, stop, preempted)
+            phases |= {
+                "engine_start": round(started, 1),
+                "capture": round(time.monotonic() - t0 - started, 1),
+            }
+            write_json_atomic(ctx.run.logs / f"phases-engine{e.index}.json", phases)
             if preempted.is_set():
                 # The queue stays open: the next attempt captures again what was not trained on.
                 say(f"engine {e.index}: SIGUSR2 after {queue.published} samples; stopped capturing")

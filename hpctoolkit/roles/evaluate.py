@@ -13,6 +13,7 @@ merges the same figures into `summary.json` and, as the run's last role, points 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from hpctoolkit.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
-from hpctoolkit.roles.results import finished, merge_summary, trainer_line
+from hpctoolkit.roles.results import finished, merge_summary, phase_fields, trainer_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.progress import Counted, count_line, write_progress
 
@@ -161,6 +162,7 @@ def run_evaluate(ctx: NodeContext) -> int:
 
     from hpctoolkit.targets.resolve import display_name, resolve_target
 
+    t0 = time.monotonic()
     cfg = ctx.cfg
     summary = read_json(ctx.run.summary)
     if not isinstance(summary, dict):
@@ -184,7 +186,7 @@ def run_evaluate(ctx: NodeContext) -> int:
         result |= run(ctx, export_dir, target_dir, tok)
         say(figures_line(result["evaluate"], summary))
     write_json_atomic(ctx.run.evaluate, result, indent=2)
-    merge_summary(ctx.run, result)
+    merge_summary(ctx.run, result | phase_fields(ctx.run, evaluate=time.monotonic() - t0))
     finished(ctx.run)
     return 0
 

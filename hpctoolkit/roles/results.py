@@ -40,6 +40,20 @@ def synthesized_fields(run: RunDir) -> dict[str, Any]:
     return {"data": {"synthesized": {**reports[0], "engines_agree": agree}}}
 
 
+def phase_fields(run: RunDir, **more: float) -> dict[str, Any]:
+    """`{"phases_s": {...}}`: where a run's wall time went, so the next bottleneck shows without a
+    profiler. Each engine leader's `logs/phases-engine<i>.json` (`regenerate`, `engine_start`,
+    `capture`; the slowest engine's of each), what the summary already holds, and `more` (the
+    trainers' `train`, the evaluation's `evaluate`)."""
+    out: dict[str, float] = dict((read_json(run.summary) or {}).get("phases_s") or {})
+    for path in sorted(run.logs.glob("phases-engine*.json")):
+        rec = read_json(path)
+        for k, v in (rec if isinstance(rec, dict) else {}).items():
+            out[k] = max(float(out.get(k, 0.0)), float(v))
+    out.update({k: round(v, 1) for k, v in more.items()})
+    return {"phases_s": out} if out else {}
+
+
 def trainers_are_last(cfg: RecipeConfig) -> bool:
     """Whether trainer rank 0 is the run's last role (no evaluate role follows it)."""
     return not cfg.evaluate.enabled

@@ -31,6 +31,7 @@ from hpctoolkit.roles.context import (
 )
 from hpctoolkit.roles.results import (
     finished,
+    phase_fields,
     synthesized_fields,
     trainer_fields,
     trainer_line,
@@ -364,6 +365,7 @@ def _live_summary(
         "train_wall_seconds": round(time.monotonic() - t0, 1),
         **_hosts(ctx, source),
         **synthesized_fields(ctx.run),
+        **phase_fields(ctx.run, train=time.monotonic() - t0),
     }
     if published is None or read != published:
         # Not an error (training.steps may end before one pass), but never silent.

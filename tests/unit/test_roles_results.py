@@ -150,3 +150,22 @@ def test_submitit_trainer_rank0_runs_evaluate_after_its_trainer(
         assert args[:2] == (RECIPE, overrides) and args[2]["SLURM_LOCALID"] == "1"
     else:
         assert FakeChild.started == []
+
+
+def test_phase_seconds_take_each_phases_slowest_engine_and_keep_what_the_summary_holds(tmp_path):
+    from hpctoolkit.roles.results import merge_summary, phase_fields
+    from hpctoolkit.rundir.layout import RunDir
+
+    run = RunDir(tmp_path, "r1")
+    run.logs.mkdir(parents=True)
+    write_json_atomic(
+        run.logs / "phases-engine0.json", {"regenerate": 120.0, "engine_start": 30.0, "capture": 10.0}
+    )
+    write_json_atomic(
+        run.logs / "phases-engine1.json", {"regenerate": 100.0, "engine_start": 35.5, "capture": 9.0}
+    )
+    got = phase_fields(run, train=200.04)
+    assert got == {"phases_s": {"regenerate": 120.0, "engine_start": 35.5, "capture": 10.0, "train": 200.0}}
+    merge_summary(run, got)
+    assert phase_fields(run, evaluate=50)["phases_s"] == {**got["phases_s"], "evaluate": 50}
+    assert phase_fields(RunDir(tmp_path, "empty")) == {}
