@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # `make test` runs on this many pytest-xdist workers (tests/conftest.py says how the work is split).
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test test-fast lint dry-run clean image wheelhouse wheelhouse-parts
+.PHONY: setup run test test-fast lint dry-run clean image wheelhouse wheelhouse-parts wheelhouse-lock-refresh
 
 setup: $(STAMP)
 
@@ -93,6 +93,10 @@ image:
 # (hpctoolkit.deploy.wheelhouse). `make wheelhouse-parts` then cuts it into PART_MB MiB parts for
 # a link that copies a bounded size at a time; `cat p* | tar -x` joins them, and
 # launch/install_wheelhouse.sh takes either folder.
+# The lock pins each wheel by its sha256: pip downloads with --require-hashes and the check refuses a
+# wheel of other bytes, naming it. Only an explicit refresh (`make wheelhouse-lock-refresh`, i.e.
+# WHEELHOUSE_REFRESH=1) downloads without hashes and rewrites them from the folder, printing the diff.
+WHEELHOUSE_REFRESH ?=
 WHEELHOUSE_LOCK ?= patches/vllm/v$(VLLM_VERSION)/wheelhouse.lock
 WHEELHOUSE ?= dist/wheelhouse
 WHEELHOUSE_PARTS ?= dist/wheelhouse-parts
@@ -101,10 +105,11 @@ WHEELHOUSE_CHECK = $(PY) -m hpctoolkit.deploy.wheelhouse --lock $(WHEELHOUSE_LOC
 
 wheelhouse: setup
 	@mkdir -p $(WHEELHOUSE)
-	@$(WHEELHOUSE_CHECK) missing > dist/wheelhouse-missing.txt
+	@$(WHEELHOUSE_CHECK) missing $(if $(WHEELHOUSE_REFRESH),--refresh) > dist/wheelhouse-missing.txt
 	@if [ -s dist/wheelhouse-missing.txt ]; then \
 		echo "[wheelhouse] downloading $$(wc -l < dist/wheelhouse-missing.txt) wheels into $(WHEELHOUSE)"; \
 		$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+			$(if $(WHEELHOUSE_REFRESH),,--require-hashes) \
 			--python-version 3.12 --implementation cp $$($(WHEELHOUSE_CHECK) platforms) \
 			-d $(WHEELHOUSE) -r dist/wheelhouse-missing.txt; \
 	fi
@@ -115,7 +120,11 @@ wheelhouse: setup
 		-w $(WHEELHOUSE) . && rm -rf build
 	@$(WHEELHOUSE_CHECK) stale | while read -r f; do \
 		echo "[wheelhouse] removing $$f: the lock does not name it"; rm -rf -- "$(WHEELHOUSE)/$$f"; done
+	@$(if $(WHEELHOUSE_REFRESH),$(WHEELHOUSE_CHECK) refresh)
 	@$(WHEELHOUSE_CHECK) check --require-own
+
+wheelhouse-lock-refresh:
+	@$(MAKE) --no-print-directory wheelhouse WHEELHOUSE_REFRESH=1
 
 wheelhouse-parts: wheelhouse
 	@rm -rf $(WHEELHOUSE_PARTS) && mkdir -p $(WHEELHOUSE_PARTS)

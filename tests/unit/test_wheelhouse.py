@@ -21,7 +21,8 @@ import packaging
 import pytest
 
 from hpctoolkit.deploy import wheelhouse as wh
-from hpctoolkit.deploy.lock import check_project, parse_lock, series_version
+from hpctoolkit.deploy.hashes import sha256_file, wheel_name
+from hpctoolkit.deploy.lock import Lock, check_project, parse_lock, series_version
 from hpctoolkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +61,20 @@ def make_wheel(
     return out
 
 
+def with_hashes(text: str, folder: Path) -> str:
+    """A lock's text with each pin's `--hash` that of its wheel in `folder` (of no bytes when absent)."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            out.append(line)
+            continue
+        name, version = line.split("==")
+        files = [p for p in folder.glob(f"*-{version}-*.whl") if wheel_name(p.name) == wheel_name(name)]
+        digest = sha256_file(files[0]) if files else hashlib.sha256(b"").hexdigest()
+        out.append(f"{line} --hash=sha256:{digest}")
+    return "\n".join(out) + "\n"
+
+
 # ---- the committed lock ----------------------------------------------------------------------
 
 
@@ -74,7 +89,9 @@ def test_committed_lock_parses_and_agrees_with_the_project():
 
 
 def test_project_disagreements_are_named():
-    lock = parse_lock("torch==2.12.0\nvllm==0.31.0\n", "patches/vllm/v0.32.0/wheelhouse.lock")
+    lock = parse_lock(
+        "torch==2.12.0\nvllm==0.31.0\n", "patches/vllm/v0.32.0/wheelhouse.lock", require_hashes=False
+    )
     pyproject = {
         "project": {
             "dependencies": ["torch==2.13.0"],
@@ -95,7 +112,7 @@ def test_project_disagreements_are_named():
         ("foo-bar==1\nFoo_Bar==1\n", "L:2: foo-bar is named twice (first on line 1)"),
         ("a-==1\n", "L:1: 'a-==1' is not a pin"),
         ("b==1\na==1\n", "L:2: a is out of order: pins are sorted by name (after b)"),
-        ("a>=1\n", "L:1: 'a>=1' is not a pin: one `name==version` a line"),
+        ("a>=1\n", "L:1: 'a>=1' is not a pin: one `name==version --hash=sha256:HEX` a line"),
         ("a==1 b==2\n", "L:1: 'a==1 b==2' is not a pin"),
         ("a==x.y\n", "L:1: 'x.y' is not a version"),
         ("# skip: b\n", "L:1: a `# skip:` line needs its reason"),
@@ -109,7 +126,7 @@ def test_project_disagreements_are_named():
 )
 def test_lock_refusals(text, message):
     with pytest.raises(ConfigError) as err:
-        parse_lock(text, "L")
+        parse_lock(text, "L", require_hashes=False)  # the hashes: test_wheelhouse_hashes.py
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 
@@ -127,6 +144,10 @@ vllm==0.32.0
 """
 
 
+def synth_lock(folder: Path) -> Lock:
+    return parse_lock(with_hashes(SYNTH_LOCK, folder), "L")
+
+
 def synth(tmp_path: Path, **changes) -> tuple[wh.Report, Path]:
     folder = tmp_path / "wh"
     folder.mkdir()
@@ -139,8 +160,7 @@ def synth(tmp_path: Path, **changes) -> tuple[wh.Report, Path]:
     for spec in wheels.values():
         if spec:
             make_wheel(folder, *spec)
-    lock = parse_lock(SYNTH_LOCK, "L")
-    return wh.check_wheelhouse(lock, wh.read_wheelhouse(folder)), folder
+    return wh.check_wheelhouse(synth_lock(folder), wh.read_wheelhouse(folder)), folder
 
 
 def test_good_synthetic_wheelhouse_passes(tmp_path):
@@ -199,7 +219,7 @@ def test_extra_file_and_foreign_platform(tmp_path):
     report, folder = synth(tmp_path)
     (folder / "notes.txt").write_text("x")
     make_wheel(folder, "gamma", "1.0")
-    report = wh.check_wheelhouse(parse_lock(SYNTH_LOCK, "L"), wh.read_wheelhouse(folder))
+    report = wh.check_wheelhouse(synth_lock(folder), wh.read_wheelhouse(folder))
     assert report.problems == [
         "gamma-1.0-py3-none-any.whl: gamma is not pinned by L",
         "notes.txt: not a wheel: the folder holds the lock's wheels and hpctoolkit's own only",
@@ -207,7 +227,7 @@ def test_extra_file_and_foreign_platform(tmp_path):
     assert report.stale == ["gamma-1.0-py3-none-any.whl", "notes.txt"]
     (folder / "beta-2.0-py3-none-any.whl").unlink()
     make_wheel(folder, "beta", "2.0", ("alpha",), tag="cp311-cp311-manylinux_2_17_x86_64")
-    report = wh.check_wheelhouse(parse_lock(SYNTH_LOCK, "L"), wh.read_wheelhouse(folder))
+    report = wh.check_wheelhouse(synth_lock(folder), wh.read_wheelhouse(folder))
     assert (
         "beta-2.0-cp311-cp311-manylinux_2_17_x86_64.whl: not for CPython 3.12 on manylinux x86-64 "
         "(cp311-cp311-manylinux_2_17_x86_64)"
@@ -218,20 +238,20 @@ def test_extra_file_and_foreign_platform(tmp_path):
 def test_own_wheel_is_allowed_once_and_its_requirements_count(tmp_path):
     report, folder = synth(tmp_path)
     make_wheel(folder, "hpctoolkit", "0.1.0", ("alpha==1.0", "numpy==2.3.5"))
-    report = wh.check_wheelhouse(parse_lock(SYNTH_LOCK, "L"), wh.read_wheelhouse(folder), require_own=True)
+    report = wh.check_wheelhouse(synth_lock(folder), wh.read_wheelhouse(folder), require_own=True)
     assert report.problems == []
     assert len(report.own) == 1
     make_wheel(folder, "hpctoolkit", "0.2.0", ("alpha==2.0",))
-    report = wh.check_wheelhouse(parse_lock(SYNTH_LOCK, "L"), wh.read_wheelhouse(folder))
+    report = wh.check_wheelhouse(synth_lock(folder), wh.read_wheelhouse(folder))
     assert report.problems[0].startswith("hpctoolkit: 2 wheels (")
 
 
 def test_cli_check(tmp_path, capsys):
     series = tmp_path / "patches" / "vllm" / "v0.32.0"
     series.mkdir(parents=True)
-    (series / "wheelhouse.lock").write_text(SYNTH_LOCK)
     (tmp_path / "pyproject.toml").write_text('[project]\ndependencies = ["alpha==1.0"]\n')
     _, folder = synth(tmp_path)
+    (series / "wheelhouse.lock").write_text(with_hashes(SYNTH_LOCK, folder))
     args = ["check", "--lock", str(series / "wheelhouse.lock"), "--wheelhouse", str(folder)]
     assert wh.main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
@@ -246,7 +266,9 @@ def test_cli_check(tmp_path, capsys):
         "stray.whl: not a wheel file name (Invalid wheel filename (wrong number of parts): 'stray')",
     ]
     assert wh.main([*args[1:-2], "--wheelhouse", str(tmp_path / "none"), "missing"]) == 0
-    assert capsys.readouterr().out.split() == ["alpha==1.0", "beta==2.0", "vllm==0.32.0"]
+    missing = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in missing] == ["alpha==1.0", "beta==2.0", "vllm==0.32.0"]
+    assert all(line.split()[1].startswith("--hash=sha256:") for line in missing)  # pip checks each download
 
 
 # ---- the real wheelhouse ---------------------------------------------------------------------
@@ -314,7 +336,8 @@ def fake_installation(tmp_path: Path) -> tuple[Path, Path, Path]:
     series = tmp_path / "series" / "v0.32.0"
     series.mkdir(parents=True)
     (series / "series").write_text("# no patches: the fake vllm has no files to patch\n")
-    (series / "wheelhouse.lock").write_text("torch==2.13.0\nvllm==0.32.0\n# image: absentpkg, imgonly\n")
+    lock = "torch==2.13.0\nvllm==0.32.0\n# image: absentpkg, imgonly\n"
+    (series / "wheelhouse.lock").write_text(with_hashes(lock, house))
     return house, image, series / "series"
 
 
@@ -377,7 +400,11 @@ def test_installer_orders_the_wheelhouse_before_the_image(tmp_path):
     again = install("--image", image, "--series", series, parts, venv)
     assert again.returncode == 0, again.stderr
     assert "reusing the joined parts" in again.stdout
-    assert "reusing" in again.stdout.splitlines()[1]
+    verified = (
+        f"install_wheelhouse: the 2 pinned wheels have the sha256 that {series.parent / 'wheelhouse.lock'}"
+    )
+    assert verified in again.stdout
+    assert f"reusing {venv / 'wheelhouse-site'}" in again.stdout.splitlines()[2]
     assert again.stdout.strip().splitlines()[-1] == last
 
     alone = install("--isolated", "--series", series, house, venv)
