@@ -17,6 +17,14 @@ Layout of `out_dir`
     A line may name fewer samples than its shard file holds: `keep_first` cuts a spool to the
     samples a checkpoint trained on by shortening the last kept line, never by rewriting a shard.
 
+Faults between and during attempts. A full disk while a shard or its index line is written is a
+`rundir.atomic.DiskFullError` naming the file and the bytes it needed; the shard's temporary file
+goes, a half-written index line is cut off, so the index still names only complete shards.
+A shard the index names that is missing, or holds fewer bytes than its header's offsets of the
+samples named (a node died mid-write, a scratch purge), is a `DataIntegrityError` naming it, found
+when the spool is cut for a resume (`keep_first`) or opened for replay (`ShardReader`), before any
+of its samples is read: a partial shard is never replayed.
+
 `ShardReader` is an `ObjectStore` (read-only; `remove` is a no-op) plus a manifest source, so
 `HiddenStateDataset(reader.manifests(), reader, ...)` replays shards with the same checks as
 training online. Reads go from the file straight into the sample's buffer (`readinto`).
@@ -41,7 +49,7 @@ from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.dtypes import safetensors_code
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir.atomic import atomic_path, write_text_atomic
+from hpctoolkit.rundir.atomic import atomic_path, disk_full, write_text_atomic
 from hpctoolkit.store.api import MissingKeysError
 
 INDEX_NAME = "index.jsonl"
@@ -51,10 +59,10 @@ FORMAT = "hpctoolkit-hidden-states-v1"
 MANIFESTS_META = "hpctoolkit.manifests"
 
 
-def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
-    # Not synced here: callers write to `rundir.atomic.atomic_path`, which syncs before the rename.
-    # Written by hand rather than with safetensors.save_file: a sample's tensors are views into one
-    # buffer, which save_file refuses (shared memory), and cloning them would copy every sample.
+def _safetensors_header(
+    tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]
+) -> tuple[bytes, int]:
+    """The header of a safetensors file of `tensors`, and the bytes of their data after it."""
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, t in tensors:
@@ -66,7 +74,14 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], 
         }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    return raw + b" " * (-len(raw) % 8), offset
+
+
+def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
+    # Not synced here: callers write to `rundir.atomic.atomic_path`, which syncs before the rename.
+    # Written by hand rather than with safetensors.save_file: a sample's tensors are views into one
+    # buffer, which save_file refuses (shared memory), and cloning them would copy every sample.
+    raw, _ = _safetensors_header(tensors, meta)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
@@ -176,7 +191,8 @@ class ShardWriter:
         tensors = [kt for s in self._pending for kt in s.destinations()]
         manifests = [_summed_manifest(s).to_dict() for s in self._pending]
         meta = {MANIFESTS_META: json.dumps(manifests), "format": FORMAT}
-        with atomic_path(self.out_dir / name) as tmp:
+        raw, data_bytes = _safetensors_header(tensors, meta)
+        with atomic_path(self.out_dir / name, nbytes=8 + len(raw) + data_bytes) as tmp:
             _write_safetensors(tmp, tensors, meta)
         shard = {
             "file": name,
@@ -184,16 +200,35 @@ class ShardWriter:
             "sizes": [s.manifest.nbytes for s in self._pending],
             "nbytes": self._pending_bytes,
         }
-        self._append_index(shard)
+        try:
+            self._append_index(shard)
+        except BaseException:
+            (self.out_dir / name).unlink(missing_ok=True)  # named by no index line: its space back
+            raise
         self._shards.append(shard)
         self._pending, self._pending_bytes = [], 0
 
     def _append_index(self, shard: dict[str, Any]) -> None:
         line = (json.dumps(shard, separators=(",", ":")) + "\n").encode()
-        with open(self.out_dir / INDEX_NAME, "ab") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        path = self.out_dir / INDEX_NAME
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except OSError as err:
+                # A line cut short by a full disk is cut off: the index stays whole-lined.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                full = disk_full(err, path, len(line))
+                if full is None:
+                    raise
+                raise full from err
+        finally:
+            os.close(fd)
         self.index_bytes_written += len(line)
 
     def close(self) -> None:
@@ -260,6 +295,15 @@ def keep_first(out_dir: str | os.PathLike[str], n: int) -> tuple[int, int]:
             f"{out} holds {count} samples, fewer than the {n} its checkpoint trained on: "
             "it cannot be cut to them"
         )
+    for shard in kept:
+        try:
+            _open_shard(out / shard["file"], shard["samples"])
+        except DataIntegrityError as err:
+            raise DataIntegrityError(
+                f"{err}; its checkpoint trained on these samples and the store no longer holds "
+                "them, so the spool cannot be resumed (none of it is replayed): run again in a "
+                "fresh output_dir"
+            ) from None
     write_index(out, kept)
     for shard in shards[len(kept) :]:
         (out / shard["file"]).unlink(missing_ok=True)
@@ -267,13 +311,51 @@ def keep_first(out_dir: str | os.PathLike[str], n: int) -> tuple[int, int]:
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise DataIntegrityError(f"shard {path} is truncated (no header)")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise DataIntegrityError(f"shard {path} is truncated (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise DataIntegrityError(
+                    f"shard {path} is truncated ({size} bytes, its header alone takes {8 + n})"
+                )
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise DataIntegrityError(f"shard {path} is missing (its directory's {INDEX_NAME} names it)") from None
+    except ValueError as err:
+        raise DataIntegrityError(f"shard {path}: its header is not JSON ({err})") from None
     return 8 + n, header
+
+
+def _open_shard(path: Path, samples: Sequence[str]) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
+    """A shard's header (data offsets from the first returned value) and the manifests of the
+    samples its index line names (`samples`, its first ones), checked: the shard holds every byte
+    of their objects. A shard removed, or truncated, is a `DataIntegrityError` naming it."""
+    base, header = _read_header(path)
+    meta = header.pop("__metadata__", {}) or {}
+    # The index may name only the first samples of a shard (`keep_first`).
+    manifests = json.loads(meta.get(MANIFESTS_META, "[]"))[: len(samples)]
+    if [m.get("sample_key") for m in manifests] != list(samples):
+        raise DataIntegrityError(f"shard {path}: its manifests disagree with {INDEX_NAME}")
+    keys = {o["key"] for m in manifests for o in _objects_of(m)}
+    missing = sorted(keys - header.keys())
+    if missing:
+        raise DataIntegrityError(
+            f"shard {path} holds no object {missing[0]!r} of the samples {INDEX_NAME} names"
+        )
+    size = path.stat().st_size
+    cut = sorted((base + int(header[k]["data_offsets"][1]), k) for k in keys)
+    cut = [(end, k) for end, k in cut if end > size]
+    if cut:
+        end, key = cut[0]
+        raise DataIntegrityError(
+            f"object {key!r} in shard {path} is truncated: the shard holds {size} bytes, the object "
+            f"ends at byte {end}"
+        )
+    return base, header, manifests
 
 
 def _objects_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -298,13 +380,9 @@ class ShardReader:
         self._digests: dict[str, str] = {}
         self._manifests: list[dict[str, Any]] = []
         for shard in shards:
+            # Every shard is checked whole before any sample is handed out.
             path = self.dir / shard["file"]
-            base, header = _read_header(path)
-            meta = header.pop("__metadata__", {}) or {}
-            # The index may name only the first samples of a shard (`keep_first`).
-            manifests = json.loads(meta.get(MANIFESTS_META, "[]"))[: len(shard["samples"])]
-            if [m.get("sample_key") for m in manifests] != shard["samples"]:
-                raise DataIntegrityError(f"shard {path}: its manifests disagree with {INDEX_NAME}")
+            base, header, manifests = _open_shard(path, shard["samples"])
             keys = {o["key"] for m in manifests for o in _objects_of(m)}
             self._manifests.extend(manifests)
             for m in manifests:

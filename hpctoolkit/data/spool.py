@@ -7,8 +7,9 @@ per shard. `sync()` is the checkpoint's barrier: it returns once every sample pu
 complete shard the index names, so a checkpoint that says "trained on n samples" is written only
 after those n are durable, and a resume after a SIGKILL cuts the spool to exactly them
 (`offline.keep_first`): none lost, none repeated. A failure on the thread (a full disk) is raised
-on the trainer's next `put`, `sync` or `close`, naming the spool; the samples of a shard that
-failed are never named by the index, and nothing is written after the failure.
+on the trainer's next `put`, `sync` or `close`, naming the spool (a full disk as a
+`rundir.atomic.DiskFullError`, naming the file and the bytes it needed); the samples of a shard
+that failed are never named by the index, and nothing is written after the failure.
 
 Memory: at most `max_queued` samples wait in the queue, and at most `max_shard_bytes` of samples
 (plus one) wait in the shard being filled; the samples are the reader's own buffers, not copies.
@@ -31,7 +32,7 @@ from typing import Any
 
 from hpctoolkit.data.offline import ShardWriter
 from hpctoolkit.errors import DataIntegrityError
-from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.atomic import DiskFullError, write_json_atomic
 
 # Shards of this size: one index line and one file creation per few dozen SmolLM2-sized samples,
 # small enough that a checkpoint's barrier (which closes the shard being filled) writes little.
@@ -111,6 +112,8 @@ class SpoolWriter:
 
     def _raise(self) -> None:
         err = self._error
+        if isinstance(err, DiskFullError):  # still one, naming the file and the bytes it needed
+            raise err.within(f"spool {self.out_dir}") from err
         if err is not None:
             raise DataIntegrityError(f"spool {self.out_dir}: writing a shard failed: {err}") from err
 

@@ -10,12 +10,19 @@ until it exists); a JSON file the user names (a config) is `read_json_object`, w
 `ConfigError` line naming the file. A build into a shared cache (a target) takes turns with other
 processes under `exclusive`.
 
+A full disk (ENOSPC) or a spent quota (EDQUOT) is a `DiskFullError`: one line naming the path and
+the bytes the write needed, with the temporary file removed and the old file in place. `disk_full`
+turns what a library raised for it (an `OSError`, or its own error carrying the errno's text:
+safetensors, torch's zip writer, `torch.distributed.checkpoint`) into one; writers that know what a
+whole artifact needs (a shard, a checkpoint, a converted target) name it instead of one file.
+
 Pure standard library: `models` and `train` use it on machines without vllm or mooncake.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +32,116 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.config.fields import read_text
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.errors import ConfigError, DataIntegrityError
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(DataIntegrityError, OSError):
+    """A write found its filesystem full or its quota spent. The message is one line naming the
+    path, the bytes the write needed and those free there. A data-path fault (the run fails, exit
+    1, and resumes from what was complete); also an `OSError` (errno ENOSPC or EDQUOT), so what
+    retried or tolerated a failed write before still does."""
+
+    def __init__(
+        self,
+        message: str,
+        path: str | os.PathLike[str],
+        needed: int | None,
+        code: int,
+        estimate: bool = False,
+    ):
+        super().__init__(message)
+        self.errno = code
+        self.filename = str(path)
+        self.needed = needed
+        self.estimate = estimate
+
+    def __str__(self) -> str:  # the line itself, not OSError's "[Errno 28] ..." form
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:  # whole across processes (spawned ranks)
+        return (type(self), (str(self), self.filename, self.needed, self.errno, self.estimate))
+
+    def within(self, what: str) -> DiskFullError:
+        """The same fault, its line led by `what` (the artifact the file belongs to)."""
+        code = self.errno or errno.ENOSPC
+        return DiskFullError(
+            f"{what}: {self}", Path(self.filename), self.needed, code, estimate=self.estimate
+        )
+
+
+def _full_errno(err: BaseException) -> int | None:
+    """ENOSPC or EDQUOT where `err`, or what it wraps, reports a full disk; else None. Libraries
+    that lose the errno keep its text (safetensors: "... (os error 28)")."""
+    todo: list[BaseException | None] = [err]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+            return e.errno
+        text = str(e)
+        for code in FULL_ERRNOS:
+            if os.strerror(code) in text or f"(os error {code})" in text:
+                return code
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    p = path
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def disk_full(
+    err: BaseException,
+    path: str | os.PathLike[str],
+    needed: int | None = None,
+    *,
+    estimate: bool = False,
+    written: int | None = None,
+) -> DiskFullError | None:
+    """The `DiskFullError` naming `path` when `err` reports a full disk or quota, else None.
+    `needed`: the bytes the write needs (`estimate`: about that many); unknown, an inner
+    `DiskFullError`'s figure is kept, else `written` (bytes it wrote before failing) is a lower bound."""
+    code = _full_errno(err)
+    if code is None:
+        return None
+    target = Path(path)
+    if needed is None and isinstance(err, DiskFullError) and err.needed is not None:
+        needed, estimate = err.needed, err.estimate
+    if needed is not None:
+        amount = f"{'about ' if estimate else ''}{needed} bytes"
+    elif written:
+        amount = f"more than the {written} bytes it had written"
+    else:
+        amount = "more bytes"
+    free = _free_bytes(target)
+    there = "" if free is None else f", {free} bytes are free there"
+    message = (
+        f"{os.strerror(code)} writing {target}: it needed {amount}{there}; free space (or raise the quota) "
+        "and run again: what was complete is kept and the run resumes from it"
+    )
+    return DiskFullError(message, target, needed, code, estimate=estimate)
+
+
+def _bytes_of(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _tmp_name(target: Path) -> Path:
@@ -53,19 +169,31 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[Path]:
+def atomic_path(
+    path: str | os.PathLike[str], *, sync: bool = True, nbytes: int | None = None
+) -> Iterator[Path]:
     """Yield a temporary path next to `path` (parent directories are created) to write the whole
     file to; on a clean exit it is synced (unless the writer did: `sync=False`) and renamed over
-    `path`, on an exception removed."""
+    `path`, on an exception removed. A full disk is a `DiskFullError` naming `path` and `nbytes`
+    (the file's size, where the caller knows it)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(target)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         if sync:
             _fsync(tmp)
         os.replace(tmp, target)
         _fsync_dir(target.parent)
+    except BaseException as err:
+        if isinstance(err, DiskFullError):
+            raise  # an inner write named its own file
+        written = _bytes_of(tmp)
+        tmp.unlink(missing_ok=True)  # before the free bytes are counted
+        full = disk_full(err, target, nbytes, written=written)
+        if full is None:
+            raise
+        raise full from err
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -82,7 +210,7 @@ def exclusive(lock_path: str | os.PathLike[str]) -> Iterator[None]:
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` atomically (parent directories are created); returns the path."""
-    with atomic_path(path, sync=False) as tmp, tmp.open("wb") as f:
+    with atomic_path(path, sync=False, nbytes=len(data)) as tmp, tmp.open("wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

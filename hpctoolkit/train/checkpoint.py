@@ -14,12 +14,17 @@ rank has finished, and `meta.json` is renamed into place last, so a crash mid-sa
 directory that `latest()` would pick. Only `step-<digits>` directories with a `meta.json` count
 (`rundir.ledger.complete_checkpoints`); anything else in `checkpoints/` is ignored.
 
+A full disk (or quota) mid-save is a `rundir.atomic.DiskFullError`, one line naming the checkpoint,
+about the bytes it needed and those free; the half-written checkpoint is removed (a `.partial`
+left by a rank that failed alone goes at the next save) and the previous one stays the newest.
+
 Resuming (`load_newest`) checks the newest complete checkpoint against its `meta.json` first (each
-rank a slice of the files), then loads it. An unreadable one is renamed `step-N.unreadable` (kept,
-never deleted, and no longer picked) and the previous complete one is loaded instead, in one
-warning line naming both; with none readable the resume fails. A live run that resumed from the
-sample ledger of a checkpoint cannot fall back (its engines capture only what that checkpoint did
-not train on) and fails closed instead. `torch.load` reads with `weights_only=True`: a pickled
+rank a slice of the files), then loads it. An unreadable one (a file truncated, or removed by a
+scratch purge: `meta.json` lists every file) is renamed `step-N.unreadable` (kept, never deleted,
+and no longer picked) and the previous complete one is loaded instead, in one warning line naming
+both; with none readable the resume fails. A live run that resumed from the sample ledger of a
+checkpoint cannot fall back (its engines capture only what that checkpoint did not train on) and
+fails closed instead. `torch.load` reads with `weights_only=True`: a pickled
 object in a checkpoint is refused, never run.
 
 Only the newest `keep_checkpoints` complete ones are kept. All ranks must see the same `out_dir`
@@ -28,6 +33,7 @@ Only the newest `keep_checkpoints` complete ones are kept. All ranks must see th
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import pickle
@@ -44,7 +50,7 @@ from hpctoolkit import checksum
 from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.rundir import ledger
-from hpctoolkit.rundir.atomic import atomic_path, read_json, write_json_atomic
+from hpctoolkit.rundir.atomic import disk_full, read_json, write_bytes_atomic, write_json_atomic
 from hpctoolkit.train.fsdp import DistContext
 
 log = logging.getLogger(__name__)
@@ -87,8 +93,33 @@ class Checkpointer:
         part of the sample ledger)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".partial")
+        try:
+            return self._save(step, final, tmp, model, optimizer, scheduler, samples_consumed, meta, prompts)
+        except BaseException as err:
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
+                if not (final / META).is_file():
+                    shutil.rmtree(final, ignore_errors=True)  # renamed, but its record did not fit
+            full = disk_full(err, tmp, _state_bytes(model, optimizer), estimate=True)
+            if full is None:
+                raise
+            raise full.within(f"checkpoint at step {step}") from err
+
+    def _save(
+        self,
+        step: int,
+        final: Path,
+        tmp: Path,
+        model,
+        optimizer,
+        scheduler,
+        samples_consumed: dict[str, int],
+        meta: dict[str, Any],
+        prompts: Mapping[int, str | None] | Iterable[int],
+    ) -> Path:
         if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in self.root.glob("step-*.partial"):  # a failed save's; `tmp` among them
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.ctx.barrier()
         msd, osd = get_state_dict(model, optimizer)
@@ -100,8 +131,10 @@ class Checkpointer:
             "samples_consumed": samples_consumed,
             "step": step,
         }
-        with atomic_path(tmp / f"rank-{self.ctx.rank}.pt") as part:
-            torch.save(extra, part)
+        # Serialized in memory first: torch's zip writer reports a full disk without its errno.
+        buf = io.BytesIO()
+        torch.save(extra, buf)
+        write_bytes_atomic(tmp / f"rank-{self.ctx.rank}.pt", buf.getvalue())
         ledger.write_part(tmp, self.ctx.rank, step, prompts)
         self.ctx.barrier()
         # Each rank sums a slice of the files (read back from its page cache), rank 0 collects.
@@ -202,6 +235,14 @@ class Checkpointer:
         has_part = (path / ledger.part_name(self.ctx.rank)).is_file()
         prompts = ledger.read_part(path, self.ctx.rank) if has_part else {}
         return {**meta, "samples_consumed": extra["samples_consumed"], "prompts": prompts}
+
+
+def _state_bytes(model, optimizer) -> int:
+    """About the bytes a checkpoint of `model` and `optimizer` takes (every rank's share)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _sums_name(rank: int) -> str:
