@@ -10,7 +10,6 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
-from hpctoolkit.config.schema import LAYER_FIELDS
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.families import serving_for
 from hpctoolkit.plan.sizing import StoreSizing, size_store
@@ -52,6 +51,10 @@ def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
 def check_layer_fields(cfg: RecipeConfig, target_layers: int, draft: dict[str, Any]) -> None:
     """Every field that names layers (`schema.LAYER_FIELDS`) against the depth of the target
     and of the draft (its `num_hidden_layers`; unchecked where its config leaves it out)."""
+    # Here, not at the top: the evaluation's replay imports this module, and `models`-side code
+    # must import without omegaconf (`schema` is OmegaConf's; tests/unit/test_models_import_isolation.py).
+    from hpctoolkit.config.schema import LAYER_FIELDS
+
     draft_layers = draft.get("num_hidden_layers")
     depths = {
         "target": (target_layers, cfg.paths.target_model),
