@@ -180,6 +180,10 @@ def run_evaluate(ctx: NodeContext) -> int:
         say(f"not serving: {reason}")
         result |= {"served_acceptance_length": None, "served_acceptance_skipped": reason}
     else:
+        warning = depth_warning(cfg.evaluate.num_speculative_tokens, summary.get("acceptance_depth"))
+        if warning:
+            say(warning)
+            result["served_k_warning"] = warning
         target_dir = resolve_target(cfg.paths.target_model)
         tok = AutoTokenizer.from_pretrained(target_dir)
         run = _mt_bench if cfg.evaluate.prompts == "mt_bench" else _held_out
@@ -189,6 +193,18 @@ def run_evaluate(ctx: NodeContext) -> int:
     merge_summary(ctx.run, result | phase_fields(ctx.run, evaluate=time.monotonic() - t0))
     finished(ctx.run)
     return 0
+
+
+def depth_warning(k: int, depth: int | None) -> str | None:
+    """A warning when vLLM is asked for more draft tokens than the draft was trained to propose
+    (its depth: DFlash's `block_size - 1`, Eagle3's `ttt_length`): positions past it were never
+    trained, so they are rarely accepted and only cost verification."""
+    if depth is None or k <= depth:
+        return None
+    return (
+        f"WARNING: serving at k={k} (evaluate.num_speculative_tokens), past the depth the draft was "
+        f"trained to, {depth}: positions {depth + 1}..{k} were never trained"
+    )
 
 
 def evaluate_in_fresh_process(recipe: str, overrides: Sequence[str], environ: Mapping[str, str]) -> int:
