@@ -62,13 +62,17 @@ stage_run() {
 
 # One rung of the acceptance ladder (benchmarks/acceptance.py --ladder), the GPU's utilization
 # sampled every second beside it (smi.csv), each point's summary and trainer log copied back.
-# LADDER_POINTS (default 4096:2048) and LADDER_FAMILIES (default dflash) pick the rung.
+# LADDER_POINTS (default 4096:2048) and LADDER_FAMILIES (default dflash) pick the rung; LADDER_ARGS
+# adds recipe overrides (e.g. "engine.regenerate_replicas=1").
 stage_ladder() {
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 1 \
     > "$res/smi.csv" 2>&1 &
   local smi=$!
+  local extra
+  read -r -a extra <<< "${LADDER_ARGS:-}"
   timeout -k 20 1500 "$py" benchmarks/acceptance.py --ladder --points "${LADDER_POINTS:-4096:2048}" \
-    --families "${LADDER_FAMILIES:-dflash}" --out runs/acceptance --record "$res/ladder.jsonl"
+    --families "${LADDER_FAMILIES:-dflash}" --out runs/acceptance --record "$res/ladder.jsonl" \
+    "${extra[@]}"
   local rc=$?
   kill "$smi" 2>/dev/null
   cp runs/acceptance/acceptance.json "$res/" 2>/dev/null
