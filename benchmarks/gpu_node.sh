@@ -15,7 +15,9 @@
 # The lent machine goes back after 30 s without a call, stages and all: poll with `wait 25`, and
 # make edits in the same batch of calls as a poll, not between them (2026-12-06: one node lost).
 #
-# Stages: install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
+# Stages: ladder (one rung of benchmarks/acceptance.py --ladder), trainer_input (the trainer's input
+# path alone), stress (the overlapped-steps stress test and its controls),
+# install (launch/install_wheelhouse.sh into $HPC/venv), tier (`pytest -m gpu`), devsum and
 # store_gpu (the GPU's checksums: tests, then their cost on the fragment path), reader (a CUDA
 # reader's fetch phase by phase, benchmarks/reader_device.py), tier_new
 # (the gpu tests not yet run on CUDA), flake (the overlapped-steps test after the vLLM tests), stress
@@ -166,6 +168,16 @@ stage_store_gpu() {
 # Where a CUDA reader's fetch time goes (benchmarks/reader_device.py): phase by phase, no store.
 stage_reader() {
   _with_variants timeout -k 20 180 "$py" benchmarks/reader_device.py --iters 15 --profile
+}
+
+# The trainer's input path alone on CUDA (benchmarks/trainer_input.py): a real master, an engine-like
+# writer on the GPU, the live source and its replay, read ahead against inline, at 1k and 8k samples
+# and 32k with short samples (the node's 64 GiB disk holds the spool; it is removed after each arm).
+stage_trainer_input() {
+  timeout -k 20 420 "$py" benchmarks/trainer_input.py --device cuda --samples 1024,8192 --compare \
+    --tokens-max 1024 --json "$res/trainer_input.json" || return $?
+  timeout -k 20 300 "$py" benchmarks/trainer_input.py --device cuda --samples 32768 --tokens-max 256 \
+    --step-ms 40 --json "$res/trainer_input_32k.json"
 }
 
 # The checksums' cost on the fragment path (benchmarks/store_path.py) on this node's cores.
