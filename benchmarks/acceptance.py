@@ -263,6 +263,35 @@ def ladder_row(family: str, samples: int, steps: int, s: dict[str, Any], out: Pa
     }
 
 
+def rows_from_ladder(path: Path) -> list[dict[str, Any]]:
+    """The rungs `ladder_row` recorded, as `table` and `plot` take them (the curve across sessions)."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        served = r.get("served") or {}
+        head = served.get("mt_bench") or next(iter(served.values()), {})
+        out.append(
+            {
+                "family": r["family"],
+                "samples": r["conversations"],
+                "steps": r["steps"],
+                "supervised_tokens": r.get("supervised_tokens"),
+                "served": head.get("tau"),
+                "by_category": head.get("by_category") or r.get("served_by_category") or {},
+                "simulated_by_trainer": r.get("trainer_tau_at_k"),
+                "wall_s": (r.get("seconds") or {}).get("wall"),
+                "train_s": (r.get("seconds") or {}).get("train"),
+                "gpu_s": r.get("gpu_seconds"),
+                "per_set": {name: v.get("tau") for name, v in served.items()},
+                "gpu": r.get("gpu"),
+                "date": r.get("date"),
+            }
+        )
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "family  samples  steps  sup.tokens  served  min-max by category  trainer-sim  human_eval"
@@ -345,7 +374,14 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}; known: {sorted(FAMILIES)}")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if args.ladder and args.no_run:
+        # The ladder's curve is what `--record` kept, rung by rung, across sessions.
+        rows = [r for r in rows_from_ladder(args.record) if r["family"] in families]
+        if not rows:
+            print(f"[acceptance] no rung recorded in {args.record} yet", flush=True)
+            return 0
+        families = []
     for family in families:
         for samples, steps in parse_points(points):
             if (
