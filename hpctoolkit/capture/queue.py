@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,8 @@ class _Queue:
         self.path = queue_path(output_dir, engine)
         self.offset = 0
         self.seen = 0
-        self.lines: list[str] = []
+        # A deque: a trainer that starts behind a fast capture takes thousands of lines in order.
+        self.lines: deque[str] = deque()
         self.published: int | None = None
 
     @property
@@ -186,7 +188,7 @@ class _Queue:
         if not self.lines:
             return None
         self.seen += 1
-        return self.lines.pop(0)
+        return self.lines.popleft()
 
 
 def follow_queues(
