@@ -1,4 +1,4 @@
-"""What the GPU's checksum (`hpctoolkit.devsum`, WMIX64) costs on one sample's bytes.
+"""What the GPU's checksum (`hpctoolkit.integrity.devsum`, WMIX64) costs on one sample's bytes.
 
     python benchmarks/device_checksum.py [--mib 280] [--iters 20]
 
@@ -11,7 +11,7 @@ from pinned memory. It checks that the host, torch on CUDA and Triton agree.
 
 Measured 2026-12-06 on one H100 80GB HBM3 (`$HPC/venv/bin/python benchmarks/device_checksum.py`,
 the wheelhouse venv of `benchmarks/gpu_node.sh`), with this script's own copy of the kernel that
-`hpctoolkit/devsum.py` then took over: host, torch on CUDA and Triton agree.
+`hpctoolkit/integrity/devsum.py` then took over: host, torch on CUDA and Triton agree.
 
     280 MiB, medians of 20
       host-to-device copy (pinned) :    5.31 ms
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpctoolkit import devsum
+from hpctoolkit.integrity import devsum
 
 
 def _time(fn, iters: int) -> float:

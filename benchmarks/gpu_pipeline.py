@@ -331,7 +331,7 @@ def part_regen(ns: argparse.Namespace) -> list[dict[str, Any]]:
 
 def part_capture(ns: argparse.Namespace) -> dict[str, Any]:
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     with launch_master(StoreConfig(global_segment_size="16GB"), Path("/tmp/bench-master")) as m:
         arms = {

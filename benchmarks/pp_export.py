@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.targets.resolve import resolve_target
 
     batch = a.batch if a.batch is not None else EngineConfig().capture_batch

@@ -52,9 +52,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.store_path import PHASES, time_fetch_steps, timed_step  # the same step timers
-from hpctoolkit import devsum
 from hpctoolkit.capture.manifest import UNSUMMED_SCHEMA_VERSION, Manifest, build_manifest
 from hpctoolkit.data.sample import BufferPool, Sample
+from hpctoolkit.integrity import devsum
 from hpctoolkit.store import fragments
 from hpctoolkit.store.api import MissingKeysError
 

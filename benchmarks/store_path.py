@@ -20,7 +20,7 @@ prints medians over `--iters` samples of:
   `--register-pool` registers each recycled buffer with Mooncake once (the product registers a
   destination per call).
 * `--device cuda`: the fragment path of a CUDA engine and a CUDA trainer. The writer's rows are on
-  the GPU; with checksums each stage sums them there (wmix64, `hpctoolkit.devsum`) before
+  the GPU; with checksums each stage sums them there (wmix64, `hpctoolkit.integrity.devsum`) before
   `publish_stage` copies them to the host, without them it only copies. The reader's sample ends on
   the GPU either way: with checksums `fetch_sample(device=...)` copies it there and checks it
   there, without them it is copied; both timed to the copy's end. In page-locked buffers.
@@ -80,7 +80,7 @@ checksum per object and the reader makes one call. The lever left is the trainer
 copies every sample anyway: on the H100 (2026-12-06, `benchmarks/device_checksum.py`) a
 position-keyed sum of mixed 32-bit words over the same bytes took 0.15 ms as one Triton kernel
 (6.4 ms as chunked torch ops), against 5.3 ms for the host-to-device copy from pinned memory.
-`hpctoolkit.devsum` is that sum: the engine sums its rows before its device-to-host copy, and the
+`hpctoolkit.integrity.devsum` is that sum: the engine sums its rows before its device-to-host copy, and the
 trainer checks the copy it collates from (the "gpu sums" rows).
 """
 
@@ -102,9 +102,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import hpctoolkit.store  # noqa: E402, F401  (import order)
-from hpctoolkit import checksum, devsum  # noqa: E402
 from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
 from hpctoolkit.data.sample import BufferPool  # noqa: E402
+from hpctoolkit.integrity import checksum, devsum  # noqa: E402
 from hpctoolkit.store import fragments  # noqa: E402
 from hpctoolkit.store.config import StoreConfig  # noqa: E402
 
@@ -368,7 +368,7 @@ def main() -> None:
         (_writer if args.role == "writer" else _reader)(args)
         return
 
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.store.probe import count_keys_via_master
 
     log_dir = Path(tempfile.mkdtemp(prefix="store_path_"))

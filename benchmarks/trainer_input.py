@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import hpctoolkit.store  # noqa: E402, F401  (import order)
-from hpctoolkit import devsum  # noqa: E402
 from hpctoolkit.capture.manifest import build_manifest  # noqa: E402
+from hpctoolkit.integrity import devsum  # noqa: E402
 from hpctoolkit.store.config import StoreConfig  # noqa: E402
 
 NUM_LAYERS = 30
@@ -249,7 +249,7 @@ def main() -> None:
         _writer(args)
         return
 
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     work = args.work or Path(tempfile.mkdtemp(prefix="trainer_input_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
 One table for every map between them; `capture.manifest.DTYPE_BYTES` (pure, no torch) spells the
 same names. torch only: `models` and `train` import it on machines without vllm or mooncake.
+It stands alone at the package's top: data, models, engine, store and evaluate all spell dtypes
+through it, and no one of those rooms owns the table.
 """
 
 from __future__ import annotations

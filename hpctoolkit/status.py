@@ -33,11 +33,11 @@ from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
-from hpctoolkit.figures import duration, figure, seconds
+from hpctoolkit.output.figures import duration, figure, seconds
 from hpctoolkit.plan.lifecycle import PHASE_NAMES
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import LATEST, RunDir
-from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, count_line, trainer_line
+from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, count_line, trainer_progress_line
 
 RUNNING, DONE, FAILED, PREEMPTED = "running", "done", "failed", "preempted"
 # A trainer silent for this many of its reporting intervals may be gone (a killed job leaves no record).
@@ -128,15 +128,15 @@ def _failure(r: Records) -> tuple[str, str, str] | None:
     return None
 
 
-def _trainer_line(r: Records, now: float) -> str | None:
+def _trainer_progress_line(r: Records, now: float) -> str | None:
     p = r.trainer
     total = _section(r.config, "training").get("steps")
     if p is None:
         return f"step {r.steps_logged}/{total} (no progress record yet)" if r.steps_logged else None
     if r.ended is not None:
-        return trainer_line(p)
+        return trainer_progress_line(p)
     age = now - float(p.get("time", now))
-    line = f"{trainer_line(p)}; reported {duration(age)} ago"
+    line = f"{trainer_progress_line(p)}; reported {duration(age)} ago"
     every = _section(r.config, "training").get("progress_every_s") or DEFAULT_EVERY_S
     if age > SILENT_INTERVALS * float(every):
         line += f" (nothing for {SILENT_INTERVALS} intervals of {seconds(every)}: is the job still running?)"
@@ -204,7 +204,7 @@ def report(r: Records, now: float) -> Report:
     lines.append(f"phases   {trail}")
     for name, line in (
         ("engines", _engine_line(r)),
-        ("trainer", _trainer_line(r, now)),
+        ("trainer", _trainer_progress_line(r, now)),
         ("evaluate", _evaluate_line(r)),
     ):
         if line:

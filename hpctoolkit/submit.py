@@ -13,7 +13,7 @@ file must hold the rows the run takes from it (`data.num_samples`, plus the held
 `engine.extra_args` must be vLLM engine arguments (checked where vLLM imports, else said so);
 where `sinfo` reports node memory the busiest node's store segments, buffers and workers must fit
 in it; and a job resuming a run by hand (`HPCTOOLKIT_RUN_ID`) must have the recipe and inputs the
-run was pinned to (`rundir.inputs`). Every field of the recipe is checked against its declared kind first (`config/fields.py`),
+run was pinned to (`rundir.inputs_record`). Every field of the recipe is checked against its declared kind first (`config/fields.py`),
 and each flag against the recipe's `cluster.backend` (`FLAG_BACKENDS`).
 """
 
@@ -75,15 +75,15 @@ def check_files(cfg: RecipeConfig) -> None:
 def check_resumed_inputs(cfg: RecipeConfig, recipe_yaml: str) -> None:
     """A job that resumes a run by hand (`HPCTOOLKIT_RUN_ID` names its directory) is refused here,
     at submission, when its recipe or an input differs from what the run pinned; its steps would
-    refuse it anyway, after the queue wait (`rundir.inputs`)."""
+    refuse it anyway, after the queue wait (`rundir.inputs_record`)."""
     from hpctoolkit import envs
-    from hpctoolkit.roles.inputs import measure
-    from hpctoolkit.rundir import inputs
+    from hpctoolkit.roles.measure_inputs import measure
+    from hpctoolkit.rundir import inputs_record
     from hpctoolkit.rundir.layout import RunDir
 
     run_id = envs.get(envs.HPCTOOLKIT_RUN_ID.name)
     if cfg.cluster.backend == "slurm" and run_id:
-        inputs.check(RunDir.of(cfg.paths.output_dir, run_id), measure(cfg, recipe_yaml))
+        inputs_record.check(RunDir.of(cfg.paths.output_dir, run_id), measure(cfg, recipe_yaml))
 
 
 def check_data(cfg: RecipeConfig) -> int:

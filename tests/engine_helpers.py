@@ -135,7 +135,7 @@ def scenario_capture(args: dict[str, Any]) -> dict[str, Any]:
 def scenario_master_killed(args: dict[str, Any]) -> dict[str, Any]:
     """Capture continuously; kill the master mid-run; time how long until capture() raises."""
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     master = launch_master(StoreConfig(), Path(args["workdir"]) / "master-logs")
     args = dict(args, address=master.address)

@@ -127,7 +127,7 @@ def assert_sample_matches(sample: Any, m: Manifest) -> None:
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real mooncake_master on 127.0.0.1 with automatic ports, shared by a test module."""
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     m = launch_master(small_store_cfg(), tmp_path_factory.mktemp("master"))
     yield m

@@ -10,11 +10,11 @@ One sample is published as separate store objects, whatever the pipeline size:
   sample carries no mask and every token may be supervised).
 
 * `<key>_sums<s>`, shape `[8 * n]`, uint8, one per stage `s` (schema 2): the checksums
-  (`hpctoolkit.checksum`, 8 bytes each, little-endian) of the `n` objects stage `s` publishes, in
+  (`hpctoolkit.integrity.checksum`, 8 bytes each, little-endian) of the `n` objects stage `s` publishes, in
   manifest order (`Manifest.summed`), put by the stage with them in one batch. A stage computes
   them where its bytes are, after the manifest left the scheduler, so they travel as an object
   the manifest names rather than in the manifest itself. `sums_algorithm` names their checksum:
-  `xxh3_64` (`hpctoolkit.checksum`, on the host) or `wmix64` (`hpctoolkit.devsum`, which a CUDA
+  `xxh3_64` (`hpctoolkit.integrity.checksum`, on the host) or `wmix64` (`hpctoolkit.integrity.devsum`, which a CUDA
   engine computes on its GPU before its copy to the host, and a CUDA trainer checks on its GPU).
 
 The manifest names every object with its role, stage, shape and dtype, so a reader never guesses a
@@ -99,7 +99,7 @@ class FragmentSpec:
     shape: tuple[int, ...]
     dtype: str
     layer_id: int | None = None
-    # `"<algorithm>:<hex>"` of the object's bytes, when its writer knew them (`hpctoolkit.checksum`).
+    # `"<algorithm>:<hex>"` of the object's bytes, when its writer knew them (`hpctoolkit.integrity.checksum`).
     digest: str | None = None
 
     @property
@@ -379,7 +379,7 @@ def build_manifest(
 
 def with_loss_mask(manifest: Manifest, digest: str | None) -> Manifest:
     """`manifest` naming its sample's `<key>_loss_mask` object (published beside the fragments),
-    with the checksum of its bytes (`hpctoolkit.checksum`; a schema-2 manifest needs one)."""
+    with the checksum of its bytes (`hpctoolkit.integrity.checksum`; a schema-2 manifest needs one)."""
     spec = FragmentSpec(
         key=loss_mask_key(manifest.sample_key),
         role=ROLE_LOSS_MASK,

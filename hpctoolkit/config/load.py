@@ -243,7 +243,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 def load_pinned(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple[RecipeConfig, str]:
     """`load_recipe`, and the resolved recipe as YAML before this host decided its `auto`
     precisions (`config.precision`): the same text on every host of a run, whatever its CPU or
-    GPU, which the run directory pins (`rundir.inputs`)."""
+    GPU, which the run directory pins (`rundir.inputs_record`)."""
     portable = fill_from_draft(compose(path, overrides))
     cfg = resolve_precision(portable)
     check_couplings(cfg)

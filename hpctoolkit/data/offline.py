@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 
-from hpctoolkit import checksum
 from hpctoolkit.capture.manifest import MANIFEST_SCHEMA_VERSION, UNSUMMED_SCHEMA_VERSION, Manifest
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.data.sample import Sample
 from hpctoolkit.dtypes import safetensors_code
 from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.integrity import checksum
 from hpctoolkit.rundir.atomic import atomic_path, disk_full, write_text_atomic
 from hpctoolkit.store.api import MissingKeysError
 

@@ -95,7 +95,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from hpctoolkit import devsum
 from hpctoolkit.capture import Manifest, build_manifest, check_layer_layout, owned_layers
 from hpctoolkit.capture.manifest import SUMS_ALGORITHMS
 from hpctoolkit.dtypes import dtype_name
@@ -111,6 +110,7 @@ from hpctoolkit.engine.publish import Publisher, StageRows
 from hpctoolkit.engine.rows import head_index_of, sample_key_for, stage_heads
 from hpctoolkit.engine.tracker import PendingSample, SampleTracker
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+from hpctoolkit.integrity import devsum
 from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         self._pp_size = int(parallel.pipeline_parallel_size)
         # A CUDA engine's stages sum their rows on the GPU, before the copy to the host
-        # (`hpctoolkit.devsum`); a CPU engine's, XXH3 on the host.
+        # (`hpctoolkit.integrity.devsum`); a CPU engine's, XXH3 on the host.
         device_type = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         self._sums_algorithm = devsum.ALGORITHM if device_type == "cuda" else SUMS_ALGORITHMS[0]
         # ExampleHiddenStatesConnector's helpers find the hidden-state KV group by its spec type

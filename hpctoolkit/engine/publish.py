@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from hpctoolkit import devsum
 from hpctoolkit.capture import Manifest
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.engine.rows import gather_heads, slot_mapping
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.integrity import devsum
 from hpctoolkit.store.fragments import host_copies, publish_stage
 
 # A job's tag: ("publish" | "remove", request id).

@@ -40,6 +40,7 @@ from typing import Any
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.kwargs import ONE_NODE, CaptureSink, NodeArgs, engine_llm_kwargs
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.output.figures import figure
 
 # (token ids, finish reason: "stop" | "length")
 Generated = tuple[list[int], str]
@@ -345,7 +346,7 @@ class Gate:
             if time.monotonic() > deadline:
                 raise DataIntegrityError(
                     f"regeneration replica: the replica before it did not start its engine within "
-                    f"{self.timeout_s:.0f}s ({self.after} never appeared)"
+                    f"{figure(self.timeout_s, 0)}s ({self.after} never appeared)"
                 )
             time.sleep(0.5)
 
@@ -414,8 +415,8 @@ def vllm_generator(
         new = sum(len(g[0]) for g in got)
         # A round can take minutes on a CPU: say what it did, so a user sees the run move.
         print(
-            f"[hpctoolkit.engine] regenerated {len(got)} turns, {new} tokens in {took:.1f} s "
-            f"({new / max(took, 1e-9):.0f} tokens/s)",
+            f"[hpctoolkit.engine] regenerated {len(got)} turns, {new} tokens in {figure(took, 1)} s "
+            f"({figure(new / max(took, 1e-9), 0)} tokens/s)",
             flush=True,
         )
         return got

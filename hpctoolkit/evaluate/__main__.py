@@ -23,7 +23,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate.compare import evaluate
 from hpctoolkit.evaluate.serve import reporting
 from hpctoolkit.evaluate.sets import set_lines
-from hpctoolkit.figures import figure
+from hpctoolkit.output.figures import figure
 from hpctoolkit.rundir.atomic import write_text_atomic
 from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, Counted, count_line
 from hpctoolkit.targets.resolve import resolve_target

@@ -19,6 +19,7 @@ from hpctoolkit.evaluate.chat import acceptance_by_group, serve_chats
 from hpctoolkit.evaluate.mt_bench import Question
 from hpctoolkit.evaluate.serve import acceptance_from_counters, add_counters, serve
 from hpctoolkit.evaluate.simulate import simulate
+from hpctoolkit.output.figures import figure
 from hpctoolkit.train.plot import plot_acceptance
 
 CONVENTION = (
@@ -290,8 +291,8 @@ def _plot(
             rate_label="simulated, vLLM schedule replayed",
             accuracy_label="simulated accuracy, every start",
             title=(
-                f"served {result['served_acceptance_length']:.2f} vs simulated "
-                f"{result['simulated_acceptance_length']:.2f} (incl. bonus, k={k})"
+                f"served {figure(result['served_acceptance_length'], 2)} vs simulated "
+                f"{figure(result['simulated_acceptance_length'], 2)} (incl. bonus, k={k})"
             ),
         )
     )

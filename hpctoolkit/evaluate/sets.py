@@ -12,7 +12,7 @@ from typing import Any
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.evaluate import human_eval, mt_bench
 from hpctoolkit.evaluate.mt_bench import Question
-from hpctoolkit.figures import figure
+from hpctoolkit.output.figures import figure
 
 
 def _mt_bench(questions_per_category: int) -> list[Question]:

@@ -32,9 +32,9 @@ from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
 from hpctoolkit.plan.ports import TRAINER_LISTENER, engine_listener
-from hpctoolkit.roles.inputs import measure as measure_inputs
+from hpctoolkit.roles.measure_inputs import measure as measure_inputs
 from hpctoolkit.roles.network import LOOPBACK, HostAddress, free_port, listen, local_address
-from hpctoolkit.rundir import inputs
+from hpctoolkit.rundir import inputs_record
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.env import SlurmEnvironment
@@ -66,9 +66,9 @@ class NodeContext:
     host_address: HostAddress = LOOPBACK_ADDRESS
     # This process's trainer rank when the local launcher started it (Slurm: SLURM_PROCID).
     local_rank_env: int = 0
-    # The resolved recipe and its inputs as this process found them (`rundir.inputs`); None only
+    # The resolved recipe and its inputs as this process found them (`rundir.inputs_record`); None only
     # for a context made by hand, from which no attempt starts (`pinned_of`).
-    pinned: inputs.Pin | None = None
+    pinned: inputs_record.Pin | None = None
 
     def host(self, node: int) -> str:
         return self.hosts[node]
@@ -109,7 +109,7 @@ def load_context(
 ) -> NodeContext:
     """This process's place in the run of `recipe` with `overrides`: the plan (checked against the
     batch script's digest), its node and run directory, and its inputs, checked against those the
-    run pinned at its start (`rundir.inputs`; a change is a `ConfigError`)."""
+    run pinned at its start (`rundir.inputs_record`; a change is a `ConfigError`)."""
     env = os.environ if environ is None else environ
     cfg, recipe_yaml = load_pinned(recipe, list(overrides))
     plan = make_plan(cfg)
@@ -117,7 +117,7 @@ def load_context(
     ctx = _place(cfg, plan, env)
     # Every role on every node: the inputs it reads are those the run started with.
     pinned = measure_inputs(cfg, recipe_yaml)
-    inputs.check(ctx.run, pinned)
+    inputs_record.check(ctx.run, pinned)
     return dataclasses.replace(ctx, pinned=pinned)
 
 
@@ -145,7 +145,7 @@ def _place(cfg: RecipeConfig, plan: Plan, env: Mapping[str, str]) -> NodeContext
     return NodeContext(cfg, plan, 0, (LOCALHOST,), LOCALHOST, None, run, here, rank)
 
 
-def pinned_of(ctx: NodeContext) -> inputs.Pin:
+def pinned_of(ctx: NodeContext) -> inputs_record.Pin:
     """The inputs `load_context` measured; an attempt never starts from a context without them."""
     if ctx.pinned is None:
         raise AssertionError("a run's attempt starts from load_context, which measures its inputs")

@@ -255,7 +255,7 @@ def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
     """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
     starts it (`ledger.start_attempt`); the others wait for it."""
     from hpctoolkit.config.load import to_yaml
-    from hpctoolkit.rundir import inputs, ledger
+    from hpctoolkit.rundir import inputs_record, ledger
 
     restart = ledger.restart_count()
     if senv.proc_id == 0:
@@ -263,4 +263,4 @@ def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
     else:
         ledger.wait_attempt(ctx.run, senv.job_id, restart)
         # At the first attempt this task may have loaded its context before task 0 pinned the inputs.
-        inputs.check(ctx.run, pinned_of(ctx))
+        inputs_record.check(ctx.run, pinned_of(ctx))

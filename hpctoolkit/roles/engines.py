@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
 from hpctoolkit.config.schema import RecipeConfig
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.output.console import speaker
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child

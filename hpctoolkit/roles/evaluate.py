@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
-from hpctoolkit.figures import figure
+from hpctoolkit.output.console import speaker
+from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
-from hpctoolkit.roles.results import finished, merge_summary, phase_fields, trainer_line
+from hpctoolkit.roles.results import finished, merge_summary, phase_fields, trainer_acceptance_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.progress import Counted, count_line, write_progress
 
@@ -150,7 +150,7 @@ def figures_line(ev: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
         f"served acceptance length {figure(ev.get('served_acceptance_length'))} at k={k} on {ev.get('eval_set')} "
         f"(vLLM's counters, incl. bonus); replayed {figure(ev.get('simulated_acceptance_length'))} against served "
         f"{figure(ev.get('served_acceptance_length_replayed_requests'))} on the same {n} requests (gap "
-        f"{figure(ev.get('acceptance_length_gap'))}); " + trainer_line(summary)
+        f"{figure(ev.get('acceptance_length_gap'))}); " + trainer_acceptance_line(summary)
     )
 
 

@@ -25,15 +25,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hpctoolkit import console, envs, errors
+from hpctoolkit import envs, errors
 from hpctoolkit.config.load import load_pinned, to_yaml
 from hpctoolkit.config.schema import RecipeConfig
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.output import console
+from hpctoolkit.output.console import speaker
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
-from hpctoolkit.roles.inputs import measure as measure_inputs
-from hpctoolkit.roles.results import merge_summary, trainer_line
+from hpctoolkit.roles.measure_inputs import measure as measure_inputs
+from hpctoolkit.roles.results import merge_summary, trainer_acceptance_line
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir, local_run_id
@@ -321,13 +322,13 @@ def _start_master(group: RoleGroup) -> None:
 def _summarize(run: RunDir, t0: float) -> dict[str, Any]:
     # The roles wrote the summary (evaluate merged its figures in) and set `latest`
     # (`roles.results`); the launcher adds only its own figure, the whole run's wall time.
-    from hpctoolkit.figures import figure, seconds
+    from hpctoolkit.output.figures import figure, seconds
 
     summary = merge_summary(run, {"wall_seconds": round(time.monotonic() - t0, 1)})
     say(
         f"done in {seconds(summary['wall_seconds'])}: {summary.get('samples_read')} samples, "
         f"{summary.get('keys_left_in_store')} keys left in the store, served acceptance length "
         f"{figure(summary.get('served_acceptance_length'))} at k={summary.get('served_k')} (vLLM, incl. bonus); "
-        f"{trainer_line(summary)} -> {run.summary} (also {run.latest}/summary.json)"
+        f"{trainer_acceptance_line(summary)} -> {run.summary} (also {run.latest}/summary.json)"
     )
     return summary

@@ -17,15 +17,15 @@ import time
 from dataclasses import replace
 
 from hpctoolkit.config.fields import slurm_time_seconds
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.output.console import speaker
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import NodeContext, master_bind_host
 from hpctoolkit.roles.waits import term_event
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
-from hpctoolkit.store.master import resolve_master
+from hpctoolkit.store.mooncake_master import resolve_master
 
 # How often the master looks for the end of the run.
 END_POLL_S = 0.5

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpctoolkit.config.schema import RecipeConfig
-from hpctoolkit.figures import figure
+from hpctoolkit.output.figures import figure
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
 
@@ -78,7 +78,7 @@ def trainer_fields(result: dict[str, Any], served_k: int) -> dict[str, Any]:
     }
 
 
-def trainer_line(fields: Mapping[str, Any]) -> str:
+def trainer_acceptance_line(fields: Mapping[str, Any]) -> str:
     """The trainer's figures for the terminal, each with its k."""
     own, depth = fields.get("acceptance_length"), fields.get("acceptance_depth")
     if own is None:

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpctoolkit import envs
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
-from hpctoolkit.figures import figure
+from hpctoolkit.output.console import speaker
+from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import (
     NodeContext,
@@ -33,8 +33,8 @@ from hpctoolkit.roles.results import (
     finished,
     phase_fields,
     synthesized_fields,
+    trainer_acceptance_line,
     trainer_fields,
-    trainer_line,
     trainers_are_last,
 )
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
@@ -385,5 +385,5 @@ def _finish(ctx: NodeContext, summary: dict[str, Any]) -> None:
     say(
         f"trained {summary.get('steps_trained')} steps on {summary.get('samples_read')} samples; "
         f"final loss {figure(summary.get('final_loss'))}; keys left in store {summary.get('keys_left_in_store')}; "
-        + trainer_line(summary)
+        + trainer_acceptance_line(summary)
     )

@@ -10,7 +10,7 @@ Inside a run directory (every node of a Slurm job shares it):
     config.yaml                  the resolved recipe of this run (this attempt's)
     inputs.json                  the resolved recipe and the SHA-256 of every input it names, as the
                                  first attempt found them; every attempt and role checks them
-                                 (`rundir.inputs`)
+                                 (`rundir.inputs_record`)
     master.json                  the Mooncake master's addresses (`roles.master`)
     manifests/engine<i>.jsonl    engine i's manifest queue, `.done` / `.failed` records
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
@@ -158,7 +158,7 @@ class RunDir:
 
     @property
     def inputs(self) -> Path:
-        """The pinned recipe and inputs (`rundir.inputs`)."""
+        """The pinned recipe and inputs (`rundir.inputs_record`)."""
         return self.root / "inputs.json"
 
     @property

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctoolkit.errors import DataIntegrityError, StoreError
-from hpctoolkit.rundir import alive, inputs
+from hpctoolkit.rundir import alive, inputs_record
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import RunDir
 
@@ -200,7 +200,7 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
 def start_attempt(
     run: RunDir,
     config_yaml: str,
-    pinned: inputs.Pin,
+    pinned: inputs_record.Pin,
     job_id: str | None,
     *,
     fresh: bool = False,
@@ -208,14 +208,14 @@ def start_attempt(
 ) -> bool:
     """The lifecycle's `start` phase, the one way every backend begins an attempt: make the run
     directory (`fresh`: a new one, refused if the id is taken, as a local run's always is), pin its
-    inputs at the first attempt or refuse any that changed since (`rundir.inputs`: `ConfigError`,
+    inputs at the first attempt or refuse any that changed since (`rundir.inputs_record`: `ConfigError`,
     before anything of the run is touched), write its `config.yaml` atomically and, in a Slurm
     job, clear an earlier attempt's records (`begin_attempt`). True when there were such records."""
     if fresh:
         run.create()
     else:
         run.root.mkdir(parents=True, exist_ok=True)
-    inputs.pin(run, pinned)
+    inputs_record.pin(run, pinned)
     write_text_atomic(run.config, config_yaml)
     if job_id is None:
         return False

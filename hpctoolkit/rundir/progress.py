@@ -8,7 +8,7 @@ one every `every_s`, whatever its step rate. `Counted` is a Ticker over a count 
 `progress/<role>.json`) atomically, with the wall-clock `time` it was written, so a reader on any
 node sees a whole record and can tell how old it is (`python -m hpctoolkit.status`).
 
-Records are metadata only, full precision; the line rounds (`hpctoolkit.figures`).
+Records are metadata only, full precision; the line rounds (`hpctoolkit.output.figures`).
 Pure standard library: the training loop uses it on the GPU machine.
 """
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hpctoolkit.figures import duration, figure, rate
+from hpctoolkit.output.figures import duration, figure, rate
 from hpctoolkit.rundir.atomic import write_json_atomic
 
 # Seconds between two progress reports unless the recipe says otherwise.
@@ -80,9 +80,9 @@ def write_progress(path: str | os.PathLike[str], record: Mapping[str, Any], now:
     write_json_atomic(path, {**record, "time": time.time() if now is None else now})
 
 
-def trainer_line(r: Mapping[str, Any]) -> str:
+def trainer_progress_line(r: Mapping[str, Any]) -> str:
     """A trainer record for people: `step 40/800 (5%), loss 3.642, tau 1.940, 12.3 samples/s, 1234
-    tokens/s, ETA 1m35s` (`train.progress` writes the record, `hpctoolkit.status` reads it back)."""
+    tokens/s, ETA 1m35s` (`train.reporter` writes the record, `hpctoolkit.status` reads it back)."""
     step, total = r.get("step"), r.get("total")
     pct = f" ({100 * step // total}%)" if isinstance(step, int) and isinstance(total, int) and total else ""
     return (

@@ -51,11 +51,11 @@ from concurrent.futures import wait
 
 import torch
 
-from hpctoolkit import checksum, devsum
 from hpctoolkit.capture.manifest import DIGEST_BYTES, FragmentSpec, Manifest
 from hpctoolkit.data.sample import BufferPool, Sample
 from hpctoolkit.dtypes import dtype_name
 from hpctoolkit.errors import DataIntegrityError, StoreError
+from hpctoolkit.integrity import checksum, devsum
 from hpctoolkit.store.api import MissingKeysError, ObjectStore
 from hpctoolkit.store.mooncake import StoreUnavailableError, TransientStoreError
 
@@ -356,7 +356,7 @@ def _check_on_device(sample: Sample, device: torch.device | None) -> None:
     of the whole buffer there, made and summed on a stream of its own; the host waits for that
     stream alone, never for the trainer's queued steps. The copy becomes `sample.device_copy`,
     marked in use on the caller's stream. Without a CUDA device the sums run on the host (torch;
-    slow, see `hpctoolkit.devsum`). Objects with their own XXH3 digest (the loss mask) are
+    slow, see `hpctoolkit.integrity.devsum`). Objects with their own XXH3 digest (the loss mask) are
     `_check_digests`'s."""
     summed = _summed(sample.manifest)
     copy = None

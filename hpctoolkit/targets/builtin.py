@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.output.console import speaker
 from hpctoolkit.rundir.atomic import disk_full, exclusive, write_json_atomic
 from hpctoolkit.targets.packaged import missing_part, stamped_files
 

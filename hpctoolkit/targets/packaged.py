@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.output.console import speaker
 from hpctoolkit.rundir.atomic import disk_full, exclusive, write_json_atomic
-from hpctoolkit.rundir.inputs import sha256_file
+from hpctoolkit.rundir.inputs_record import sha256_file
 
 PREFIX = "pypi:"
 STAMP = ".hpctoolkit-converted"

@@ -6,7 +6,7 @@ Layout under `<out_dir>/checkpoints/`:
     step-00000030/rank-0.pt   per-rank: scheduler, torch/CUDA RNG, the sample stream's position
     step-00000030/ledger-rank0.json  per-rank: the prompts it trained on (`rundir.ledger`)
     step-00000030/meta.json   step, world size, family, and every file's size and checksum
-                              (`hpctoolkit.checksum`); written last, marks the checkpoint complete
+                              (`hpctoolkit.integrity.checksum`); written last, marks the checkpoint complete
 
 Every file is written to a temporary name, synced and renamed (DCP syncs its shards; the rest go
 through `rundir.atomic`). A checkpoint is written under `step-N.partial` and renamed once every
@@ -46,9 +46,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hpctoolkit import checksum
-from hpctoolkit.console import speaker
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.integrity import checksum
+from hpctoolkit.output.console import speaker
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import disk_full, read_json, write_bytes_atomic, write_json_atomic
 from hpctoolkit.train.fsdp import DistContext

@@ -16,6 +16,7 @@ import torch
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.output.figures import figure
 from hpctoolkit.rundir.atomic import read_json, read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
 from hpctoolkit.rundir.ledger import CONTENT_KEY, PROMPT_KEY, restart_count
@@ -28,7 +29,7 @@ from hpctoolkit.train.fsdp import DistContext, build_mesh, compile_enabled, init
 from hpctoolkit.train.gpu_busy import GpuBusy
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
-from hpctoolkit.train.progress import TrainProgress
+from hpctoolkit.train.reporter import TrainProgress
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
 from hpctoolkit.train.step import DeviceFeeder, LaunchedStep, launch
 from hpctoolkit.train.trainers.base import FamilyTrainer
@@ -467,10 +468,8 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
                 files.acceptance_plot,
                 acceptance_rate_per_pos=total.acceptance_rate_per_pos(),
                 accuracy_per_pos=total.pos_accuracy(),
-                title=(
-                    f"{trainer.family}: acceptance length {total.acceptance_length_incl_bonus():.2f} "
-                    f"(incl. bonus), last {total.steps} steps"
-                ),
+                title=f"{trainer.family}: acceptance length {figure(total.acceptance_length_incl_bonus(), 2)}"
+                f" (incl. bonus), last {total.steps} steps",
             )
         )
     return summary

@@ -75,7 +75,7 @@ def train(
     Resumes from the newest complete checkpoint in `out_dir/checkpoints` when `resume`. Returns
     the summary (`steps_trained`, `final_loss`, `acceptance_length` incl. the bonus token,
     per-position metrics under `train_metrics`, `export_dir`, ...), also written to
-    `out_dir/train_summary.json`. Rank 0 reports its progress (`train.progress`), also to
+    `out_dir/train_summary.json`. Rank 0 reports its progress (`train.reporter`), also to
     `progress_file` when given (a run directory's `progress/trainer.json`).
     """
     from hpctoolkit.targets.resolve import resolve_target

@@ -237,8 +237,8 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
     from hpctoolkit.roles.context import NodeContext
     from hpctoolkit.rundir.atomic import write_json_atomic
     from hpctoolkit.rundir.layout import RunDir
-    from hpctoolkit.store.master import launch_master
     from hpctoolkit.store.mooncake import MooncakeStore
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.store.probe import count_keys_via_master
     from hpctoolkit.targets import resolve as target_resolve
 

@@ -164,8 +164,8 @@ def check_fidelity(
     """
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
     from hpctoolkit.store.mooncake import MooncakeStore
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.store.probe import count_keys_via_master, list_keys_via_master
 
     with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
@@ -266,7 +266,7 @@ def test_a_request_aborted_mid_prefill_leaves_no_fragment(tiny_qwen3, tmp_path):
     """Aborted after its first 64-token prefill chunk of 300: nothing of it reaches the store, and
     the engine captures the next prompt as usual (its sample is all the store holds)."""
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
         args = _engine_args(tiny_qwen3, master.address, tmp_path, dtype="bfloat16")

@@ -236,7 +236,7 @@ def test_the_trainer_figure_is_named_at_its_depth_and_at_the_served_k():
     """summary.json's `acceptance_length` is at the draft's own depth (an Eagle3 run: 4.52 at
     ttt_length 7, above k=3's ceiling of 4, beside 1.11 served at k=3); the figure at the served k
     sits next to it, and the terminal line names both ks."""
-    from hpctoolkit.roles.results import trainer_fields, trainer_line
+    from hpctoolkit.roles.results import trainer_acceptance_line, trainer_fields
     from hpctoolkit.train.losses import LossParts
     from hpctoolkit.train.metrics import StepStats, trainer_figures
 
@@ -253,14 +253,14 @@ def test_the_trainer_figure_is_named_at_its_depth_and_at_the_served_k():
     fields = trainer_fields(figures | {"steps_trained": 240}, 3)
     assert fields["served_k"] == 3 and fields["acceptance_length_at_served_k"] == pytest.approx(3.4)
     assert "steps_trained" not in fields
-    assert trainer_line(fields) == (
+    assert trainer_acceptance_line(fields) == (
         "trainer acceptance length 5.020 at its depth k=7, 3.400 at the served k=3 "
         "(own training batches, every start position, incl. bonus)"
     )
     deeper = trainer_fields(figures, 9)
     assert deeper["acceptance_length_at_served_k"] is None
-    assert "none at the served k=9" in trainer_line(deeper)
-    assert trainer_line(trainer_fields({}, 3)) == "trainer acceptance length -"
+    assert "none at the served k=9" in trainer_acceptance_line(deeper)
+    assert trainer_acceptance_line(trainer_fields({}, 3)) == "trainer acceptance length -"
 
 
 @pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_eagle3"])

@@ -445,7 +445,7 @@ def run_simulation(model_dir: str, work: Path) -> dict[str, Any]:
     import torch
 
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     prompts = random_prompts(PROMPT_LENGTHS, 20261130)
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ from store_fixtures import ROOT, listening, needs_mooncake, small_store_cfg
 
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir
-from hpctoolkit.store.master import launch_master
+from hpctoolkit.store.mooncake_master import launch_master
 from hpctoolkit.store.probe import check_reachable, master_healthy
 
 pytestmark = [pytest.mark.real]

@@ -502,7 +502,7 @@ def test_submitit_usr2_requeues_on_an_external_master(slurm_cluster, tmp_path):
     and the engine leader own their SIGUSR2 handlers). The master, started here, outlives the first
     attempt; the requeued attempt's leader removes what the first attempt's queue lists."""
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.store.probe import count_keys_via_master
 
     recipe = load_recipe(ROOT / RECIPE)

@@ -13,7 +13,7 @@ import pytest
 from store_fixtures import ROOT, listening, needs_mooncake, small_store_cfg
 
 from hpctoolkit.errors import ConfigError, StoreError
-from hpctoolkit.store.master import (
+from hpctoolkit.store.mooncake_master import (
     ExternalMaster,
     MasterProcess,
     launch_master,
@@ -98,7 +98,7 @@ import sys, time
 sys.path.insert(0, {root!r})
 import hpctoolkit.store  # noqa
 from tests.store_fixtures import small_store_cfg
-from hpctoolkit.store.master import launch_master
+from hpctoolkit.store.mooncake_master import launch_master
 m = launch_master(small_store_cfg(), {log!r})
 print(m.pid, flush=True)
 time.sleep(600)

@@ -28,8 +28,8 @@ from store_fixtures import (
 from hpctoolkit.data.dataset import HiddenStateDataset
 from hpctoolkit.errors import DataIntegrityError, StoreError
 from hpctoolkit.store import fragments
-from hpctoolkit.store.master import launch_master, pick_free_port
 from hpctoolkit.store.mooncake import MooncakeStore, StoreUnavailableError
+from hpctoolkit.store.mooncake_master import launch_master, pick_free_port
 from hpctoolkit.store.probe import check_reachable, count_keys_via_master, list_keys_via_master
 
 pytestmark = [pytest.mark.real, needs_mooncake]

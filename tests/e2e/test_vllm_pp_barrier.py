@@ -193,7 +193,7 @@ def _running(pids: list[int]) -> list[str]:
 def test_failed_put_on_one_stage_fails_the_sample(tmp_path, num_prompts):
     pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
     from hpctoolkit.targets.resolve import resolve_target
 
     model_dir = str(resolve_target("builtin:tiny-qwen3"))

@@ -214,7 +214,7 @@ def compare(ref: list[dict], got: list[dict], pp: int) -> list[dict[str, Any]]:
 def run_all(model_dir: str, work: Path, pps: list[int], **arm: Any) -> tuple[list[dict], list[dict]]:
     """PP=1 and then each of `pps` against it, under one Mooncake master (`arm`: for `spawn_arm`)."""
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     rows, timings = [], []
     with launch_master(StoreConfig(), work / "master-logs") as master:

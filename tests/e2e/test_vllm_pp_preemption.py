@@ -116,7 +116,7 @@ def spawn(pressure: bool, model_dir: str, address: str, work: Path) -> tuple[lis
 
 def run(model_dir: str, work: Path) -> tuple[list[float], dict]:
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     with launch_master(StoreConfig(), work / "master-logs") as master:
         ref, _ = spawn(False, model_dir, master.address, work)

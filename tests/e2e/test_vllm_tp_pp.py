@@ -34,7 +34,7 @@ TP_REL_L2 = 0.03
 def run_arms(model_dir: str, work: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """(TP=2xPP=2 vs TP=2xPP=1 rows, TP=2xPP=1 vs TP=1 rows, timings)."""
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     with launch_master(StoreConfig(), work / "master-logs") as master:
         tp1, t1 = spawn_arm(1, model_dir, master.address, work, tp=1)

@@ -17,11 +17,11 @@ import random
 import pytest
 import torch
 
-from hpctoolkit import devsum
 from hpctoolkit.capture import build_manifest, owned_layers
 from hpctoolkit.engine.publish import StageRows
 from hpctoolkit.engine.rows import head_index_of, stage_heads
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.integrity import devsum
 from hpctoolkit.store import fragments
 from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.train.batch import collate

@@ -95,7 +95,7 @@ def tiny() -> str:
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.master import launch_master
+    from hpctoolkit.store.mooncake_master import launch_master
 
     with launch_master(StoreConfig(), tmp_path_factory.mktemp("master-logs")) as m:
         yield m

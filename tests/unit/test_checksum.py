@@ -1,9 +1,9 @@
-"""`hpctoolkit.checksum`'s parallel digests equal the serial ones, in order, and fail as they do."""
+"""`hpctoolkit.integrity.checksum`'s parallel digests equal the serial ones, in order, and fail as they do."""
 
 import pytest
 import torch
 
-from hpctoolkit import checksum
+from hpctoolkit.integrity import checksum
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""WMIX64 (`hpctoolkit.devsum`) on the host: the tensor path against the plain-integer definition,
+"""WMIX64 (`hpctoolkit.integrity.devsum`) on the host: the tensor path against the plain-integer definition,
 and what it catches. Its CUDA paths (torch ops and the Triton kernel) are checked against the same
 definition in tests/gpu/test_devsum_gpu.py."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from hpctoolkit import devsum
+from hpctoolkit.integrity import devsum
 
 # reference_digest8 of the input in test_the_definition_is_pinned, 2026-12-06.
 KNOWN = "baa09019bbc32fd5"

@@ -1,5 +1,5 @@
-"""A run is pinned to its inputs (issue 28 item 1): `config.inputs` (which, pure), `roles.inputs`
-(hashing), `rundir.inputs` (`inputs.json`), the attempt start and every role's context, and the
+"""A run is pinned to its inputs (issue 28 item 1): `config.pinned_inputs` (which, pure), `roles.measure_inputs`
+(hashing), `rundir.inputs_record` (`inputs.json`), the attempt start and every role's context, and the
 sample ledger's content keys.
 
 The pure parts are tested on every kind of input and change; the attempt start through the real
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit.cli import run_cli
-from hpctoolkit.config import inputs as named
+from hpctoolkit.config import pinned_inputs as named
 from hpctoolkit.config.schema import DraftSection, EvaluateConfig, PathsConfig, RecipeConfig
 from hpctoolkit.data.config import DataConfig, DataSource
 from hpctoolkit.data.prompts import row_key, row_keys
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.roles import __main__ as roles_main
 from hpctoolkit.roles import context, engines
-from hpctoolkit.roles.inputs import measure
-from hpctoolkit.rundir import inputs, ledger
+from hpctoolkit.roles.measure_inputs import measure
+from hpctoolkit.rundir import inputs_record, ledger
 from hpctoolkit.rundir.layout import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_measure_hashes_each_input_and_sizes_the_weights(tmp_path):
         [cfg.data.prompts, DRAFT, f"{t}/config.json", f"{t}/model.safetensors.index.json",
          f"{t}/tokenizer.json", f"{t}/chat_template.jinja", f"{t}/model-00001-of-00001.safetensors"]
     )  # fmt: skip
-    assert pin.files[cfg.data.prompts]["sha256"] == inputs.sha256_file(cfg.data.prompts)
+    assert pin.files[cfg.data.prompts]["sha256"] == inputs_record.sha256_file(cfg.data.prompts)
     assert pin.files[f"{t}/model-00001-of-00001.safetensors"] == {
         "knob": "paths.target_model", "what": "target", "sha256": None, "bytes": 64,
     }  # fmt: skip
@@ -266,36 +266,36 @@ def test_the_pinned_recipe_is_the_same_on_every_host():
 def test_a_changed_input_is_refused_at_the_next_attempt(tmp_path, edit, says):
     cfg = recipe(tmp_path)
     run = RunDir.of(tmp_path / "out", "r")
-    assert inputs.pin(run, measure(cfg, "name: x\n"))
-    inputs.check(run, measure(cfg, "name: x\n"))  # unchanged: passes
+    assert inputs_record.pin(run, measure(cfg, "name: x\n"))
+    inputs_record.check(run, measure(cfg, "name: x\n"))  # unchanged: passes
     (Path(cfg.paths.target_model) / "README.md").write_text("edited")  # not an input
-    inputs.check(run, measure(cfg, "name: x\n"))
+    inputs_record.check(run, measure(cfg, "name: x\n"))
     edit(cfg)
     with pytest.raises(ConfigError, match=says) as err:
-        inputs.pin(run, measure(cfg, "name: x\n"))
+        inputs_record.pin(run, measure(cfg, "name: x\n"))
     assert "\n" not in str(err.value) and str(err.value).startswith("run r: ")
 
 
 def test_a_changed_recipe_is_refused_and_the_record_kept(tmp_path):
     cfg = recipe(tmp_path)
     run = RunDir.of(tmp_path / "out", "r")
-    inputs.pin(run, measure(cfg, "training:\n  steps: 10\n"))
+    inputs_record.pin(run, measure(cfg, "training:\n  steps: 10\n"))
     before = run.inputs.read_text()
     with pytest.raises(
         ConfigError, match=r"changed since it started: training.steps is 20, was 10 \(sha256 "
     ):
-        inputs.pin(run, measure(cfg, "training:\n  steps: 20\n"))
+        inputs_record.pin(run, measure(cfg, "training:\n  steps: 20\n"))
     assert run.inputs.read_text() == before
-    inputs.pin(run, measure(cfg, "training:\n  steps: 10\ncluster:\n  time: '9:00:00'\n"))
+    inputs_record.pin(run, measure(cfg, "training:\n  steps: 10\ncluster:\n  time: '9:00:00'\n"))
 
 
 def test_an_unreadable_record_fails_closed(tmp_path):
     run = RunDir.of(tmp_path / "out", "r")
     run.root.mkdir(parents=True)
-    inputs.check(run, inputs.Pin("x"))  # before the first attempt: nothing to check
+    inputs_record.check(run, inputs_record.Pin("x"))  # before the first attempt: nothing to check
     run.inputs.write_text("{not json")
     with pytest.raises(ConfigError, match=r"inputs\.json is unreadable"):
-        inputs.check(run, inputs.Pin("x"))
+        inputs_record.check(run, inputs_record.Pin("x"))
 
 
 # --- through the real entry: the batch script's check step, a requeue, every role ---------------
@@ -327,13 +327,13 @@ def test_a_requeue_after_a_prompts_edit_is_refused_by_every_step(monkeypatch, ca
     assert roles_main.main(argv) == 0
     run = RunDir.of(tmp_path / "out", "emulated-3node-j42")
     record = json.loads(run.inputs.read_text())
-    assert record["files"][str(prompts)]["sha256"] == inputs.sha256_file(prompts)
+    assert record["files"][str(prompts)]["sha256"] == inputs_record.sha256_file(prompts)
     assert "emulated-3node" in record["recipe"]["yaml"]
     on_node(monkeypatch, "node5")
     context.load_context(SLURM_RECIPE, argv[2:])  # another node's role: the same inputs
-    old = inputs.sha256_file(prompts)
+    old = inputs_record.sha256_file(prompts)
     rows_file(prompts, ["one", "2", "three"])  # edited while the job waits for its requeue
-    new = inputs.sha256_file(prompts)
+    new = inputs_record.sha256_file(prompts)
     on_node(monkeypatch, "node4", restart=1)
     line = refused(capsys, argv)
     assert line == (

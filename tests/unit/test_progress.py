@@ -11,11 +11,10 @@ import re
 
 import pytest
 
-from hpctoolkit.console import Console, is_progress
-from hpctoolkit.figures import duration, figure, rate, seconds
-from hpctoolkit.roles.results import trainer_line
-from hpctoolkit.rundir.progress import Counted, Ticker, count_line, write_progress
-from hpctoolkit.rundir.progress import trainer_line as progress_trainer_line
+from hpctoolkit.output.console import Console, is_progress
+from hpctoolkit.output.figures import duration, figure, rate, seconds
+from hpctoolkit.roles.results import trainer_acceptance_line
+from hpctoolkit.rundir.progress import Counted, Ticker, count_line, trainer_progress_line, write_progress
 
 
 @pytest.mark.parametrize(
@@ -51,8 +50,8 @@ def test_seconds_rates_and_durations_read_as_people_compare_them():
     assert duration(None) == "-"
 
 
-def test_trainer_line_rounds_through_the_one_helper():
-    line = trainer_line(
+def test_trainer_acceptance_line_rounds_through_the_one_helper():
+    line = trainer_acceptance_line(
         {
             "acceptance_length": 5.0199999,
             "acceptance_depth": 7,
@@ -98,10 +97,10 @@ def test_progress_lines_and_records(tmp_path):
         "tau": 1.94,
     }
     assert (
-        progress_trainer_line(r)
+        trainer_progress_line(r)
         == "step 40/800 (5%), loss 3.642, tau 1.940, 12.3 samples/s, 1234 tokens/s, ETA 1m35s"
     )
-    assert progress_trainer_line({}) == "step None/None, loss -, tau -, - samples/s, - tokens/s, ETA -"
+    assert trainer_progress_line({}) == "step None/None, loss -, tau -, - samples/s, - tokens/s, ETA -"
     assert (
         count_line({"what": "questions", "done": 3, "total": 8, "eta_s": 12.2})
         == "questions 3/8 (37%), ETA 12s"
@@ -207,7 +206,7 @@ def test_the_trainer_rates_follow_the_recent_intervals_not_the_start(monkeypatch
     ETA are the recent ones (the H100's `make run` said ETA 4h28m at step 2 of a 9-minute run)."""
     from types import SimpleNamespace
 
-    import hpctoolkit.train.progress as progress
+    import hpctoolkit.train.reporter as progress
 
     got: list[dict] = []
     monkeypatch.setattr(progress, "write_progress", lambda path, record: got.append(record))

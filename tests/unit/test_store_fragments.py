@@ -331,7 +331,7 @@ def test_mooncake_module_is_not_imported_by_the_package():
 
 def _masked(key: str):
     from hpctoolkit.capture.manifest import with_loss_mask
-    from hpctoolkit.checksum import tensor_digest
+    from hpctoolkit.integrity.checksum import tensor_digest
 
     mask = (torch.arange(16) % 3 != 0).to(torch.uint8)
     return with_loss_mask(make_manifest(key), tensor_digest(mask)), mask
@@ -451,8 +451,8 @@ def test_the_stage_puts_its_sums_with_its_fragments():
 def test_a_failed_fetch_waits_for_its_hashing_threads_before_the_buffer_goes_back(monkeypatch):
     """The hashing threads read the sample's buffer: a fetch whose first object fails its check
     returns the buffer to the pool only once every thread is done with it."""
-    from hpctoolkit import checksum
     from hpctoolkit.data.sample import BufferPool
+    from hpctoolkit.integrity import checksum
 
     futures = []
     slow = checksum.tensor_digest8
@@ -511,8 +511,8 @@ def test_a_corrupted_byte_in_a_spool_shard_is_refused_naming_the_object_and_shar
 @pytest.mark.parametrize("schema", [2, 1])
 def test_a_shard_records_the_digest_of_each_object(tmp_path, schema):
     """Hashed at spooling, all objects at once: the XXH3-64 of each object's bytes as written."""
-    from hpctoolkit import checksum
     from hpctoolkit.data.offline import ShardReader, ShardWriter
+    from hpctoolkit.integrity import checksum
 
     st = MemoryStore()
     m = make_manifest(f"r{schema}") if schema == 2 else unsummed(make_manifest("r1"))
@@ -529,8 +529,8 @@ def test_a_shard_records_the_digest_of_each_object(tmp_path, schema):
 def test_a_replayed_shard_hashes_each_object_once(tmp_path, monkeypatch):
     """The shard's `get_into` checks each object against the digest saved with it; `fetch_sample`
     does not hash the same bytes again against the manifest's copy of those digests."""
-    from hpctoolkit import checksum
     from hpctoolkit.data.offline import ShardReader
+    from hpctoolkit.integrity import checksum
 
     _spooled_masked("h", tmp_path)
     hashed: list[int] = []
@@ -554,8 +554,8 @@ def test_a_replayed_shard_hashes_each_object_once(tmp_path, monkeypatch):
 def test_spooling_a_fetched_sample_reuses_the_readers_digests(tmp_path, monkeypatch, schema):
     """A sample the reader checked is spooled with the digests it computed, its bytes not hashed
     again; one read through a schema-1 manifest (sizes only) is hashed at spooling."""
-    from hpctoolkit import checksum
     from hpctoolkit.data.offline import ShardReader, ShardWriter
+    from hpctoolkit.integrity import checksum
 
     st = MemoryStore()
     m = make_manifest(f"u{schema}") if schema == 2 else unsummed(make_manifest("u1"))

@@ -1,4 +1,4 @@
-"""The fragment path with WMIX64 sums (a CUDA engine's, `hpctoolkit.devsum`), on the host: the
+"""The fragment path with WMIX64 sums (a CUDA engine's, `hpctoolkit.integrity.devsum`), on the host: the
 manifest names the algorithm, a stage uses the checksums it is given, the reader checks every
 summed object and refuses a changed byte naming its key; a sample checked on a device is
 collated from that copy. tests/gpu/test_devsum_gpu.py runs the same on CUDA."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from store_fixtures import assert_sample_matches, make_manifest, stage_payload, tensor_for
 
-from hpctoolkit import devsum
 from hpctoolkit.capture.manifest import Manifest
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.integrity import devsum
 from hpctoolkit.store import fragments
 from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.train.batch import collate

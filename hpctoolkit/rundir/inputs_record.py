@@ -3,17 +3,17 @@
     {"version": 1,
      "recipe": {"sha256", "yaml"},       the resolved recipe before this host's `auto` precisions
                                          (`config.load.load_pinned`): the same text on every host
-     "files": {name: {"knob", "what", "sha256", "bytes"}}}   `config.inputs` says which and how
+     "files": {name: {"knob", "what", "sha256", "bytes"}}}   `config.pinned_inputs` says which and how
 
 The first attempt writes it (`pin`, from `ledger.start_attempt`); every later attempt (a requeue,
 a by-hand resume) and every role on every node (`roles.context.load_context`) measures its inputs
-again (`roles.inputs.measure`) and `check`s them: a changed recipe or file is a `ConfigError`, one
+again (`roles.measure_inputs.measure`) and `check`s them: a changed recipe or file is a `ConfigError`, one
 line naming it and both hashes. A file is keyed by its path as the recipe names it (a run's nodes share those paths); an
 installed wheel's file by `pypi:` name or `wheel:<distribution>/<file>` (each node has its own
 site-packages). A run directory from before this record gets one at its next attempt.
 
 Hashing reads every pinned byte once per role start: the prompt files, configs and tokenizer
-files are small next to the weights, which are pinned by size only (`config.inputs`).
+files are small next to the weights, which are pinned by size only (`config.pinned_inputs`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from hpctoolkit.config.inputs import file_change, recipe_change
+from hpctoolkit.config.pinned_inputs import file_change, recipe_change
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir

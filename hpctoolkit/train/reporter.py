@@ -24,8 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from hpctoolkit.console import speaker
-from hpctoolkit.rundir.progress import Ticker, trainer_line, write_progress
+from hpctoolkit.output.console import speaker
+from hpctoolkit.output.figures import figure
+from hpctoolkit.rundir.progress import Ticker, trainer_progress_line, write_progress
 
 say = speaker("trainer")
 # The rates and the ETA: over this many report intervals back.
@@ -65,11 +66,11 @@ class TrainProgress:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(
-                loss=f"{stats.loss:.3f}",
-                acc0=f"{stats.pos_accuracy()[0]:.2f}",
-                tau=f"{stats.acceptance_length_incl_bonus():.2f}",
-                gn=f"{scalars['grad_norm']:.2f}",
-                tok_s=f"{scalars['tokens_per_s']:.0f}",
+                loss=figure(float(stats.loss)),
+                acc0=figure(float(stats.pos_accuracy()[0]), 2),
+                tau=figure(float(stats.acceptance_length_incl_bonus()), 2),
+                gn=figure(float(scalars["grad_norm"]), 2),
+                tok_s=figure(float(scalars["tokens_per_s"]), 0),
             )
         now = self.clock()
         if not self._marks:
@@ -92,7 +93,7 @@ class TrainProgress:
             "tokens_per_s": (tokens_total - tok) / dt if step > s else None,
             "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else None,
         }
-        self._say(trainer_line(record))
+        self._say(trainer_progress_line(record))
         if self.record:
             write_progress(self.record, record)
 

@@ -2,7 +2,7 @@
 
 A run reads files besides its recipe; editing one while the job waits, or between a preemption and
 its requeue, would silently change the run. So the first attempt records each input's SHA-256 in
-the run directory (`roles.inputs` hashes them, `rundir.inputs` keeps `inputs.json`), and every
+the run directory (`roles.measure_inputs` hashes them, `rundir.inputs_record` keeps `inputs.json`), and every
 later attempt and every role on every node hashes them again and refuses a change (`file_change`),
 as it refuses a changed resolved recipe (`recipe_change`). What is pinned, and how:
 

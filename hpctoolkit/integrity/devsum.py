@@ -1,6 +1,6 @@
 """WMIX64: the checksum a CUDA engine and a CUDA trainer compute on their GPUs, where the bytes are.
 
-XXH3 (`hpctoolkit.checksum`) is a host pass over every byte: 5.6 ms of a 65 ms fetch of a 280 MiB
+XXH3 (`hpctoolkit.integrity.checksum`) is a host pass over every byte: 5.6 ms of a 65 ms fetch of a 280 MiB
 sample on the H100 node's 16-core host (2026-12-06), and no host pass meets the 3 % goal. Both ends
 of the fragment path have the bytes on a GPU anyway: the engine gathers its rows there before its
 copy to the host, and the trainer copies every sample to its device. There one fused Triton kernel

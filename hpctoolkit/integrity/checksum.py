@@ -1,6 +1,6 @@
 """The host's checksum: fragments, loss masks, spool shards and checkpoint files. (The stages of a
 CUDA engine sum their fragments on the GPU instead, and a CUDA trainer checks them there:
-`hpctoolkit.devsum`.)
+`hpctoolkit.integrity.devsum`.)
 
 A digest is `"<algorithm>:<hex>"`, so a record names how it was computed and a reader never
 guesses. The algorithm is xxHash's XXH3-64 (`xxhash`, installed with `datasets`, a declared

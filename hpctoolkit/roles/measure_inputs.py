@@ -1,7 +1,7 @@
 """What this process sees of the inputs its recipe names: each hashed now (`measure`), for
-`rundir.inputs` to pin at a run's start and check at every later attempt and role start.
+`rundir.inputs_record` to pin at a run's start and check at every later attempt and role start.
 
-Which inputs, and how each is pinned, is `config.inputs`'s (pure); this module finds the files:
+Which inputs, and how each is pinned, is `config.pinned_inputs`'s (pure); this module finds the files:
 a target directory's listing, a packaged target's installed GGUF file, an evaluation set's file in
 its installed wheel (keyed `wheel:<distribution>/<file>`: each node has its own site-packages).
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctoolkit.config.inputs import (
+from hpctoolkit.config.pinned_inputs import (
     EVAL_SET,
     EVAL_SET_FILES,
     PACKAGED,
@@ -22,7 +22,7 @@ from hpctoolkit.config.inputs import (
     named_inputs,
     target_files,
 )
-from hpctoolkit.rundir.inputs import Pin, sha256_file
+from hpctoolkit.rundir.inputs_record import Pin, sha256_file
 
 if TYPE_CHECKING:
     from hpctoolkit.config.schema import RecipeConfig
