@@ -119,7 +119,7 @@ stage_bench() {
   timeout -k 20 480 "$py" benchmarks/gpu_pipeline.py all --export "$export_dir" --json "$res/bench.json"
 }
 
-# The GPU's own checksums (wmix64, hpctoolkit/devsum.py): the kernel against the definition, a
+# The GPU's own checksums (wmix64, hpctoolkit/integrity/devsum.py): the kernel against the definition, a
 # CUDA stage's publish and a CUDA reader's check end to end, the collate from checked copies; then
 # their cost on the fragment path of a CUDA engine and a CUDA trainer.
 stage_devsum() {
