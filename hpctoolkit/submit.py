@@ -30,7 +30,7 @@ from hpctoolkit.config.load import load_pinned
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
-from hpctoolkit.plan.sizing import StoreSizing, check_node_memory
+from hpctoolkit.plan.sizing import StoreSizing, check_free_space, check_node_memory
 
 # The `cluster.backend`s each flag fits, by its argparse dest: a flag given with a recipe of
 # another backend is refused once the recipe is read, naming the field, before anything runs.
@@ -106,6 +106,19 @@ def check_memory(cfg: RecipeConfig, sized: StoreSizing) -> int | None:
     if have is not None:
         check_node_memory(sized.nodes, have, cfg.cluster.partition)
     return have
+
+
+def check_disk(cfg: RecipeConfig, sized: StoreSizing) -> None:
+    """Free space where the run writes (`paths.output_dir`'s disk: its nearest existing folder)
+    against the spool's worst case; a run that cannot fit is refused before anything starts."""
+    if not sized.spool_bytes:
+        return
+    import shutil
+
+    where = Path(str(cfg.paths.output_dir)).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    check_free_space(sized.spool_bytes, shutil.disk_usage(where).free, str(where))
 
 
 def plan_json(cfg: RecipeConfig, plan: Plan, sized: StoreSizing, node_memory: int | None) -> dict[str, Any]:
@@ -215,6 +228,7 @@ def main(argv: list[str]) -> int:
         if skipped:
             print(skipped, file=sys.stderr)
     node_memory = check_memory(cfg, sized)
+    check_disk(cfg, sized)
     if args.json:
         print(json.dumps(plan_json(cfg, plan, sized, node_memory), indent=2))
         return 0

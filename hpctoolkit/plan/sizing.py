@@ -373,6 +373,18 @@ def _spool_bytes(cfg: RecipeConfig, counts: Counts, sample_bytes: int, spool_max
     return spool_bytes
 
 
+def check_free_space(need: int, free: int, where: str) -> None:
+    """The spool's worst case (`StoreSizing.spool_bytes`) must fit in the free space of the disk
+    that holds `paths.output_dir` (`where`: its nearest existing folder) at submission."""
+    if need > free:
+        raise ConfigError(
+            f"paths.output_dir: {where} has {fmt_bytes(free)} free, and the run's spool may take "
+            f"{fmt_bytes(need)} there (data.num_samples x the longest sample; see the plan's spool "
+            "line): free space, point paths.output_dir at a larger disk, or train one pass "
+            "(training.epochs=1 spools nothing)"
+        )
+
+
 def check_node_memory(nodes: tuple[NodeMemory, ...], node_memory_bytes: int, partition: str | None) -> None:
     """Refuse a plan whose busiest node needs more than the partition's nodes have (`sinfo`)."""
     worst = max(nodes, key=lambda n: n.total_bytes, default=None)

@@ -427,3 +427,25 @@ def test_the_late_four_through_python_dash_m(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), done.stderr
         assert not (tmp_path / "cache" / "errors").exists()  # no traceback was kept either
+
+
+def test_a_run_whose_spool_cannot_fit_the_disk_is_refused_at_submission(capsys, tmp_path, monkeypatch):
+    """Issue 44, item 2: free space where the run writes, against the plan's spool, at submission."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
+    line = fails(capsys, [*base(tmp_path), "training.epochs=0"])
+    assert line.startswith(f"paths.output_dir: {tmp_path} has 1.0 MiB free, and the run's spool may take ")
+    # One pass spools nothing: no disk to check.
+    from types import SimpleNamespace
+
+    from hpctoolkit.submit import check_disk
+
+    assert (
+        check_disk(
+            SimpleNamespace(paths=SimpleNamespace(output_dir=tmp_path)), SimpleNamespace(spool_bytes=0)
+        )
+        is None
+    )
