@@ -24,18 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from conftest import importable  # noqa: E402
+
 from hpctoolkit.capture.manifest import Manifest, build_manifest  # noqa: E402
 from hpctoolkit.store import fragments  # noqa: E402
 from hpctoolkit.store.config import StoreConfig  # noqa: E402
 
-HAVE_MOONCAKE = True
-try:
-    import mooncake.store  # noqa: F401
-except Exception:  # libibverbs missing, wheel missing
-    HAVE_MOONCAKE = False
+# Not installed (the GPU node has no engine extra): its tests skip, saying so. Installed but failing
+# to import (a shared library missing, an error inside it): every module that imports this one fails
+# to collect, with the error, rather than skip (`conftest.importable`).
+HAVE_MOONCAKE = importable("mooncake.store")
 
 needs_mooncake = pytest.mark.skipif(
-    not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not importable"
+    not HAVE_MOONCAKE, reason="mooncake (the 'engine' extra) is not installed"
 )
 
 

