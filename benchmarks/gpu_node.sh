@@ -201,7 +201,9 @@ _with_variants() {
 
 run_stages() {
   cd "$HPC/repo" || exit 1
-  export HPCTOOLKIT_CACHE=$HPC/cache PYTHONUNBUFFERED=1
+  # HPCTOOLKIT_ALLOW_SKIPS: the suite's expected-skip list (tests/conftest.py) is written for the
+  # CPU machines; here a stage's skips are listed, not failed.
+  export HPCTOOLKIT_CACHE=$HPC/cache PYTHONUNBUFFERED=1 HPCTOOLKIT_ALLOW_SKIPS=1
   for s in "$@"; do
     t0=$(date +%s)
     echo "== $s $(date -u +%FT%TZ)" >> "$res/$s.log"
