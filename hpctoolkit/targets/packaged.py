@@ -126,6 +126,16 @@ def stamped_files(out: Path, stamp: str) -> dict[str, int]:
     return {str(p.relative_to(out)): p.stat().st_size for p in files}
 
 
+def build_failed(err: BaseException, tmp: Path, out: Path, stamp: str, what: str) -> BaseException:
+    """What a failed build of `out` in `tmp` raises: `tmp` removed first (so the free bytes count
+    it), a full disk as one `DiskFullError` line naming `what` and the bytes it needed, any other
+    error as it was."""
+    written = sum(stamped_files(tmp, stamp).values()) if tmp.is_dir() else 0
+    shutil.rmtree(tmp, ignore_errors=True)
+    full = disk_full(err, out, written=written)
+    return err if full is None else full.within(what)
+
+
 def missing_part(out: Path, files: Any) -> str | None:
     """What of a stamp's file list (`stamped_files`) `out` lacks now, or None when it is whole.
     A stamp from before the lists (2026-12-08) has none: nothing to check."""
@@ -238,12 +248,10 @@ def resolve(spec: str, cache: Path) -> Path:
             write_json_atomic(tmp / STAMP, {**_stamp_record(target), "files": stamped_files(tmp, STAMP)})
             os.rename(tmp, out)
         except BaseException as err:
-            written = sum(stamped_files(tmp, STAMP).values()) if tmp.is_dir() else 0
-            shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
-            full = disk_full(err, out, written=written)
-            if full is None:
+            failed = build_failed(err, tmp, out, STAMP, f"paths.target_model: converting {spec}")
+            if failed is err:
                 raise
-            raise full.within(f"paths.target_model: converting {spec}") from err
+            raise failed from err
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
