@@ -176,5 +176,5 @@ class HiddenStateDataset(IterableDataset[Sample]):
             expected_input_ids=expected,
             pool=self.pool,
             device=self.device,
-            cancel=cancel if self.workers > 0 and self.read_ahead > 0 else None,
+            cancel=cancel,
         )

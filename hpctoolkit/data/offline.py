@@ -330,10 +330,13 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return 8 + n, header
 
 
-def _open_shard(path: Path, samples: Sequence[str]) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
-    """A shard's header (data offsets from the first returned value) and the manifests of the
-    samples its index line names (`samples`, its first ones), checked: the shard holds every byte
-    of their objects. A shard removed, or truncated, is a `DataIntegrityError` naming it."""
+def _open_shard(
+    path: Path, samples: Sequence[str]
+) -> tuple[int, dict[str, Any], list[dict[str, Any]], set[str]]:
+    """A shard's header (data offsets from the first returned value), the manifests of the
+    samples its index line names (`samples`, its first ones) and their objects' keys, checked: the
+    shard holds every byte of those objects. A shard removed, or truncated, is a
+    `DataIntegrityError` naming it."""
     base, header = _read_header(path)
     meta = header.pop("__metadata__", {}) or {}
     # The index may name only the first samples of a shard (`keep_first`).
@@ -355,7 +358,7 @@ def _open_shard(path: Path, samples: Sequence[str]) -> tuple[int, dict[str, Any]
             f"object {key!r} in shard {path} is truncated: the shard holds {size} bytes, the object "
             f"ends at byte {end}"
         )
-    return base, header, manifests
+    return base, header, manifests, keys
 
 
 def _objects_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -382,8 +385,7 @@ class ShardReader:
         for shard in shards:
             # Every shard is checked whole before any sample is handed out.
             path = self.dir / shard["file"]
-            base, header, manifests = _open_shard(path, shard["samples"])
-            keys = {o["key"] for m in manifests for o in _objects_of(m)}
+            base, header, manifests, keys = _open_shard(path, shard["samples"])
             self._manifests.extend(manifests)
             for m in manifests:
                 if m.get("schema_version") == UNSUMMED_SCHEMA_VERSION:

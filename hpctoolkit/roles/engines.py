@@ -119,7 +119,7 @@ def engine_prompts(ctx: NodeContext, proc: Process, target_dir: str) -> list[tup
     replicas = min(cfg.engine.regenerate_replicas, len(rows))
     if replicas > 1:
         say(f"engine {engine}: {replicas} generating engines share its GPU, each on every {replicas}th row")
-        out = replicated(ctx, engine, _regenerate, args, rows, replicas)
+        out = replicated(ctx, engine, _regenerate, args, replicas)
     else:
         # vLLM does not release its workers within a process: the generation gets its own.
         # Its engine's exit-time shutdown may wait on the other nodes' workers: it is ended once done.
@@ -320,9 +320,7 @@ def run_engine_leader(ctx: NodeContext, proc: Process) -> int:
                 say(f"engine {e.index}: SIGUSR2 after {queue.published} samples; stopped capturing")
             else:
                 queue.done()
-                say(
-                    f"engine {e.index} published {queue.published} samples in {time.monotonic() - t0 - started:.1f}s"
-                )
+                say(f"engine {e.index} published {queue.published} samples in {phases['capture']:.1f}s")
             # The fragments live in this engine's store segments: keep them until read.
             wait_drained(ctx.run.root, ctx.run_id, DRAIN_TIMEOUT_S, stop)
             say(f"engine {e.index}: the trainers drained every sample; shutting down")

@@ -48,13 +48,12 @@ def replicated(
     engine: int,
     entry: Callable[..., dict[str, Any]],
     args: tuple[Any, ...],
-    rows: list[dict[str, Any]],
     replicas: int,
 ) -> dict[str, Any]:
-    """`replicas` generating engines on this engine's GPU, replica `j` on rows `j::replicas` (each
-    a `Child` running `entry(*args, replica)`), started one after another
+    """`replicas` generating engines on this engine's GPU, replica `j` on rows `j::replicas` of
+    `args`' rows (each a `Child` running `entry(*args, replica)`), started one after another
     (`engine.regenerate.Gate`) and run side by side; one result."""
-    target_dir, _, spec, sampling, max_prompt, max_len, llm_kwargs, env = args
+    target_dir, rows, spec, sampling, max_prompt, max_len, llm_kwargs, env = args
     llm_kwargs = dict(llm_kwargs)
     from hpctoolkit.engine.env import detect_backend
 

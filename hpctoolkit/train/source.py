@@ -50,8 +50,16 @@ def _open_shards(path: Path, rank: int, world_size: int, epoch: int, skip: int, 
         g = torch.Generator().manual_seed(seed * 7919 + epoch)
         order = torch.randperm(n, generator=g).tolist()
     mine = order[rank::world_size]
+    yield from _read_shards(reader, mine[skip:], workers=2, depth=8, name=f"shards-rank{rank}")
+
+
+def _read_shards(
+    reader: Any, indices: Iterable[int], *, workers: int, depth: int, name: str
+) -> Iterator[Any]:
+    """Samples `indices` of an offline `ShardReader`, read ahead (`data.prefetch`); the reader's
+    files are closed when the iteration ends, however it ends."""
     try:
-        yield from read_ahead(mine[skip:], reader.__getitem__, workers=2, depth=8, name=f"shards-rank{rank}")
+        yield from read_ahead(indices, reader.__getitem__, workers=workers, depth=depth, name=name)
     finally:
         reader.close()
 
@@ -380,16 +388,13 @@ class LiveSource:
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
         reader = ShardReader(self.spool.shards(rank))
-        try:
-            yield from read_ahead(
-                range(skip, len(reader)),
-                reader.__getitem__,
-                workers=self.fetch_workers,
-                depth=self.read_ahead,
-                name=f"replay-rank{rank}",
-            )
-        finally:
-            reader.close()
+        yield from _read_shards(
+            reader,
+            range(skip, len(reader)),
+            workers=self.fetch_workers,
+            depth=self.read_ahead,
+            name=f"replay-rank{rank}",
+        )
 
 
 def _count_engine(engines: list[dict[str, Any]], prefixes: tuple[str, ...], manifest: Any) -> None:
