@@ -14,35 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from submit_helpers import DRAFT, REPO, base, fails
 
 from hpctoolkit.cli import run_cli
 from hpctoolkit.engine import vllm_args
 from hpctoolkit.submit import main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "recipes" / "tiny.yaml"
-DRAFT = REPO / "recipes" / "draft_models" / "tiny_dflash.json"
-
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCTOOLKIT_CACHE", str(tmp_path / "cache"))
-
-
-def base(tmp_path) -> list[str]:
-    return [str(TINY), f"paths.output_dir={tmp_path / 'out'}", f"draft.config={DRAFT}"]
-
-
-def fails(capsys, argv: list[str]) -> str:
-    """Run the CLI; it must exit 2 with exactly one line, which is returned (without `error: `)."""
-    with pytest.raises(SystemExit) as done:
-        run_cli(main, [*argv, "--dry-run"])
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert done.value.code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[0].removeprefix("error: ")
 
 
 def recipe_file(tmp_path, text: str | bytes) -> str:

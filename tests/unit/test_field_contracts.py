@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 import yaml
+from submit_helpers import DRAFT, TINY, base, fails
 
 from hpctoolkit.cli import run_cli
 from hpctoolkit.config import fields as F
@@ -24,9 +24,6 @@ from hpctoolkit.config.schema import LAYER_FIELDS, RUN_FILES_ROOM, RUN_ID_SUFFIX
 from hpctoolkit.rundir.layout import local_run_id, slurm_run_id
 from hpctoolkit.submit import FLAG_BACKENDS, main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "recipes" / "tiny.yaml"
-DRAFT = REPO / "recipes" / "draft_models" / "tiny_dflash.json"
 FLOAT_MAX = f"{sys.float_info.max:.4g}"
 
 
@@ -53,22 +50,6 @@ def keys_of(*kinds: type) -> list[str]:
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCTOOLKIT_CACHE", str(tmp_path / "cache"))
-
-
-def fails(capsys, argv: list[str], *, dry_run: bool = True) -> str:
-    """Run the submit CLI; it must exit 2 with exactly one line, returned without `error: `."""
-    with pytest.raises(SystemExit) as done:
-        run_cli(main, [*argv, "--dry-run"] if dry_run else argv)
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert done.value.code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[0].removeprefix("error: ")
-
-
-def base(tmp_path) -> list[str]:
-    return [str(TINY), f"paths.output_dir={tmp_path / 'out'}", f"draft.config={DRAFT}"]
 
 
 def test_the_walk_finds_each_kind():
