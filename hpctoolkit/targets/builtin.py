@@ -25,7 +25,7 @@ from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.output.console import speaker
 from hpctoolkit.rundir.atomic import disk_full, exclusive, write_json_atomic
-from hpctoolkit.targets.packaged import build_failed, missing_part, stamped_files
+from hpctoolkit.targets.packaged import missing_part, raise_if_disk_full, stamped_files
 
 STAMP = ".hpctoolkit-tiny-target"
 VOCAB_SIZE = 512
@@ -156,10 +156,8 @@ def build(name: str, out_dir: str | os.PathLike) -> Path:
                 os.replace(tmp / rel, out / rel)
             write_json_atomic(out / STAMP, {"config": digest, "files": files})
         except BaseException as err:
-            failed = build_failed(err, tmp, out, STAMP, f"paths.target_model: building builtin:{name}")
-            if failed is err:
-                raise
-            raise failed from err
+            raise_if_disk_full(err, tmp, out, STAMP, f"paths.target_model: building builtin:{name}")
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out

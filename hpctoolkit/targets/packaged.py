@@ -126,14 +126,15 @@ def stamped_files(out: Path, stamp: str) -> dict[str, int]:
     return {str(p.relative_to(out)): p.stat().st_size for p in files}
 
 
-def build_failed(err: BaseException, tmp: Path, out: Path, stamp: str, what: str) -> BaseException:
-    """What a failed build of `out` in `tmp` raises: `tmp` removed first (so the free bytes count
-    it), a full disk as one `DiskFullError` line naming `what` and the bytes it needed, any other
-    error as it was."""
+def raise_if_disk_full(err: BaseException, tmp: Path, out: Path, stamp: str, what: str) -> None:
+    """A failed build of `out` in `tmp`: `tmp` is removed first (so the free bytes count it), and a
+    full disk is raised as one `DiskFullError` line naming `what` and the bytes it needed; for any
+    other error this returns and the caller raises it as it was."""
     written = sum(stamped_files(tmp, stamp).values()) if tmp.is_dir() else 0
     shutil.rmtree(tmp, ignore_errors=True)
     full = disk_full(err, out, written=written)
-    return err if full is None else full.within(what)
+    if full is not None:
+        raise full.within(what) from err
 
 
 def missing_part(out: Path, files: Any) -> str | None:
@@ -248,10 +249,8 @@ def resolve(spec: str, cache: Path) -> Path:
             write_json_atomic(tmp / STAMP, {**_stamp_record(target), "files": stamped_files(tmp, STAMP)})
             os.rename(tmp, out)
         except BaseException as err:
-            failed = build_failed(err, tmp, out, STAMP, f"paths.target_model: converting {spec}")
-            if failed is err:
-                raise
-            raise failed from err
+            raise_if_disk_full(err, tmp, out, STAMP, f"paths.target_model: converting {spec}")
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
