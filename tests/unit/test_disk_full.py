@@ -318,3 +318,24 @@ def test_a_spent_quota_reads_as_one_and_other_write_errors_pass_through(tmp_path
     with pytest.raises(OSError) as other:
         write_json_atomic(Path("/proc/hpctoolkit-no-such-dir/x.json"), {})  # /proc takes no new directory
     assert not isinstance(other.value, DiskFullError)
+
+
+def test_a_short_write_without_its_errno_is_a_full_disk_only_where_the_write_cannot_fit(small_fs):
+    """torch's zip writer reports a write that ran out of room as "unexpected pos" (2026-12-07,
+    the checkpoint test on a 2-core CI machine), its errno lost: that is a full disk where the
+    filesystem cannot hold what the write needed, and stays itself where it can."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hpctoolkit.rundir.atomic import disk_full
+
+    fs = small_fs(1 << 20)
+    fs.fill(leave=64 << 10)
+    target = fs.root / "step-00000002.partial"
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("write", {0: (lost, None)})
+    full = disk_full(wrapped, target, 1 << 20, estimate=True)
+    assert isinstance(full, DiskFullError) and str(full).startswith("No space left on device writing ")
+    assert "it needed about 1048576 bytes" in str(full)
+    assert disk_full(wrapped, target, 1024, estimate=True) is None  # it fits: not the disk
+    assert disk_full(wrapped, target) is None  # nothing to weigh it against
+    assert disk_full(RuntimeError("unexpected token"), target, 1 << 20) is None
