@@ -48,8 +48,21 @@ What they say:
   worker threads only add switching (replay 1015/s against 1980/s inline, GIL-bound Python per
   sample); both deliver several times what a SmolLM2 draft's step consumes (1000 steps of 16 in
   135 s on an H200, 2026-12-04: about 120 samples/s): 8x read ahead, 16x inline.
-- Not measured yet: the CUDA reader (copy and check on the GPU, on a side stream per worker) and
-  the GPU's busy share in a real rung (`summary.json`'s `gpu_busy`).
+- The CUDA reader (copy and check on the GPU, a side stream per worker), on one H100 node
+  (16 cores; torch 2.11.0+cu130 of the node's image, not the wheelhouse's; Mooncake
+  0.3.13.post1 from the wheelhouse carried as wheels; 2026-12-07, main at e99f0d2):
+
+      python3 benchmarks/trainer_input.py --device cuda --samples 4096 --compare --step-ms 40
+        inline      live 168.9/s (x1.06) | replay 276.0/s (x0.98) | busy live 0.42, replay 0.69
+        read ahead  live 248.5/s (x1.08) | replay 370.2/s (x1.04) | busy live 0.63, replay 0.93
+        read ahead / inline: live x1.47, replay x1.34   (benchmarks/results/trainer_input_h100.json)
+
+  Reading ahead keeps the stand-in GPU step 0.93 busy in the replay (its ceiling is 400/s) against
+  0.69 inline, and neither pass slows as it grows (last tenth 0.98-1.08x the first). Live, both
+  arms run at the writer's pace (one writer process publishing through Mooncake's TCP transport:
+  199 and 293 samples/s), not the reader's. The 32768-sample pass did not finish in the 200 s it
+  was given there (writer-bound at about 290/s, it needs about 4 minutes): its CUDA figure and the
+  GPU's busy share in a real rung (`summary.json`'s `gpu_busy`) are still to measure.
 """
 
 from __future__ import annotations
