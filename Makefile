@@ -43,11 +43,13 @@ run: setup
 dry-run: setup
 	$(PY) -m hpctoolkit.submit default --dry-run $(ARGS)
 
+# The docs build is strict (mkdocs.yml): a broken link or anchor between docs/ pages fails it.
 lint: setup
-	$(VENV)/bin/ruff check hpctoolkit tests benchmarks
-	$(VENV)/bin/ruff format --check hpctoolkit tests benchmarks
+	$(VENV)/bin/ruff check hpctoolkit tests benchmarks docs
+	$(VENV)/bin/ruff format --check hpctoolkit tests benchmarks docs
 	$(VENV)/bin/mypy
 	shellcheck $$(git ls-files '*.sh' '*.sbatch' .ci/run)
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
@@ -87,7 +89,7 @@ image:
 		$(IMAGE) apptainer/hpctoolkit.def
 
 # `make wheelhouse`: the offline CUDA wheelhouse, a deployment path for GPU nodes without network
-# (README "Offline GPU nodes"), not a set-up command. It downloads the lock's wheels that
+# (docs/install.md, "Offline GPU nodes"), not a set-up command. It downloads the lock's wheels that
 # WHEELHOUSE lacks (CPython 3.12, manylinux x86-64; none when all are there), builds hpctoolkit's
 # own wheel into it, removes what the lock no longer names, and checks the result
 # (hpctoolkit.deploy.wheelhouse). `make wheelhouse-parts` then cuts it into PART_MB MiB parts for

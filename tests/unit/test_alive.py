@@ -105,7 +105,7 @@ def test_lifecycle_names_roles_and_steps():
     assert [lifecycle.role_key(p) for p in lifecycle.step_processes(plan, "engine0-1")] == ["engine0-1"]
     assert lifecycle.step_processes(plan, "nope") == ()
     assert [lifecycle.how_ended(s) for s in (137, -9, 1)] == ["signal 9", "signal 9", "exit status 1"]
-    # A death ends the job well within the bound the README states; the watch polls within it.
+    # A death ends the job well within the bound docs/slurm.md states; the watch polls within it.
     assert lifecycle.WATCH_POLL_S < lifecycle.DEATH_BOUND_S <= 90
 
 

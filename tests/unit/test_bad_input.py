@@ -1,7 +1,7 @@
 """Bad input fails at submission: exit 2 and one line naming the thing at fault, through the real
 entry (`python -m hpctoolkit.submit RECIPE ... --dry-run`), before anything reaches a cluster.
 
-One probe per kind of bad input (README "fault table"); the field kinds themselves are tested
+One probe per kind of bad input (docs/faults.md, "Bad input"); the field kinds themselves are tested
 exhaustively in test_config_fields.py.
 """
 

@@ -135,7 +135,7 @@ def test_cuda_engines_use_a_sampler_that_needs_no_nvcc_build():
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_capture_engines_pin_the_v1_runner_and_serving_engines_may_not(pp):
-    """The README's rule: a capture engine runs V1 at every pp_size; serving keeps vLLM's choice."""
+    """The rule of docs/pp-export.md: a capture engine runs V1 at every pp_size; serving keeps vLLM's choice."""
     cfg = EngineConfig(target_layer_ids=[0], gpus_per_node=pp, pp_size=pp)
     assert _build(cfg, backend="cuda")[1]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     serving = engine_env_mod.engine_env(
