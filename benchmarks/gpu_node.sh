@@ -91,6 +91,7 @@ NEW_GPU_TESTS=(
   "tests/gpu/test_gpu_vllm.py::test_graphs_round_as_compiled_without_graphs"
   "tests/gpu/test_gpu_vllm.py::test_no_stale_rows_under_graphs"
   "tests/gpu/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones"
+  "tests/e2e/test_vllm_serve_cli.py::test_the_printed_serve_command_serves_the_export"
 )
 
 stage_tier_new() {

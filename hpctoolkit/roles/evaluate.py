@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import RoleFailedError
+from hpctoolkit.evaluate.command import serve_argv, serve_line
 from hpctoolkit.output.console import speaker
 from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
@@ -160,6 +161,7 @@ def run_evaluate(ctx: NodeContext) -> int:
         return 0
     from transformers import AutoTokenizer
 
+    from hpctoolkit.evaluate.serve import serving_method
     from hpctoolkit.targets.resolve import display_name, resolve_target
 
     t0 = time.monotonic()
@@ -189,6 +191,13 @@ def run_evaluate(ctx: NodeContext) -> int:
         run = _mt_bench if cfg.evaluate.prompts == "mt_bench" else _held_out
         result |= run(ctx, export_dir, target_dir, tok)
         say(figures_line(result["evaluate"], summary))
+        # The same draft outside hpctoolkit: what a user runs to serve it.
+        method = serving_method(export_dir)
+        argv = serve_argv(
+            export_dir, target_dir, method=method, num_speculative_tokens=cfg.evaluate.num_speculative_tokens
+        )
+        result["serve_command"] = serve_line(argv)
+        say(f"serve it with vLLM: {result['serve_command']}")
     write_json_atomic(ctx.run.evaluate, result, indent=2)
     merge_summary(ctx.run, result | phase_fields(ctx.run, evaluate=time.monotonic() - t0))
     finished(ctx.run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -119,6 +120,10 @@ def test_make_run_path_then_a_failed_second_run_keeps_the_first(tmp_path):
     assert s["final_loss"] > 0
     assert s["acceptance_length"] >= 1.0
     assert s["served_acceptance_length"] >= 1.0
+    # The command that serves the export outside hpctoolkit (run by tests/e2e/test_vllm_serve_cli.py).
+    serve = shlex.split(s["serve_command"])
+    assert serve[:2] == ["vllm", "serve"] and json.loads(serve[4])["model"] == str(run.export)
+    assert f"serve it with vLLM: {s['serve_command']}" in text
     assert s["wall_seconds"] > 0
     # What a person looks for after a run, where the run-directory layout says it is.
     assert run.config.is_file()
