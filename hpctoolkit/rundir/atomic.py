@@ -71,9 +71,9 @@ class DiskFullError(DataIntegrityError, OSError):
         )
 
 
-def _full_errno(err: BaseException) -> int | None:
-    """ENOSPC or EDQUOT where `err`, or what it wraps, reports a full disk; else None. Libraries
-    that lose the errno keep its text (safetensors: "... (os error 28)")."""
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """`err` and every error it wraps: causes, contexts, and the per-rank failures of
+    torch.distributed.checkpoint's CheckpointException."""
     todo: list[BaseException | None] = [err]
     seen: set[int] = set()
     while todo:
@@ -81,16 +81,23 @@ def _full_errno(err: BaseException) -> int | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def _full_errno(err: BaseException) -> int | None:
+    """ENOSPC or EDQUOT where `err`, or what it wraps, reports a full disk; else None. Libraries
+    that lose the errno keep its text (safetensors: "... (os error 28)")."""
+    for e in _chain(err):
         if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
             return e.errno
         text = str(e)
         for code in FULL_ERRNOS:
             if os.strerror(code) in text or f"(os error {code})" in text:
                 return code
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return None
 
 
@@ -102,20 +109,7 @@ SHORT_WRITE_TEXTS = ("unexpected pos ", "file write failed")
 
 
 def _short_write(err: BaseException) -> bool:
-    todo: list[BaseException | None] = [err]
-    seen: set[int] = set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if any(t in str(e) for t in SHORT_WRITE_TEXTS):
-            return True
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return False
+    return any(t in str(e) for e in _chain(err) for t in SHORT_WRITE_TEXTS)
 
 
 def _free_bytes(path: Path) -> int | None:
