@@ -42,10 +42,14 @@ from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 # launcher's 300 s only delayed a failure that ending the engines now avoids), while a job that
 # holds every node of its allocation meanwhile does not hold them much longer than needed.
 ENGINES_DRAIN_GRACE_S = 120
-# How long the master gets to publish its record (`master.json`) once started.
+# The master's start-up: how long it gets, once started, to publish its record (`master.json`) and
+# listen. The one bound for everyone who waits on it: the embedded launcher for the record, and each
+# role, started with it (the master imports torch and spawns the binary), for the record
+# (`roles.context`) and for a connection (`roles.waits`).
 MASTER_START_TIMEOUT_S = 120
-# Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's; under Slurm, srun's
-# KillWait). The master, ended last, leaves within it: it only stops its store.
+# Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's, a role's watch ending its
+# own process group, `roles.watch`; under Slurm, srun's KillWait). The master, ended last, leaves
+# within it: it only stops its store.
 STOP_GRACE_S = 15
 # How often the launcher (the batch script, the embedded launcher) looks at its roles' processes.
 WATCH_POLL_S = 1
