@@ -10,6 +10,13 @@ trainers exited 0 and no SIGUSR2 came: the time limit is near, so the engines ar
 either). The trainers' status decides the run (`outcome`); a failed evaluate fails a clean run.
 `walk` is the whole path for given statuses: what the tests (and every backend's) compare against.
 
+One driver walks the phases (`drive`); each backend is a table of hooks, one per phase name
+(`Hooks`): the embedded launcher's run its processes (`roles.local`), a submitit task's run its own
+part (`roles.dispatch`), the batch script's emit the statements that run them (`slurm.render`).
+`python -m hpctoolkit.status` reads the same phases to say where a run is. Adding a phase is a
+`Phase` here plus its hook in each table: a table without it (or with a name that is no phase)
+is refused before anything runs (`check_hooks`).
+
 The watch: from the engines phase until the trainers end, every started role is watched. One that
 dies (SIGKILL, the OOM killer: no end record) or fails ends the run within `DEATH_BOUND_S`, its
 peers ended, with one line naming it (`role_label`): the batch script watches its steps
@@ -21,6 +28,7 @@ peers ended, with one line naming it (`role_label`): the batch script watches it
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hpctoolkit.plan.placement import (
@@ -217,7 +225,11 @@ class Outcome:
 def enters(name: str, shape: RunShape, seen: Seen) -> bool:
     """Whether the run enters phase `name`, given what it has seen (phases come in `PHASES` order;
     evaluate is decided once the trainers have ended)."""
-    cond = BY_NAME[name].enter
+    return enters_phase(BY_NAME[name], shape, seen)
+
+
+def enters_phase(phase: Phase, shape: RunShape, seen: Seen) -> bool:
+    cond = phase.enter
     if cond == OWN_MASTER:
         return shape.own_master
     if cond == CLEAN_AND_ENABLED:
@@ -256,3 +268,51 @@ def walk(shape: RunShape, seen: Seen, evaluate_rc: int | None = 0) -> tuple[tupl
 def roles_started(names: tuple[str, ...]) -> tuple[str, ...]:
     """The roles the phases `names` start, in order (the plan decides how many of each)."""
     return tuple(r for n in names for r in BY_NAME[n].starts)
+
+
+# A backend's part in one phase, given what the run has seen so far; returns what the run has seen
+# after it (the trainers' phase: their status, SIGUSR2), or None: nothing new.
+Hook = Callable[[Seen], "Seen | None"]
+# A backend's hooks by phase name: None where it has no part in a phase it does not leave out (a
+# submitit task outside its role's phases). Every phase has an entry, every entry a phase.
+Hooks = Mapping[str, Hook | None]
+
+
+def check_hooks(backend: str, hooks: Mapping[str, object], phases: Sequence[Phase] = PHASES) -> None:
+    """Refuse a backend's table that misses a phase or names one that is none: one line that says
+    which, and where the fix goes."""
+    names = [p.name for p in phases]
+    missing = [n for n in names if n not in hooks]
+    unknown = [n for n in hooks if n not in names]
+    if missing or unknown:
+        what = [f"no hook for phase(s) {', '.join(missing)}"] if missing else []
+        what += [f"hooks for no phase: {', '.join(unknown)}"] if unknown else []
+        raise ValueError(
+            f"the {backend} backend does not match plan.lifecycle.PHASES ({' -> '.join(names)}): {'; '.join(what)}; "
+            "give it one hook per phase (None where it has no part)"
+        )
+
+
+def drive(
+    backend: str,
+    hooks: Hooks,
+    shape: RunShape,
+    on_phase: Callable[[Phase], None] | None = None,
+    *,
+    seen: Seen = Seen(),
+    phases: Sequence[Phase] = PHASES,
+) -> Seen:
+    """The one walk of the lifecycle: each phase in order that the run enters (`enters`, on what it
+    has seen so far) and in which the backend has a part is announced (`on_phase`), then its hook
+    runs. Returns what the run saw. A hook's error ends the walk: the backend ends what it started.
+    The batch script walks with `seen` a clean run's, the path that enters every phase some run may
+    enter; its shell decides the rest."""
+    check_hooks(backend, hooks, phases)
+    for phase in phases:
+        hook = hooks[phase.name]
+        if hook is None or not enters_phase(phase, shape, seen):
+            continue
+        if on_phase is not None:
+            on_phase(phase)
+        seen = hook(seen) or seen
+    return seen
