@@ -41,6 +41,8 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
+# `lifecycle.Seen.clean` in the shell: the trainers exited 0 and no SIGUSR2 came.
+CLEAN_TEST = "rc == 0 && !late"
 
 
 def load_for_render(
@@ -422,7 +424,7 @@ def _drain_lines(plan: Plan) -> list[str]:
         f"# trainers drained them: wait for that, at most {grace} s; then end those left (at once otherwise).",
         "# srun turns SIGTERM into a step cancel: tasks get SIGTERM, then SIGKILL after KillWait.",
         "engines=(" + " ".join(f'"${v}"' for v in _engine_vars(plan)) + ")",
-        "if ((rc == 0 && !late)); then",
+        f"if (({CLEAN_TEST})); then",
         f"  for _ in $(seq 1 {grace}); do",
         "    alive=0",
         '    for pid in "${engines[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
