@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,8 @@ from typing import Any
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.output.figures import duration, figure, seconds
-from hpctoolkit.plan.lifecycle import PHASE_NAMES, PHASES, Phase, RunShape, Seen, check_hooks, enters_phase
+from hpctoolkit.plan import lifecycle
+from hpctoolkit.plan.lifecycle import RunShape, Seen
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import LATEST, RunDir
 from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, count_line, trainer_progress_line
@@ -110,16 +111,17 @@ RECORDED: dict[str, Callable[[Records], bool]] = {
 }
 
 
-def _phase(r: Records, phases: Sequence[Phase] = PHASES) -> str:
+def _phase(r: Records) -> str:
     """The first phase the run enters whose records are not all there (`RECORDED`)."""
-    check_hooks("status", RECORDED, phases)
+    phases = lifecycle.PHASES
+    lifecycle.check_hooks("status", RECORDED, phases)
     shape = RunShape(
         own_master=not _external(r), evaluate=bool(_section(r.config, "evaluate").get("enabled", True))
     )
     # Evaluate is looked at only once the trainers ended well.
     seen = Seen(trainers_rc=0 if r.ended is not None and r.ended.get("ok") else None)
     for phase in phases:
-        if enters_phase(phase, shape, seen) and not RECORDED[phase.name](r):
+        if lifecycle.enters_phase(phase, shape, seen) and not RECORDED[phase.name](r):
             return phase.name
     return phases[-1].name
 
@@ -204,7 +206,7 @@ def report(r: Records, now: float) -> Report:
     phase = _phase(r)
     failure = _failure(r)
     state, role = RUNNING, None
-    trail = " > ".join(f"[{p}]" if p == phase else p for p in PHASE_NAMES)
+    trail = " > ".join(f"[{p.name}]" if p.name == phase else p.name for p in lifecycle.PHASES)
     lines = [f"run      {r.run.run_id} ({_section(r.config, 'cluster').get('backend', '?')}) in {r.run.root}"]
     if r.attempt and r.attempt.get("restart"):
         lines.append(

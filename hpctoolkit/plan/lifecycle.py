@@ -278,10 +278,10 @@ Hook = Callable[[Seen], "Seen | None"]
 Hooks = Mapping[str, Hook | None]
 
 
-def check_hooks(backend: str, hooks: Mapping[str, object], phases: Sequence[Phase] = PHASES) -> None:
-    """Refuse a backend's table that misses a phase or names one that is none: one line that says
-    which, and where the fix goes."""
-    names = [p.name for p in phases]
+def check_hooks(backend: str, hooks: Mapping[str, object], phases: Sequence[Phase] | None = None) -> None:
+    """Refuse a backend's table that misses a phase (of `phases`, by default `PHASES` as it is when
+    called) or names one that is none: one line that says which, and where the fix goes."""
+    names = [p.name for p in (PHASES if phases is None else phases)]
     missing = [n for n in names if n not in hooks]
     unknown = [n for n in hooks if n not in names]
     if missing or unknown:
@@ -300,13 +300,14 @@ def drive(
     on_phase: Callable[[Phase], None] | None = None,
     *,
     seen: Seen = Seen(),
-    phases: Sequence[Phase] = PHASES,
+    phases: Sequence[Phase] | None = None,
 ) -> Seen:
     """The one walk of the lifecycle: each phase in order that the run enters (`enters`, on what it
     has seen so far) and in which the backend has a part is announced (`on_phase`), then its hook
     runs. Returns what the run saw. A hook's error ends the walk: the backend ends what it started.
     The batch script walks with `seen` a clean run's, the path that enters every phase some run may
     enter; its shell decides the rest."""
+    phases = PHASES if phases is None else phases
     check_hooks(backend, hooks, phases)
     for phase in phases:
         hook = hooks[phase.name]
