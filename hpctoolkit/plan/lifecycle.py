@@ -20,9 +20,9 @@ is refused before anything runs (`check_hooks`).
 The watch: from the engines phase until the trainers end, every started role is watched. One that
 dies (SIGKILL, the OOM killer: no end record) or fails ends the run within `DEATH_BOUND_S`, its
 peers ended, with one line naming it (`role_label`): the batch script watches its steps
-(`WATCH_POLL_S`), the embedded launcher its processes, submitit's one step ends on a bad exit
-(`srun --kill-on-bad-exit`), and on several hosts each role also watches the others' processes
-(`roles.watch`). Each role process keeps a record of itself that says whether it left and how
+(`WATCH_POLL_S`), the embedded launcher its processes (`EMBEDDED_POLL_S`), submitit's one step
+ends on a bad exit (`srun --kill-on-bad-exit`), and on several hosts each role also watches the
+others' processes (`roles.watch`). Each role process keeps a record of itself that says whether it left and how
 (`rundir.alive`); a role whose record says it did not leave, and whose process is gone, died.
 """
 
@@ -59,8 +59,12 @@ MASTER_START_TIMEOUT_S = 120
 # own process group, `roles.watch`; under Slurm, srun's KillWait). The master, ended last, leaves
 # within it: it only stops its store.
 STOP_GRACE_S = 15
-# How often the launcher (the batch script, the embedded launcher) looks at its roles' processes.
+# How often the batch script looks at its steps (a whole second: `sleep` in the script).
 WATCH_POLL_S = 1
+# How often the embedded launcher looks at its role processes and records: they are local, a look
+# costs nothing, and a short run (`make run`, the tests) ends that much sooner.
+EMBEDDED_POLL_S = 0.2
+# The roles' heartbeat has its one home beside the records it touches: `rundir.alive.HEARTBEAT_S`.
 # From a role's death (or failure) to the job's end, every process of the job gone: the watch
 # notices within WATCH_POLL_S (a peer's within `roles.watch`'s few seconds), names the role
 # (a few seconds of Python start-up on a loaded node), then ends the other steps (SIGTERM, then

@@ -169,7 +169,7 @@ class RoleGroup:
                 return failed[0]
             if all(c is not None for c in codes):
                 return done[0] if done else (0, None)
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
     def wait_gone(self, procs: Sequence[RoleProcess], timeout_s: float) -> bool:
         """Until every process of `procs` exited (one failing raises its error); False on timeout."""
@@ -178,7 +178,7 @@ class RoleGroup:
             self.check()
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
         self.check()
         return True
 
@@ -188,7 +188,7 @@ class RoleGroup:
             self.check()
             if time.monotonic() > deadline:
                 raise RoleFailedError(f"{what} within {timeout_s:.0f}s; logs under {self.run.logs}")
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
     def stop_all(self) -> None:
         # Consumers first, then producers, the master last: nobody waits on a peer already gone.
@@ -336,7 +336,7 @@ class Embedded:
         evaluate.settled = True
         while evaluate.poll() is None:
             self.group.check()
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
     def stop(self, _seen: lifecycle.Seen) -> None:
         self.close()
