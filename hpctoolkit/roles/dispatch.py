@@ -7,13 +7,13 @@ and exit 0: the real-Slurm tests use it to prove placement on machines without G
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
 on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
 (`slurm.tasks.task_process`), and spare tasks return at once. Each task then follows its part of
-`plan.lifecycle` (`follow`: `lifecycle.drive` through the task's hooks, `Task`): task 0 starts
-the attempt (the others wait for it; node 0's watcher then watches until the job ends), each role's task is that role's phase, and
-trainer rank 0's task carries the rest: after a clean run it waits for the drain (the engines'
-close records, within the one grace), then runs the evaluate role in a fresh process when
-`evaluate.enabled` (as the batch script does). The master's task stops once the run is over (the
-stop phase); submitit's handler on task 0 requeues a preempted job. A failing task prints
-`run_cli`'s one line and still fails.
+`plan.lifecycle` (`follow`: `lifecycle.drive` through the task's hooks, `SubmititTask`): task 0
+starts the attempt (the others wait for it; node 0's watcher then watches until the job ends), each
+role's task is that role's phase, and trainer rank 0's task carries the rest: after a clean run it
+waits for the drain (the engines' close records, within the one grace), then runs the evaluate role
+in a fresh process when `evaluate.enabled` (as the batch script does). The master's task stops once
+the run is over (the stop phase); submitit's handler on task 0 requeues a preempted job. A failing
+task prints `run_cli`'s one line and still fails.
 """
 
 from __future__ import annotations
@@ -210,17 +210,17 @@ def follow(
     on_phase: OnPhase | None = None,
 ) -> int | str:
     """This task's part of `plan.lifecycle`, walked by `lifecycle.drive` through its hooks
-    (`Task`): the start (task 0 begins the attempt; the others wait for it), its role's phase, and
-    for trainer rank 0 the drain and evaluate after it. Returns the task's status: the role's, or
-    evaluate's when it ran."""
+    (`SubmititTask`): the start (task 0 begins the attempt; the others wait for it), its role's
+    phase, and for trainer rank 0 the drain and evaluate after it. Returns the task's status: the
+    role's, or evaluate's when it ran."""
     enter = on_phase or (lambda _name: None)
-    task = Task(ctx, senv, proc, recipe, overrides)
+    task = SubmititTask(ctx, senv, proc, recipe, overrides)
     shape = lifecycle.RunShape.of(ctx.plan, ctx.cfg.evaluate.enabled)
     lifecycle.drive("submitit", task.hooks(), shape, lambda phase: enter(phase.name))
     return task.result
 
 
-class Task:
+class SubmititTask:
     """One submitit task's hooks: a hook in its role's phase (the master's and the watcher's task
     also in the stop, trainer rank 0's in the drain and evaluate), None in the others."""
 
