@@ -4,7 +4,8 @@ RUN_DIR is a run's directory, the `latest` link, or a recipe's `paths.output_dir
 which `latest` names only once that run finished). It works on any backend and while the run goes
 on: the roles write every record atomically (`rundir.atomic`), so a reader sees whole ones.
 
-The phase (`plan.lifecycle.PHASES`) is the first whose records are not all there yet:
+The phase is the first of `plan.lifecycle.PHASES` that the run enters (`lifecycle.enters_phase`)
+whose records are not all there yet (`RECORDED`, one entry a phase):
 
     start     until a role leaves any record (config.yaml, inputs.json and attempt.json are the
               start's own)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,8 @@ from typing import Any
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.output.figures import duration, figure, seconds
-from hpctoolkit.plan.lifecycle import PHASE_NAMES
+from hpctoolkit.plan import lifecycle
+from hpctoolkit.plan.lifecycle import RunShape, Seen
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import LATEST, RunDir
 from hpctoolkit.rundir.progress import DEFAULT_EVERY_S, count_line, trainer_progress_line
@@ -85,26 +88,42 @@ def _engines(cfg: dict[str, Any]) -> int:
     return int(_section(cfg, "engine").get("num_engines") or 1)
 
 
+def _external(r: Records) -> bool:
+    return bool(_section(r.config, "store").get("master_address"))
+
+
+def _stopped(r: Records) -> bool:
+    local = _section(r.config, "cluster").get("backend") == "local"
+    return r.summary is not None and (not local or "wall_seconds" in r.summary)
+
+
+# When each phase's records are all there (the module docstring's table), by `PHASES` name; the
+# run rests in the end.
+RECORDED: dict[str, Callable[[Records], bool]] = {
+    "start": lambda r: r.started,
+    "master": lambda r: r.master is not None or r.ended is not None,
+    "engines": lambda r: r.ended is not None or r.trainer is not None or bool(r.steps_logged),
+    "trainers": lambda r: r.ended is not None and bool(r.ended.get("ok")),
+    "drain": lambda r: len(r.engines_closed) >= _engines(r.config),
+    "evaluate": lambda r: r.evaluation is not None,
+    "stop": _stopped,
+    "end": lambda r: False,
+}
+
+
 def _phase(r: Records) -> str:
-    """The first phase whose records are not all there (the module docstring's table)."""
-    cfg = r.config
-    external = bool(_section(cfg, "store").get("master_address"))
-    if not r.started:
-        return "start"
-    if r.master is None and not external and r.ended is None:
-        return "master"
-    if r.ended is None:
-        return "trainers" if r.trainer is not None or r.steps_logged else "engines"
-    if not r.ended.get("ok"):
-        return "trainers"
-    if len(r.engines_closed) < _engines(cfg):
-        return "drain"
-    if _section(cfg, "evaluate").get("enabled", True) and r.evaluation is None:
-        return "evaluate"
-    local = _section(cfg, "cluster").get("backend") == "local"
-    if r.summary is None or (local and "wall_seconds" not in r.summary):
-        return "stop"
-    return "end"
+    """The first phase the run enters whose records are not all there (`RECORDED`)."""
+    phases = lifecycle.PHASES
+    lifecycle.check_hooks("status", RECORDED, phases)
+    shape = RunShape(
+        own_master=not _external(r), evaluate=bool(_section(r.config, "evaluate").get("enabled", True))
+    )
+    # Evaluate is looked at only once the trainers ended well.
+    seen = Seen(trainers_rc=0 if r.ended is not None and r.ended.get("ok") else None)
+    for phase in phases:
+        if lifecycle.enters_phase(phase, shape, seen) and not RECORDED[phase.name](r):
+            return phase.name
+    return phases[-1].name
 
 
 def _failure(r: Records) -> tuple[str, str, str] | None:
@@ -187,7 +206,7 @@ def report(r: Records, now: float) -> Report:
     phase = _phase(r)
     failure = _failure(r)
     state, role = RUNNING, None
-    trail = " > ".join(f"[{p}]" if p == phase else p for p in PHASE_NAMES)
+    trail = " > ".join(f"[{p.name}]" if p.name == phase else p.name for p in lifecycle.PHASES)
     lines = [f"run      {r.run.run_id} ({_section(r.config, 'cluster').get('backend', '?')}) in {r.run.root}"]
     if r.attempt and r.attempt.get("restart"):
         lines.append(

@@ -10,17 +10,25 @@ trainers exited 0 and no SIGUSR2 came: the time limit is near, so the engines ar
 either). The trainers' status decides the run (`outcome`); a failed evaluate fails a clean run.
 `walk` is the whole path for given statuses: what the tests (and every backend's) compare against.
 
+One driver walks the phases (`drive`); each backend is a table of hooks, one per phase name
+(`Hooks`): the embedded launcher's run its processes (`roles.local`), a submitit task's run its own
+part (`roles.dispatch`), the batch script's emit the statements that run them (`slurm.render`).
+`python -m hpctoolkit.status` reads the same phases to say where a run is. Adding a phase is a
+`Phase` here plus its hook in each table: a table without it (or with a name that is no phase)
+is refused before anything runs (`check_hooks`).
+
 The watch: from the engines phase until the trainers end, every started role is watched. One that
 dies (SIGKILL, the OOM killer: no end record) or fails ends the run within `DEATH_BOUND_S`, its
 peers ended, with one line naming it (`role_label`): the batch script watches its steps
-(`WATCH_POLL_S`), the embedded launcher its processes, submitit's one step ends on a bad exit
-(`srun --kill-on-bad-exit`), and on several hosts each role also watches the others' processes
-(`roles.watch`). Each role process keeps a record of itself that says whether it left and how
+(`WATCH_POLL_S`), the embedded launcher its processes (`EMBEDDED_POLL_S`), submitit's one step
+ends on a bad exit (`srun --kill-on-bad-exit`), and on several hosts each role also watches the
+others' processes (`roles.watch`). Each role process keeps a record of itself that says whether it left and how
 (`rundir.alive`); a role whose record says it did not leave, and whose process is gone, died.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hpctoolkit.plan.placement import (
@@ -42,13 +50,21 @@ from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 # launcher's 300 s only delayed a failure that ending the engines now avoids), while a job that
 # holds every node of its allocation meanwhile does not hold them much longer than needed.
 ENGINES_DRAIN_GRACE_S = 120
-# How long the master gets to publish its record (`master.json`) once started.
+# The master's start-up: how long it gets, once started, to publish its record (`master.json`) and
+# listen. The one bound for everyone who waits on it: the embedded launcher for the record, and each
+# role, started with it (the master imports torch and spawns the binary), for the record
+# (`roles.context`) and for a connection (`roles.waits`).
 MASTER_START_TIMEOUT_S = 120
-# Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's; under Slurm, srun's
-# KillWait). The master, ended last, leaves within it: it only stops its store.
+# Ending a role: SIGTERM, then SIGKILL after this (the embedded launcher's, a role's watch ending its
+# own process group, `roles.watch`; under Slurm, srun's KillWait). The master, ended last, leaves
+# within it: it only stops its store.
 STOP_GRACE_S = 15
-# How often the launcher (the batch script, the embedded launcher) looks at its roles' processes.
+# How often the batch script looks at its steps (a whole second: `sleep` in the script).
 WATCH_POLL_S = 1
+# How often the embedded launcher looks at its role processes and records: they are local, a look
+# costs nothing, and a short run (`make run`, the tests) ends that much sooner.
+EMBEDDED_POLL_S = 0.2
+# The roles' heartbeat has its one home beside the records it touches: `rundir.alive.HEARTBEAT_S`.
 # From a role's death (or failure) to the job's end, every process of the job gone: the watch
 # notices within WATCH_POLL_S (a peer's within `roles.watch`'s few seconds), names the role
 # (a few seconds of Python start-up on a loaded node), then ends the other steps (SIGTERM, then
@@ -213,7 +229,11 @@ class Outcome:
 def enters(name: str, shape: RunShape, seen: Seen) -> bool:
     """Whether the run enters phase `name`, given what it has seen (phases come in `PHASES` order;
     evaluate is decided once the trainers have ended)."""
-    cond = BY_NAME[name].enter
+    return enters_phase(BY_NAME[name], shape, seen)
+
+
+def enters_phase(phase: Phase, shape: RunShape, seen: Seen) -> bool:
+    cond = phase.enter
     if cond == OWN_MASTER:
         return shape.own_master
     if cond == CLEAN_AND_ENABLED:
@@ -252,3 +272,52 @@ def walk(shape: RunShape, seen: Seen, evaluate_rc: int | None = 0) -> tuple[tupl
 def roles_started(names: tuple[str, ...]) -> tuple[str, ...]:
     """The roles the phases `names` start, in order (the plan decides how many of each)."""
     return tuple(r for n in names for r in BY_NAME[n].starts)
+
+
+# A backend's part in one phase, given what the run has seen so far; returns what the run has seen
+# after it (the trainers' phase: their status, SIGUSR2), or None: nothing new.
+Hook = Callable[[Seen], "Seen | None"]
+# A backend's hooks by phase name: None where it has no part in a phase it does not leave out (a
+# submitit task outside its role's phases). Every phase has an entry, every entry a phase.
+Hooks = Mapping[str, Hook | None]
+
+
+def check_hooks(backend: str, hooks: Mapping[str, object], phases: Sequence[Phase] | None = None) -> None:
+    """Refuse a backend's table that misses a phase (of `phases`, by default `PHASES` as it is when
+    called) or names one that is none: one line that says which, and where the fix goes."""
+    names = [p.name for p in (PHASES if phases is None else phases)]
+    missing = [n for n in names if n not in hooks]
+    unknown = [n for n in hooks if n not in names]
+    if missing or unknown:
+        what = [f"no hook for phase(s) {', '.join(missing)}"] if missing else []
+        what += [f"hooks for no phase: {', '.join(unknown)}"] if unknown else []
+        raise ValueError(
+            f"the {backend} backend does not match plan.lifecycle.PHASES ({' -> '.join(names)}): {'; '.join(what)}; "
+            "give it one hook per phase (None where it has no part)"
+        )
+
+
+def drive(
+    backend: str,
+    hooks: Hooks,
+    shape: RunShape,
+    on_phase: Callable[[Phase], None] | None = None,
+    *,
+    seen: Seen = Seen(),
+    phases: Sequence[Phase] | None = None,
+) -> Seen:
+    """The one walk of the lifecycle: each phase in order that the run enters (`enters`, on what it
+    has seen so far) and in which the backend has a part is announced (`on_phase`), then its hook
+    runs. Returns what the run saw. A hook's error ends the walk: the backend ends what it started.
+    The batch script walks with `seen` a clean run's, the path that enters every phase some run may
+    enter; its shell decides the rest."""
+    phases = PHASES if phases is None else phases
+    check_hooks(backend, hooks, phases)
+    for phase in phases:
+        hook = hooks[phase.name]
+        if hook is None or not enters_phase(phase, shape, seen):
+            continue
+        if on_phase is not None:
+            on_phase(phase)
+        seen = hook(seen) or seen
+    return seen

@@ -30,6 +30,7 @@ from hpctoolkit.config.load import load_pinned
 from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.plan.lifecycle import MASTER_START_TIMEOUT_S
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
 from hpctoolkit.plan.ports import TRAINER_LISTENER, engine_listener
 from hpctoolkit.roles.measure_inputs import measure as measure_inputs
@@ -40,8 +41,9 @@ from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.env import SlurmEnvironment
 from hpctoolkit.store.config import StoreConfig
 
-# The master's record of its addresses (it starts with the other roles and imports torch first).
-MASTER_RECORD_TIMEOUT_S = 120.0
+# The master's record of its addresses: the lifecycle's one start-up bound (it starts with the
+# other roles and imports torch first).
+MASTER_RECORD_TIMEOUT_S = MASTER_START_TIMEOUT_S
 LOOPBACK_ADDRESS = HostAddress(LOOPBACK, "127.0.0.1")
 # Another node's address record (its roles start with this one).
 HOST_RECORD_TIMEOUT_S = 120.0

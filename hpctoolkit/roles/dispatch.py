@@ -7,12 +7,13 @@ and exit 0: the real-Slurm tests use it to prove placement on machines without G
 Under submitit (`run_task`) every task of the job calls the same function; the task's position
 on its node (`SLURM_LOCALID`) picks one of the plan's processes on that node, or node 0's watcher
 (`slurm.tasks.task_process`), and spare tasks return at once. Each task then follows its part of
-`plan.lifecycle` (`follow`): task 0 starts the attempt, each role's task is that role's phase, and
-trainer rank 0's task carries the rest: after a clean run it waits for the drain (the engines'
-close records, within the one grace), then runs the evaluate role in a fresh process when
-`evaluate.enabled` (as the batch script does). The master's task stops once the run is over (the
-stop phase); submitit's handler on task 0 requeues a preempted job. A failing task prints
-`run_cli`'s one line and still fails.
+`plan.lifecycle` (`follow`: `lifecycle.drive` through the task's hooks, `SubmititTask`): task 0
+starts the attempt (the others wait for it; node 0's watcher then watches until the job ends), each
+role's task is that role's phase, and trainer rank 0's task carries the rest: after a clean run it
+waits for the drain (the engines' close records, within the one grace), then runs the evaluate role
+in a fresh process when `evaluate.enabled` (as the batch script does). The master's task stops once
+the run is over (the stop phase); submitit's handler on task 0 requeues a preempted job. A failing
+task prints `run_cli`'s one line and still fails.
 """
 
 from __future__ import annotations
@@ -208,37 +209,82 @@ def follow(
     overrides: Sequence[str],
     on_phase: OnPhase | None = None,
 ) -> int | str:
-    """This task's part of `plan.lifecycle`: the start (task 0; the others wait for it), its
-    role's phase, and for trainer rank 0 the drain and evaluate after it. Returns the task's
-    status: the role's, or evaluate's when it ran."""
+    """This task's part of `plan.lifecycle`, walked by `lifecycle.drive` through its hooks
+    (`SubmititTask`): the start (task 0 begins the attempt; the others wait for it), its role's
+    phase, and for trainer rank 0 the drain and evaluate after it. Returns the task's status: the
+    role's, or evaluate's when it ran."""
     enter = on_phase or (lambda _name: None)
-    if senv.proc_id == 0:
-        enter("start")
-    _begin_attempt(ctx, senv)
-    if proc == WATCHER:
-        code: int | str = run_watcher(ctx)
-        enter("stop")
-        return code
-    assert isinstance(proc, Process)
-    enter(PHASE_OF_ROLE[proc.role])
-    environ = dict(os.environ)  # before the role adds its own (torch.distributed's, the interfaces)
-    result = run_process(ctx, proc, dry=False)
-    if proc.role == ROLE_MASTER:
-        enter("stop")  # it returns once the run is over: every engine closed, the trainers ended
-    if proc.role != ROLE_TRAINER or proc.node_rank != 0 or not isinstance(result, int):
-        return result
-    from hpctoolkit.train import preempt
+    task = SubmititTask(ctx, senv, proc, recipe, overrides)
+    shape = lifecycle.RunShape.of(ctx.plan, ctx.cfg.evaluate.enabled)
+    lifecycle.drive("submitit", task.hooks(), shape, lambda phase: enter(phase.name))
+    return task.result
 
-    seen = lifecycle.Seen(trainers_rc=result, late=preempt.requested())
-    # The engines drain by themselves here; this task waits for them only when evaluate follows.
-    enter("drain")
-    if not lifecycle.enters("evaluate", lifecycle.RunShape.of(ctx.plan, ctx.cfg.evaluate.enabled), seen):
-        return result
-    _wait_drained(ctx, lifecycle.bound_s("drain", seen) or 0)
-    enter("evaluate")
-    # vLLM gets a process of its own (`roles.child`).
-    child = Child("evaluate", evaluate_in_fresh_process, (recipe, list(overrides), environ), ctx.run.logs)
-    return int(child.result())
+
+class SubmititTask:
+    """One submitit task's hooks: a hook in its role's phase (the master's and the watcher's task
+    also in the stop, trainer rank 0's in the drain and evaluate), None in the others."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        senv: SlurmEnvironment,
+        proc: Process | str,
+        recipe: str,
+        overrides: Sequence[str],
+    ):
+        self.ctx, self.senv, self.proc = ctx, senv, proc
+        self.recipe, self.overrides = recipe, list(overrides)
+        self.result: int | str = 0
+        self.environ: dict[str, str] = {}
+
+    def hooks(self) -> lifecycle.Hooks:
+        proc = self.proc
+        own = PHASE_OF_ROLE[proc.role] if isinstance(proc, Process) else None
+        rank0 = isinstance(proc, Process) and proc.role == ROLE_TRAINER and proc.node_rank == 0
+        # The master's role returns once the run is over (every engine closed, the trainers ended),
+        # the watcher's (from the start on) with the job: each stops then.
+        stops = own == "master" or proc == WATCHER
+        return {
+            "start": self.start,
+            "master": self.role if own == "master" else None,
+            "engines": self.role if own == "engines" else None,
+            "trainers": self.role if own == "trainers" else None,
+            "drain": self.drain if rank0 else None,
+            "evaluate": self.evaluate if rank0 else None,
+            "stop": self.stop if stops else None,
+            # The end: the trainers' end records; submitit's handler on task 0 requeues a preempted job.
+            "end": None,
+        }
+
+    def start(self, _seen: lifecycle.Seen) -> None:
+        _begin_attempt(self.ctx, self.senv)
+        if self.proc == WATCHER:
+            self.result = run_watcher(self.ctx)
+
+    def role(self, _seen: lifecycle.Seen) -> lifecycle.Seen | None:
+        assert isinstance(self.proc, Process)
+        self.environ = dict(os.environ)  # before the role adds its own (torch.distributed's, the interfaces)
+        self.result = result = run_process(self.ctx, self.proc, dry=False)
+        if self.proc.role != ROLE_TRAINER or self.proc.node_rank != 0 or not isinstance(result, int):
+            return None
+        from hpctoolkit.train import preempt
+
+        return lifecycle.Seen(trainers_rc=result, late=preempt.requested())
+
+    def drain(self, seen: lifecycle.Seen) -> None:
+        # The engines drain by themselves here; this task waits for them only when evaluate follows.
+        shape = lifecycle.RunShape.of(self.ctx.plan, self.ctx.cfg.evaluate.enabled)
+        if lifecycle.enters("evaluate", shape, seen):
+            _wait_drained(self.ctx, lifecycle.bound_s("drain", seen) or 0)
+
+    def evaluate(self, _seen: lifecycle.Seen) -> None:
+        # vLLM gets a process of its own (`roles.child`).
+        args = (self.recipe, self.overrides, self.environ)
+        child = Child("evaluate", evaluate_in_fresh_process, args, self.ctx.run.logs)
+        self.result = int(child.result())
+
+    def stop(self, _seen: lifecycle.Seen) -> None:
+        pass  # the role returned: nothing of this task's is left to end
 
 
 def _wait_drained(ctx: NodeContext, bound_s: float) -> None:

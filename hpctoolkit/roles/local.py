@@ -1,6 +1,6 @@
 """The embedded run (`cluster.backend: local`, `make run`): the plan's roles as processes on this
 machine, through the same role code and run directory as a Slurm job, phase by phase as
-`plan.lifecycle` describes them:
+`plan.lifecycle` describes them (`lifecycle.drive` walks them; `Embedded` is this launcher's hooks):
 
     start -> master -> engines -> trainers -> drain -> evaluate -> stop -> end
 
@@ -169,7 +169,7 @@ class RoleGroup:
                 return failed[0]
             if all(c is not None for c in codes):
                 return done[0] if done else (0, None)
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
     def wait_gone(self, procs: Sequence[RoleProcess], timeout_s: float) -> bool:
         """Until every process of `procs` exited (one failing raises its error); False on timeout."""
@@ -178,7 +178,7 @@ class RoleGroup:
             self.check()
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
         self.check()
         return True
 
@@ -188,7 +188,7 @@ class RoleGroup:
             self.check()
             if time.monotonic() > deadline:
                 raise RoleFailedError(f"{what} within {timeout_s:.0f}s; logs under {self.run.logs}")
-            time.sleep(0.2)
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
     def stop_all(self) -> None:
         # Consumers first, then producers, the master last: nobody waits on a peer already gone.
@@ -226,97 +226,143 @@ def run_local(
     role_argv: RoleArgv | None = None,
     on_phase: OnPhase | None = None,
 ) -> dict[str, Any]:
-    """Run the whole job on this machine, `plan.lifecycle`'s phases in order; returns the summary
-    (also `<run>/summary.json`). A failed role, or trainers that checkpointed on SIGUSR2, raise."""
+    """Run the whole job on this machine: `plan.lifecycle.drive` walks the phases through this
+    launcher's hooks (`Embedded`); returns the summary (also `<run>/summary.json`). A failed role,
+    or trainers that checkpointed on SIGUSR2, raise."""
     preflight(cfg, plan)
+    run = Embedded(cfg, plan, recipe, overrides, role_argv)
     shape = lifecycle.RunShape.of(plan, cfg.evaluate.enabled)
     enter = on_phase or (lambda _name: None)
-    enter("start")
-    run = start_run(cfg, recipe, overrides)
-    t0 = time.monotonic()
-    group = RoleGroup(run, recipe, overrides, plan, role_argv)
-    # Ended from outside (Ctrl-C, a batch system's SIGTERM): end the roles too.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    previous_usr2 = signal.signal(signal.SIGUSR2, group.on_usr2)
     try:
-        seen, failed, evaluate = _run_phases(plan, group, shape, enter)
+        lifecycle.drive("embedded", run.hooks(), shape, lambda phase: enter(phase.name))
     finally:
-        group.stop_all()
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGUSR2, previous_usr2)
-    enter("end")
-    erc = None if evaluate is None else evaluate.poll()
-    out = lifecycle.outcome(seen, erc)
-    if out.kind == lifecycle.PREEMPTED:
-        raise RoleFailedError(
-            f"the trainers checkpointed on SIGUSR2 (exit {seen.trainers_rc}); a local run is not "
-            f"requeued; its checkpoint is under {run.checkpoints}"
+        run.close()
+    return run.summary
+
+
+class Embedded:
+    """The embedded launcher's hooks: each phase's roles as processes on this machine, watched by
+    one `RoleGroup` (any failure raises out of the walk; `close` then ends every role)."""
+
+    def __init__(
+        self, cfg: RecipeConfig, plan: Plan, recipe: str, overrides: Sequence[str], role_argv: RoleArgv | None
+    ):
+        self.cfg, self.plan, self.recipe, self.overrides = cfg, plan, recipe, list(overrides)
+        self.role_argv = role_argv
+        self._group: RoleGroup | None = None
+        self._restore: list[tuple[int, Any]] = []
+        self.t0 = time.monotonic()
+        # The failed trainer, the evaluate process: the end names them.
+        self.failed: RoleProcess | None = None
+        self.evaluate: RoleProcess | None = None
+        self.summary: dict[str, Any] = {}
+
+    def hooks(self) -> lifecycle.Hooks:
+        return {
+            "start": self.start,
+            "master": self.master,
+            "engines": self.engines,
+            "trainers": self.trainers,
+            "drain": self.drain,
+            "evaluate": self.run_evaluate,
+            "stop": self.stop,
+            "end": self.end,
+        }
+
+    @property
+    def group(self) -> RoleGroup:
+        assert self._group is not None, "the start phase makes the run's group"
+        return self._group
+
+    def start(self, _seen: lifecycle.Seen) -> None:
+        run = start_run(self.cfg, self.recipe, self.overrides)
+        self.t0 = time.monotonic()
+        self._group = RoleGroup(run, self.recipe, self.overrides, self.plan, self.role_argv)
+        # Ended from outside (Ctrl-C, a batch system's SIGTERM): end the roles too.
+        self._restore = [
+            (signal.SIGTERM, signal.signal(signal.SIGTERM, _interrupt)),
+            (signal.SIGUSR2, signal.signal(signal.SIGUSR2, self.group.on_usr2)),
+        ]
+        if self.plan.master is None:
+            say(f"run {run.run_id} in {run.root}; Mooncake master {self.plan.external_master} (external)")
+
+    def master(self, _seen: lifecycle.Seen) -> None:
+        run, group = self.group.run, self.group
+        say(f"run {run.run_id} in {run.root}")
+        group.start("master", "master")
+        group.wait_for(
+            lambda: read_json(run.master_record) is not None,
+            lifecycle.MASTER_START_TIMEOUT_S,
+            "the Mooncake master did not start",
         )
-    if out.failed == "trainers" and failed is not None:
-        raise failed.failure()
-    if out.failed == "evaluate" and evaluate is not None:
-        raise evaluate.failure()
-    return _summarize(run, t0)
+        master = read_json(run.master_record)
+        if master is None:
+            raise RoleFailedError(
+                f"the Mooncake master's record {run.master_record} vanished after it started"
+            )
+        say(f"Mooncake master at {master['address']}")
 
+    def engines(self, _seen: lifecycle.Seen) -> None:
+        for e in self.plan.engines:
+            for node in e.nodes:
+                role = ROLE_ENGINE_LEADER if node.node_rank == 0 else ROLE_ENGINE_FOLLOWER
+                suffix = "" if node.node_rank == 0 else f".{node.node_rank}"
+                self.group.start(f"engine{e.index}{suffix}", role)
 
-def _run_phases(
-    plan: Plan, group: RoleGroup, shape: lifecycle.RunShape, enter: OnPhase
-) -> tuple[lifecycle.Seen, RoleProcess | None, RoleProcess | None]:
-    """master .. stop; returns what the run saw, the failed trainer and the evaluate process."""
-    run = group.run
-    if lifecycle.enters("master", shape, lifecycle.Seen()):
-        enter("master")
-        _start_master(group)
-    else:
-        say(f"run {run.run_id} in {run.root}; Mooncake master {plan.external_master} (external)")
-    enter("engines")
-    for e in plan.engines:
-        for node in e.nodes:
-            role = ROLE_ENGINE_LEADER if node.node_rank == 0 else ROLE_ENGINE_FOLLOWER
-            suffix = "" if node.node_rank == 0 else f".{node.node_rank}"
-            group.start(f"engine{e.index}{suffix}", role)
-    enter("trainers")
-    for r in plan.trainer.ranks:
-        group.start(f"trainer{r.rank}", ROLE_TRAINER, RANK=str(r.rank))
-    say(
-        f"started {len(plan.engines)} engine(s) and {plan.trainer.world_size} trainer rank(s); logs in {run.logs}"
-    )
-    rc, failed = group.wait_trainers()
-    checkpointed = rc not in (0, ledger.PREEMPTED_EXIT) and ledger.preempted_attempt(run) is not None
-    seen = lifecycle.Seen(trainers_rc=rc, late=group.late, checkpointed=checkpointed)
-    enter("drain")
-    engines = group.named("engine")
-    grace = lifecycle.bound_s("drain", seen) or 0
-    if grace and not group.wait_gone(engines, grace):
-        say(f"the engines did not leave within {grace}s of the trainers' end; ending them")
-    for p in engines:
-        p.stop()
-    evaluate = None
-    if lifecycle.enters("evaluate", shape, seen):
-        enter("evaluate")
-        evaluate = group.start("evaluate", "evaluate")
+    def trainers(self, _seen: lifecycle.Seen) -> lifecycle.Seen:
+        group, plan = self.group, self.plan
+        for r in plan.trainer.ranks:
+            group.start(f"trainer{r.rank}", ROLE_TRAINER, RANK=str(r.rank))
+        say(
+            f"started {len(plan.engines)} engine(s) and {plan.trainer.world_size} trainer rank(s); "
+            f"logs in {group.run.logs}"
+        )
+        rc, self.failed = group.wait_trainers()
+        checkpointed = (
+            rc not in (0, ledger.PREEMPTED_EXIT) and ledger.preempted_attempt(group.run) is not None
+        )
+        return lifecycle.Seen(trainers_rc=rc, late=group.late, checkpointed=checkpointed)
+
+    def drain(self, seen: lifecycle.Seen) -> None:
+        engines = self.group.named("engine")
+        grace = lifecycle.bound_s("drain", seen) or 0
+        if grace and not self.group.wait_gone(engines, grace):
+            say(f"the engines did not leave within {grace}s of the trainers' end; ending them")
+        for p in engines:
+            p.stop()
+
+    def run_evaluate(self, _seen: lifecycle.Seen) -> None:
+        self.evaluate = evaluate = self.group.start("evaluate", "evaluate")
         evaluate.settled = True
         while evaluate.poll() is None:
-            group.check()
-            time.sleep(0.2)
-    enter("stop")
-    group.stop_all()
-    return seen, failed, evaluate
+            self.group.check()
+            time.sleep(lifecycle.EMBEDDED_POLL_S)
 
+    def stop(self, _seen: lifecycle.Seen) -> None:
+        self.close()
 
-def _start_master(group: RoleGroup) -> None:
-    run = group.run
-    say(f"run {run.run_id} in {run.root}")
-    group.start("master", "master")
-    group.wait_for(
-        lambda: read_json(run.master_record) is not None,
-        lifecycle.MASTER_START_TIMEOUT_S,
-        "the Mooncake master did not start",
-    )
-    master = read_json(run.master_record)
-    if master is None:
-        raise RoleFailedError(f"the Mooncake master's record {run.master_record} vanished after it started")
-    say(f"Mooncake master at {master['address']}")
+    def close(self) -> None:
+        """Every role ended, the signals given back (a failed walk's too)."""
+        if self._group is not None:
+            self._group.stop_all()
+        for signum, previous in self._restore:
+            signal.signal(signum, previous)
+        self._restore = []
+
+    def end(self, seen: lifecycle.Seen) -> None:
+        run = self.group.run
+        erc = None if self.evaluate is None else self.evaluate.poll()
+        out = lifecycle.outcome(seen, erc)
+        if out.kind == lifecycle.PREEMPTED:
+            raise RoleFailedError(
+                f"the trainers checkpointed on SIGUSR2 (exit {seen.trainers_rc}); a local run is not "
+                f"requeued; its checkpoint is under {run.checkpoints}"
+            )
+        if out.failed == "trainers" and self.failed is not None:
+            raise self.failed.failure()
+        if out.failed == "evaluate" and self.evaluate is not None:
+            raise self.evaluate.failure()
+        self.summary = _summarize(run, self.t0)
 
 
 def _summarize(run: RunDir, t0: float) -> dict[str, Any]:

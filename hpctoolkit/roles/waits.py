@@ -9,10 +9,11 @@ import threading
 import time
 
 from hpctoolkit.errors import StoreError
+from hpctoolkit.plan.lifecycle import MASTER_START_TIMEOUT_S
 
-# A role waits at most this long for the master, started by a step of its own at the same time
-# (it imports torch and spawns the binary).
-MASTER_REACH_TIMEOUT_S = 90.0
+# A role waits at most this long for the master, started by a step of its own at the same time:
+# the lifecycle's one start-up bound for the master.
+MASTER_REACH_TIMEOUT_S = MASTER_START_TIMEOUT_S
 
 
 def term_event() -> threading.Event:

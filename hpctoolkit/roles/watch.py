@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctoolkit.plan.lifecycle import role_key
+from hpctoolkit.plan.lifecycle import STOP_GRACE_S, role_key
 from hpctoolkit.roles.context import NodeContext
 from hpctoolkit.rundir import alive
 from hpctoolkit.rundir.atomic import write_json_atomic
@@ -46,7 +46,8 @@ CONNECT_TIMEOUT_S = 1.0
 MISSES = 4
 # Rounds a probe must refuse, its record still there, before its role is called dead.
 DEAD_ROUNDS = 2
-GRACE_S = 15.0
+# Ending the role's process group: SIGTERM, then SIGKILL after the lifecycle's one grace.
+GRACE_S = STOP_GRACE_S
 _SIOCGIFFLAGS = 0x8913
 _IFF_UP = 0x1
 _IFF_RUNNING = 0x40

@@ -41,6 +41,8 @@ from hpctoolkit.slurm import container
 DEFERRED = "<given-at-submission>"
 # Every step runs `python -m hpctoolkit.roles ROLE RECIPE OVERRIDES...`.
 ROLES_MODULE = "hpctoolkit.roles"
+# `lifecycle.Seen.clean` in the shell: the trainers exited 0 and no SIGUSR2 came.
+CLEAN_TEST = "rc == 0 && !late"
 
 
 def load_for_render(
@@ -194,20 +196,17 @@ def render_sbatch(cfg: RecipeConfig, plan: Plan, *, recipe_path: str, overrides:
         "stop": lambda: _stop_lines(plan),
         "end": lambda: _end_lines(shape),
     }
-    for p in lifecycle.PHASES:
-        # Skipped for every outcome (the master with an external one; evaluate when disabled).
-        if not _may_enter(p.name, shape):
-            continue
+
+    def announce(p: lifecycle.Phase) -> None:
         # A phase entered on the trainers' outcome announces itself where the script decides.
-        announce = [f"phase {p.name}"] if p.enter != lifecycle.CLEAN_AND_ENABLED else []
-        body += ["", f"# Phase {p.name}: {p.what}.", *announce, *render[p.name]()]
+        said = [f"phase {p.name}"] if p.enter != lifecycle.CLEAN_AND_ENABLED else []
+        body.extend(["", f"# Phase {p.name}: {p.what}.", *said])
+
+    # The driver's backend that emits each phase's statements instead of running them: it walks as
+    # a clean run (every phase some outcome enters); the shell's tests on the trainers' status decide.
+    hooks = {name: (lambda _seen, lines=lines: body.extend(lines())) for name, lines in render.items()}
+    lifecycle.drive("batch-script", hooks, shape, announce, seen=lifecycle.Seen(trainers_rc=0))
     return "\n".join(body) + "\n"
-
-
-def _may_enter(name: str, shape: lifecycle.RunShape) -> bool:
-    """Whether some outcome of the trainers enters phase `name` (the script decides the rest)."""
-    clean = lifecycle.Seen(trainers_rc=0)
-    return lifecycle.enters(name, shape, clean)
 
 
 def _head(cfg: RecipeConfig, plan: Plan, recipe_path: str, baked: Sequence[str]) -> list[str]:
@@ -425,7 +424,7 @@ def _drain_lines(plan: Plan) -> list[str]:
         f"# trainers drained them: wait for that, at most {grace} s; then end those left (at once otherwise).",
         "# srun turns SIGTERM into a step cancel: tasks get SIGTERM, then SIGKILL after KillWait.",
         "engines=(" + " ".join(f'"${v}"' for v in _engine_vars(plan)) + ")",
-        "if ((rc == 0 && !late)); then",
+        f"if (({CLEAN_TEST})); then",
         f"  for _ in $(seq 1 {grace}); do",
         "    alive=0",
         '    for pid in "${engines[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
