@@ -9,9 +9,12 @@ exact type, so `K3DSparkConfig` builds `K3DSparkModel` even though it is also a 
 Registration rejects a config class already registered, a family already taken, and a config
 class whose `model_type` has no record in `models.families`; a miss lists the valid names.
 
-The trainers import the shared training machinery (`train.trainers.base`, `train.losses`,
-`train.batch`, ...), never this module: `train.trainers.build` and the loop reach the families
-through here, so the dependency runs one way.
+Families register from below: each trainer is declared against `models.common.trainer` (the
+hooks, the batch they read, the `LossParts` they return), and this module ties it to its config,
+model and record. `train/` only looks families up here (`train.build`, the loop), and nothing in
+`models/` imports `train/`, so the dependency runs one way. The registrations stay in this one
+module, not in each family's package init, so that those inits import nothing and the recipe
+loader can ask `families` about a draft without loading torch.
 """
 
 import os
@@ -24,6 +27,7 @@ import torch
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.trainer import FamilyTrainer
 from hpctoolkit.models.dflash.config import DFlashConfig
 from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.models.dflash.trainer import DFlashTrainer
@@ -37,7 +41,6 @@ from hpctoolkit.models.families import families, read_config_json, serving_for
 from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
 from hpctoolkit.models.k3_dspark.model import K3DSparkModel
 from hpctoolkit.models.serving import Serving
-from hpctoolkit.train.trainers.base import FamilyTrainer
 
 
 @dataclass(frozen=True)
