@@ -1,6 +1,6 @@
-"""The draft registry: each family's parts, by family name: config class, model class, trainer
-class (all from `models/<family>/`, or from the family it extends: K3 DSpark trains as DSpark), and
-its `Serving` record (the pure half, in `families`).
+"""The draft registry: each family's spec (`FamilySpec`), by family name: config class, model class,
+trainer class (all from `models/<family>/`, or from the family it extends: K3 DSpark trains as
+DSpark), and its `Serving` record (the pure half, in `families`).
 
 A config dict is matched by its first architecture, then by `model_type`, against every name a
 family's record lists (`Serving.names`), so both our checkpoints and the served `config.json`
@@ -44,8 +44,10 @@ from hpctoolkit.models.serving import Serving
 
 
 @dataclass(frozen=True)
-class Family:
-    """One draft family's parts."""
+class FamilySpec:
+    """One draft family's spec, what `train/` and evaluation look up by family: its config and
+    model classes, its trainer (the hooks declared against `models.common.trainer`, whose `forward`
+    calls the family's loss) and its serving record (what export writes and vLLM serves)."""
 
     config_cls: type[DraftConfig]
     model_cls: type[DraftModel]
@@ -53,7 +55,7 @@ class Family:
     serving: Serving
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: dict[str, FamilySpec] = {}
 _FAMILY_BY_CONFIG: dict[type[DraftConfig], str] = {}
 
 
@@ -69,11 +71,11 @@ def register_draft(
         raise ConfigError(
             f"draft family {serving.family!r} is already registered to {_FAMILIES[serving.family].config_cls.__name__}"
         )
-    _FAMILIES[serving.family] = Family(config_cls, model_cls, trainer_cls, serving)
+    _FAMILIES[serving.family] = FamilySpec(config_cls, model_cls, trainer_cls, serving)
     _FAMILY_BY_CONFIG[config_cls] = serving.family
 
 
-def _family_of_config(config: DraftConfig) -> Family:
+def _family_of_config(config: DraftConfig) -> FamilySpec:
     try:
         return _FAMILIES[_FAMILY_BY_CONFIG[type(config)]]
     except KeyError:
@@ -91,7 +93,7 @@ def architecture_for(config: DraftConfig) -> str:
     return _family_of_config(config).serving.architectures[0]
 
 
-def family_parts(family: str) -> Family:
+def family_parts(family: str) -> FamilySpec:
     """A family's parts by its name; a miss lists the registered families."""
     try:
         return _FAMILIES[family]
