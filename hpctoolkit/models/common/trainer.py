@@ -5,7 +5,8 @@ draft and the target's frozen head.
 This is the family side of the training contract (torchtitan's `TrainSpec` idea): each family
 subclasses it in `models/<family>/trainer.py`, `models.registry` names it with the family's config,
 model and serving record, and `train/` only looks it up there, so `models/` never imports `train/`.
-What the hooks take and return is therefore declared at or below this module:
+What the hooks take and return is therefore declared at or below this module, each piece the
+simplest way:
 
 - `Batch` (`common.batch`) and `LossParts` (`common.losses`) live beside the hooks: they are plain
   torch records, and the families' losses build `LossParts` anyway;
