@@ -866,12 +866,12 @@ def main() -> int:
     from draft_step import H200_BF16_PEAK_FLOPS, step_flops
 
     from hpctoolkit.models.registry import load_draft_config
+    from hpctoolkit.train.build import build_trainer
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.fsdp import LocalMixedPrecision, build_mesh, init_distributed, shard_trainer
     from hpctoolkit.train.optim import build_optimizer
     from hpctoolkit.train.synthetic import SyntheticSamples
     from hpctoolkit.train.target_head import TargetHead
-    from hpctoolkit.train.trainers.build import build_trainer
 
     LocalMixedPrecision.compiled_grad_cast = not args.plain_grad_cast
     recipe = "tiny_k3_dspark_mla.json" if args.tiny else "kimi_k3_dspark_mla.json"

@@ -38,13 +38,13 @@ from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.dtypes import torch_dtype
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.trainer import FamilyTrainer
 from hpctoolkit.models.families import read_config_json
 from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
+from hpctoolkit.train.build import init_from_target
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
-from hpctoolkit.train.trainers.base import FamilyTrainer
-from hpctoolkit.train.trainers.build import init_from_target
 
 
 def load_exported_draft(export_dir: str | os.PathLike, target_dir: str | os.PathLike):

@@ -1,4 +1,4 @@
-"""Draft models: shared layers in `common`, one package per algorithm (`config`, `model`, `loss`,
+"""Draft models: shared layers and the trainer hooks' base (`common.trainer`) in `common`, one package per algorithm (`config`, `model`, `loss`,
 `trainer`, `serving`), the family table (`families`), the registry of each family's parts
 (`registry`), checkpoints (`checkpoint`) and export (`export`).
 

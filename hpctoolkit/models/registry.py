@@ -1,6 +1,6 @@
-"""The draft registry: each family's parts, by family name: config class, model class, trainer
-class (all from `models/<family>/`, or from the family it extends: K3 DSpark trains as DSpark), and
-its `Serving` record (the pure half, in `families`).
+"""The draft registry: each family's spec (`FamilySpec`), by family name: config class, model class,
+trainer class (all from `models/<family>/`, or from the family it extends: K3 DSpark trains as
+DSpark), and its `Serving` record (the pure half, in `families`).
 
 A config dict is matched by its first architecture, then by `model_type`, against every name a
 family's record lists (`Serving.names`), so both our checkpoints and the served `config.json`
@@ -9,9 +9,12 @@ exact type, so `K3DSparkConfig` builds `K3DSparkModel` even though it is also a 
 Registration rejects a config class already registered, a family already taken, and a config
 class whose `model_type` has no record in `models.families`; a miss lists the valid names.
 
-The trainers import the shared training machinery (`train.trainers.base`, `train.losses`,
-`train.batch`, ...), never this module: `train.trainers.build` and the loop reach the families
-through here, so the dependency runs one way.
+Families register from below: each trainer is declared against `models.common.trainer` (the
+hooks, the batch they read, the `LossParts` they return), and this module ties it to its config,
+model and record. `train/` only looks families up here (`train.build`, the loop), and nothing in
+`models/` imports `train/`, so the dependency runs one way. The registrations stay in this one
+module, not in each family's package init, so that those inits import nothing and the recipe
+loader can ask `families` about a draft without loading torch.
 """
 
 import os
@@ -24,6 +27,7 @@ import torch
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.trainer import FamilyTrainer
 from hpctoolkit.models.dflash.config import DFlashConfig
 from hpctoolkit.models.dflash.model import DFlashDraftModel
 from hpctoolkit.models.dflash.trainer import DFlashTrainer
@@ -37,12 +41,13 @@ from hpctoolkit.models.families import families, read_config_json, serving_for
 from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
 from hpctoolkit.models.k3_dspark.model import K3DSparkModel
 from hpctoolkit.models.serving import Serving
-from hpctoolkit.train.trainers.base import FamilyTrainer
 
 
 @dataclass(frozen=True)
-class Family:
-    """One draft family's parts."""
+class FamilySpec:
+    """One draft family's spec, what `train/` and evaluation look up by family: its config and
+    model classes, its trainer (the hooks declared against `models.common.trainer`, whose `forward`
+    calls the family's loss) and its serving record (what export writes and vLLM serves)."""
 
     config_cls: type[DraftConfig]
     model_cls: type[DraftModel]
@@ -50,7 +55,7 @@ class Family:
     serving: Serving
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: dict[str, FamilySpec] = {}
 _FAMILY_BY_CONFIG: dict[type[DraftConfig], str] = {}
 
 
@@ -66,11 +71,11 @@ def register_draft(
         raise ConfigError(
             f"draft family {serving.family!r} is already registered to {_FAMILIES[serving.family].config_cls.__name__}"
         )
-    _FAMILIES[serving.family] = Family(config_cls, model_cls, trainer_cls, serving)
+    _FAMILIES[serving.family] = FamilySpec(config_cls, model_cls, trainer_cls, serving)
     _FAMILY_BY_CONFIG[config_cls] = serving.family
 
 
-def _family_of_config(config: DraftConfig) -> Family:
+def _family_of_config(config: DraftConfig) -> FamilySpec:
     try:
         return _FAMILIES[_FAMILY_BY_CONFIG[type(config)]]
     except KeyError:
@@ -88,7 +93,7 @@ def architecture_for(config: DraftConfig) -> str:
     return _family_of_config(config).serving.architectures[0]
 
 
-def family_parts(family: str) -> Family:
+def family_parts(family: str) -> FamilySpec:
     """A family's parts by its name; a miss lists the registered families."""
     try:
         return _FAMILIES[family]

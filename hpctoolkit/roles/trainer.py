@@ -277,9 +277,9 @@ def counted_vocab(ctx: NodeContext, cfg: Any, prefixes: Sequence[str], *, announ
 
     import torch
 
+    from hpctoolkit.models.common.vocab import draft_vocab_from_counts
     from hpctoolkit.models.registry import load_draft_config
-    from hpctoolkit.train.trainers.build import needs_vocab_counts
-    from hpctoolkit.train.trainers.vocab import draft_vocab_from_counts
+    from hpctoolkit.train.build import needs_vocab_counts
 
     draft = load_draft_config(cfg.draft.config)
     if cfg.data.draft_vocab or not needs_vocab_counts(draft):

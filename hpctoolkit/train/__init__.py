@@ -1,7 +1,8 @@
-"""Training machinery shared by every draft family: the trainer base class and how a trainer is
-built (`trainers/`), common loss pieces (`losses`), batches, FSDP, the loop, the optimizer,
-checkpoints and metrics; `run.train` is the entry point. Each family's own trainer and loss live in
-its folder under `hpctoolkit.models`.
+"""Training machinery shared by every draft family: building a family's trainer (`build`),
+collating batches, FSDP, the loop, the optimizer, checkpoints and metrics; `run.train` is the entry
+point. Each family's trainer and loss live in its folder under `hpctoolkit.models`, declared against
+`models.common.trainer`; this package looks them up in `models.registry` and is never imported by
+`models/`.
 
 Imports torch and transformers only (never vllm or mooncake), so GPU trainer hosts need nothing else.
 """

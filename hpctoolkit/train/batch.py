@@ -1,101 +1,20 @@
-# ruff: noqa: N802, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
-"""Samples -> one padded training batch.
-
-A `Batch` carries everything every draft family reads, right-padded to the longest sample (or, for
-a compiled trainer, past it to the next of a few fixed lengths: `padded_length`):
-
-- `input_ids_BS` int64, padding 0;
-- `context_BSC` the captured aux states concatenated per position in `target_layer_ids`
-  order, `[B, S, n_aux * H]` (what DFlash's `fc` and Eagle3's `fc` read);
-- `last_BSH` the target's last hidden state (pre-norm when `last_prenorm`);
-- `valid_BS` True on real (non-pad) positions;
-- `supervised_BS` True on the tokens the loss may be computed on: real tokens of a sample with
-  nonzero weight where the sample's loss mask is 1 (a sample without a mask: all its tokens).
-  Families read it where their targets are: Eagle3 at each TTT step's target token, DFlash and
-  DSpark only draw anchors whose whole block is supervised;
-- `weight_B` 1.0, or 0.0 for a sample shorter than `min_loss_tokens`. Such a sample still runs
-  through forward and backward, so every rank issues the same collectives; it just contributes
-  nothing to the loss.
+# ruff: noqa: N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+"""Samples -> one padded training batch (`models.common.batch.Batch`, whose docstring lists what it
+carries): `collate`, and the padded lengths of a compiled trainer (`length_step`, `padded_length`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hpctoolkit.errors import DataIntegrityError
+from hpctoolkit.models.common.batch import Batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Batch:
-    keys: list[str]
-    input_ids_BS: torch.Tensor
-    context_BSC: torch.Tensor
-    last_BSH: torch.Tensor
-    valid_BS: torch.Tensor
-    lengths_B: torch.Tensor
-    weight_B: torch.Tensor
-    last_prenorm: bool
-    truncated: int = 0
-    # `supervised_BS` as collated; None (a batch built by hand) means every valid token.
-    supervised: torch.Tensor | None = None
-    # The CPU batch this one was moved from (`to`): what the host reads without waiting on the
-    # device (anchor sampling), so a step queued behind another never syncs.
-    host: Batch | None = field(default=None, repr=False, compare=False)
-
-    def on_host(self) -> Batch:
-        """This batch's CPU original; itself if it lives on the CPU (else a copy, which syncs)."""
-        original = self._host_original()
-        return original if original is not None else self.to("cpu")
-
-    def _host_original(self) -> Batch | None:
-        """The CPU batch to remember when moving this one (never a copy made for the purpose)."""
-        return self if self.input_ids_BS.device.type == "cpu" else self.host
-
-    @property
-    def supervised_BS(self) -> torch.Tensor:
-        return self.loss_mask_BS() if self.supervised is None else self.supervised
-
-    @property
-    def supervised_tokens(self) -> int:
-        """Tokens the loss may be computed on (see `supervised_BS`)."""
-        return int(self.supervised_BS.sum())
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids_BS.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids_BS.shape[1]
-
-    def loss_mask_BS(self) -> torch.Tensor:
-        """Positions that may be supervised: real tokens of samples with nonzero weight."""
-        return self.valid_BS & (self.weight_B > 0).unsqueeze(1)
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
-        def mv(t: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
-            return t.to(device=device, dtype=float_dtype or t.dtype, non_blocking=True)
-
-        return Batch(
-            self.keys,
-            mv(self.input_ids_BS),
-            mv(self.context_BSC, dtype),
-            mv(self.last_BSH, dtype),
-            mv(self.valid_BS),
-            mv(self.lengths_B),
-            mv(self.weight_B),
-            self.last_prenorm,
-            self.truncated,
-            None if self.supervised is None else mv(self.supervised),
-            host=self._host_original() if torch.device(device).type != "cpu" else None,
-        )
 
 
 def last_hidden_is_prenorm(sample: Any) -> bool:

@@ -44,8 +44,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError, StoreError
+from hpctoolkit.models.common.trainer import FamilyTrainer
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.trainers.base import FamilyTrainer
 
 
 @dataclass
@@ -178,6 +178,7 @@ def allow_recompiles(cfg: TrainingConfig) -> None:
     """Let every compiled frame keep a compilation per batch length: `compile_lengths + 1` lengths
     (`batch.padded_length`), twice over for a short last batch of an epoch, and torch's own 8 for
     the rest. Past the limit torch runs a new shape eager, silently but for one warning."""
+    # Here: torch._dynamo takes half a second to import, and only a compiled trainer calls this.
     import torch._dynamo
 
     want = 2 * (cfg.compile_lengths + 1) + 8

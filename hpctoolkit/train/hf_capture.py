@@ -18,6 +18,8 @@ from hpctoolkit.train.synthetic import SyntheticSample
 
 
 def _load(target_dir: str | os.PathLike, dtype: torch.dtype):
+    # Here: transformers' auto classes take about a second to import, and only evaluation and the
+    # tests load a whole target; importing the evaluation code must stay cheap.
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpctoolkit import envs
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.models.checkpoint import save_draft
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.trainer import FamilyTrainer
+from hpctoolkit.models.common.vocab import supervised_token_counts
+from hpctoolkit.models.export import export_draft
+from hpctoolkit.models.registry import build_draft_model, load_draft_config
 from hpctoolkit.output.figures import figure
 from hpctoolkit.rundir.atomic import read_json, read_json_object, write_json_atomic, write_text_atomic
 from hpctoolkit.rundir.layout import TrainDir
@@ -23,17 +29,17 @@ from hpctoolkit.rundir.ledger import CONTENT_KEY, PROMPT_KEY, restart_count
 from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 from hpctoolkit.train.batch import collate, length_step
+from hpctoolkit.train.build import build_trainer, needs_vocab_counts
 from hpctoolkit.train.checkpoint import Checkpointer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import DistContext, build_mesh, compile_enabled, init_distributed, shard_trainer
 from hpctoolkit.train.gpu_busy import GpuBusy
 from hpctoolkit.train.metrics import StepStats, TensorBoardLog, Window, trainer_figures
 from hpctoolkit.train.optim import build_optimizer
+from hpctoolkit.train.plot import plot_acceptance
 from hpctoolkit.train.reporter import TrainProgress
 from hpctoolkit.train.source import SamplesSource, SampleStream, make_opener
 from hpctoolkit.train.step import DeviceFeeder, LaunchedStep, launch
-from hpctoolkit.train.trainers.base import FamilyTrainer
-from hpctoolkit.train.trainers.build import build_trainer
 
 log = logging.getLogger(__name__)
 # Samples read to choose a pruned Eagle3 vocabulary (per rank; counts are summed over ranks).
@@ -71,8 +77,6 @@ DRAFT_VOCAB_FILE = TrainDir(Path()).draft_vocab.name
 
 def _vocab_counts(job: TrainJob, opener, ctx: DistContext, vocab_size: int) -> torch.Tensor:
     """Counts of the supervised tokens (loss mask 1) of each rank's first samples, summed."""
-    from hpctoolkit.train.trainers.vocab import supervised_token_counts
-
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for i, s in enumerate(opener(ctx.rank, ctx.world_size, 0, 0)):
         if i >= VOCAB_SCAN_SAMPLES:
@@ -107,8 +111,6 @@ def _save_vocab(trainer: FamilyTrainer, out: Path, source: str) -> None:
 
 def _full_draft_state(trainer: FamilyTrainer) -> dict[str, torch.Tensor]:
     """The draft's full (unsharded) state dict on the CPU; collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     sd = get_model_state_dict(trainer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # A full model state dict holds tensors only; DCP types its values as any state-dict value.
     return {k.removeprefix("draft."): v for k, v in sd.items() if k.startswith("draft.")}  # type: ignore[misc]
@@ -178,9 +180,6 @@ def _build(ctx: DistContext, job: TrainJob) -> _Run:
     """Trainer, sharding, optimizer, checkpointer, and the resumed position."""
     cfg = job.training
     opener = make_opener(job.samples_source, cfg.seed)
-    from hpctoolkit.models.registry import load_draft_config
-    from hpctoolkit.train.trainers.build import needs_vocab_counts
-
     draft_cfg = load_draft_config(job.draft_config)
     counts = None
     if needs_vocab_counts(draft_cfg):
@@ -461,8 +460,6 @@ def _summary(run: _Run, wall: float) -> dict[str, Any]:
     if total is not None:
         summary["train_window_steps"] = total.steps
         summary["train_metrics"] = total.summary()
-        from hpctoolkit.train.plot import plot_acceptance
-
         summary["acceptance_plot"] = str(
             plot_acceptance(
                 files.acceptance_plot,
@@ -479,9 +476,6 @@ def _save_training_format(
     trainer: FamilyTrainer, state: dict[str, torch.Tensor], files: TrainDir
 ) -> DraftModel:
     """`out/draft`: the full draft under our module names (what `python -m hpctoolkit.export` reads)."""
-    from hpctoolkit.models.checkpoint import save_draft
-    from hpctoolkit.models.registry import build_draft_model
-
     cpu_model = build_draft_model(trainer.draft.config)
     missing, unexpected = cpu_model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -494,6 +488,4 @@ def _save_training_format(
 
 def _export(cpu_draft: DraftModel, files: TrainDir) -> Path:
     """`out/export`: the vLLM serving checkpoint, through the models' `export_draft`."""
-    from hpctoolkit.models.export import export_draft
-
     return export_draft(cpu_draft, cpu_draft.config, files.export)

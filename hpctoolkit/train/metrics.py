@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpctoolkit.train.losses import LossParts
+from hpctoolkit.models.common.losses import LossParts
 
 
 def _div(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -147,6 +147,7 @@ class TensorBoardLog:
     def __init__(self, log_dir, enabled: bool) -> None:
         self.writer = None
         if enabled:
+            # Here: tensorboard (and its protobuf) loads only on the rank that writes.
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(log_dir))

@@ -17,6 +17,8 @@ def plot_acceptance(
     accuracy_label: str = "per-position accuracy",
 ) -> Path:
     """Bar chart of P(first k+1 drafts accepted) and per-position accuracy (plus served, if given)."""
+    # Here, not at the top: matplotlib is the heaviest import of the loop's, and only the end of
+    # a run (and evaluation) draws; the backend must be chosen before pyplot is imported.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from tqdm import tqdm
+
 from hpctoolkit.output.console import speaker
 from hpctoolkit.output.figures import figure
 from hpctoolkit.rundir.progress import Ticker, trainer_progress_line, write_progress
@@ -55,8 +57,6 @@ class TrainProgress:
         self._marks: deque[tuple[float, int, float]] = deque(maxlen=RATE_REPORTS)
         self.bar: Any = None
         if bar and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, initial=start_step, desc=f"train {family}", dynamic_ncols=True)
 
     def step(

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.loop import TrainJob, run_rank
 from hpctoolkit.train.source import SamplesSource
 
@@ -43,8 +47,6 @@ def launch(job: TrainJob, world_size: int) -> dict[str, Any] | None:
     try:
         if world_size == 1:
             return run_rank(0, 1, job)
-        import pickle
-
         try:
             pickle.dumps(job.samples_source)
         except Exception as err:
@@ -52,8 +54,6 @@ def launch(job: TrainJob, world_size: int) -> dict[str, Any] | None:
                 "samples_source must be picklable when training.world_size > 1 (use a module-level "
                 f"function or functools.partial, not a lambda): {err}"
             ) from err
-        import torch.multiprocessing as mp
-
         mp.start_processes(
             _spawn_entry, args=(world_size, job), nprocs=world_size, join=True, start_method="spawn"
         )
@@ -78,8 +78,6 @@ def train(
     `out_dir/train_summary.json`. Rank 0 reports its progress (`train.reporter`), also to
     `progress_file` when given (a run directory's `progress/trainer.json`).
     """
-    from hpctoolkit.targets.resolve import resolve_target
-
     cfg.training.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +32,12 @@ from typing import Any
 
 import torch
 
+from hpctoolkit.capture.queue import follow_queues
+from hpctoolkit.data.dataset import HiddenStateDataset
+from hpctoolkit.data.offline import ShardReader, keep_first
 from hpctoolkit.data.prefetch import read_ahead
-from hpctoolkit.errors import ConfigError
+from hpctoolkit.data.spool import SpoolWriter, ThrottledRecord
+from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.rundir.layout import SpoolDir
 
 SampleFactory = Callable[[int, int, int, int], Iterable[Any]]
@@ -36,8 +45,6 @@ SamplesSource = str | os.PathLike | SampleFactory
 
 
 def _open_shards(path: Path, rank: int, world_size: int, epoch: int, skip: int, seed: int) -> Iterator[Any]:
-    from hpctoolkit.data.offline import ShardReader
-
     reader = ShardReader(path)
     n = len(reader)
     if n < world_size:
@@ -157,8 +164,6 @@ class SampleStream:
 
 def follow_jsonl(path: Path, expected: int, timeout_s: float, poll_s: float = 0.05) -> Iterator[str]:
     """Yield the lines of a JSONL file as a writer appends them, until `expected` lines were seen."""
-    import time
-
     seen = 0
     deadline = time.monotonic() + timeout_s
     while seen < expected:
@@ -170,8 +175,6 @@ def follow_jsonl(path: Path, expected: int, timeout_s: float, poll_s: float = 0.
             if seen >= expected:
                 return
         if time.monotonic() > deadline:
-            from hpctoolkit.errors import DataIntegrityError
-
             raise DataIntegrityError(
                 f"{path}: {seen} of {expected} manifests appeared within {timeout_s:.0f}s"
             )
@@ -261,8 +264,6 @@ class LiveSource:
             if self.spools and (self.epochs == 0 or epoch < self.epochs):
                 yield from self._replay(rank, skip)
             return
-        from hpctoolkit.data.dataset import HiddenStateDataset
-
         # A resumed first pass: the store holds only what the checkpoint did not train on (the
         # engines capture those prompts again); the spool keeps the `skip` samples it did.
         keep = 0
@@ -310,14 +311,6 @@ class LiveSource:
         """Hand out `samples`, each first put to this rank's replay spool (when it spools) and
         counted in its read record. `keep`: a resumed first pass continues the spool after the
         earlier attempt's first `keep` samples (those its checkpoint trained on); else it starts anew."""
-        import contextlib
-        import shutil
-        import sys
-
-        from hpctoolkit.data.offline import keep_first
-        from hpctoolkit.data.spool import SpoolWriter, ThrottledRecord
-        from hpctoolkit.errors import DataIntegrityError
-
         shard_dir = self.spool.shards(rank)
         n = nbytes = 0
         if keep and self.spools:
@@ -380,10 +373,6 @@ class LiveSource:
                 record.close()
 
     def _replay(self, rank: int, skip: int) -> Iterator[Any]:
-        import json
-
-        from hpctoolkit.data.offline import ShardReader
-
         record = self.read_record(rank)
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
@@ -415,8 +404,6 @@ def read_stage_bytes(
     """Bytes of engine `engine`'s samples that the trainer ranks have read, per PP stage, summed
     over their read records (`LiveSource`); a rank without a record yet has read nothing, and so
     has one whose record names another key prefix for the engine (an earlier attempt's)."""
-    import json
-
     total = [0] * pp_size
     for r in range(world_size):
         try:
@@ -443,8 +430,6 @@ class ManifestQueues:
     stall_timeout_s: float = 1800.0
 
     def __call__(self) -> Iterator[str]:
-        from hpctoolkit.capture.queue import follow_queues
-
         return follow_queues(
             self.output_dir, self.run_prefixes, expected=self.expected, stall_timeout_s=self.stall_timeout_s
         )

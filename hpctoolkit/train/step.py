@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import torch
 
-from hpctoolkit.train.batch import Batch
-from hpctoolkit.train.losses import LossParts
+from hpctoolkit.models.common.batch import Batch
+from hpctoolkit.models.common.losses import LossParts
 from hpctoolkit.train.optim import clip_grad_norm
 
 T = TypeVar("T")  # a launched step (`LaunchedStep`), or anything a test queues

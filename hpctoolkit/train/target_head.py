@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from hpctoolkit.errors import ConfigError
@@ -33,8 +34,6 @@ def _checkpoint_files(target_dir: Path) -> dict[str, Path]:
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"paths.target_model: no *.safetensors in {target_dir}")
-    from safetensors import safe_open
-
     out: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
@@ -55,8 +54,6 @@ def _find(names: dict[str, Path], suffix: str, exclude: tuple[str, ...] = ()) ->
 
 
 def _read(path: Path, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as fh:
         return fh.get_tensor(name)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctoolkit.models.common.vocab import draft_vocab_from_counts
 from hpctoolkit.rundir.layout import RunDir
-from hpctoolkit.train.trainers.vocab import draft_vocab_from_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,12 +26,12 @@ import torch
 
 from hpctoolkit.models.registry import load_draft_config
 from hpctoolkit.train.batch import collate
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.step import forward_backward
 from hpctoolkit.train.synthetic import SyntheticSamples
 from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers.build import build_trainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "draft_models"
 

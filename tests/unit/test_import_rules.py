@@ -7,6 +7,7 @@ functions too) and by importing with the heavy parts blocked.
   script rendering, the run-directory layout) reach no torch.distributed, vllm, mooncake or
   subprocess, directly or through another module of ours.
 * `models` and `train` (what the GPU machine runs) import with vllm and mooncake blocked.
+* `models` reaches nothing of `train`: the families register from below, `train` looks them up.
 * Production code imports no test helper: nothing outside `hpctoolkit.testing` imports it.
 """
 
@@ -150,6 +151,19 @@ def _reach(name: str) -> set[str]:
                 seen.add(m)
                 todo.append(m)
     return seen
+
+
+def test_models_never_reach_train():
+    """Families register from below (`models.common.trainer`, `models.registry`): `train/` looks
+    them up, and nothing in `models/`, typing-only imports included, leads into `train/`."""
+    bad = sorted(
+        f"{mod} reaches {m}"
+        for mod in MODULES
+        if mod == "hpctoolkit.models" or mod.startswith("hpctoolkit.models.")
+        for m in _reach(mod)
+        if m == "hpctoolkit.train" or m.startswith("hpctoolkit.train.")
+    )
+    assert bad == []
 
 
 def _test_helper_imports(modules: dict[str, set[str]]) -> list[str]:

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.synthetic import SyntheticSamples
-from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(240)
 

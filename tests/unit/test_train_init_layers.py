@@ -7,9 +7,9 @@ import torch
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.targets.resolve import resolve_target
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.target_head import read_target_layer_tensor, read_target_tensor
-from hpctoolkit.train.trainers.build import build_trainer
 
 DRAFT = "recipes/draft_models/tiny_dflash.json"
 

@@ -36,9 +36,9 @@ def test_padded_lengths_are_few_cover_the_batch_and_waste_under_a_step(lengths):
 @pytest.mark.parametrize("family", ["tiny_dflash", "tiny_dspark", "tiny_eagle3"])
 def test_padding_past_the_longest_sample_changes_no_loss(family):
     from hpctoolkit.targets.resolve import resolve_target
+    from hpctoolkit.train.build import build_trainer
     from hpctoolkit.train.config import TrainingConfig
     from hpctoolkit.train.synthetic import SyntheticSamples
-    from hpctoolkit.train.trainers.build import build_trainer
 
     src = SyntheticSamples(4, 512, 128, 3, lengths=[40, 10, 33, 24], seed=3)
     samples = [src.sample(i) for i in range(4)]

@@ -7,18 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpctoolkit.models.common.losses import acceptance_from_matches, per_position
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss, slot_weights
 from hpctoolkit.models.dspark.loss import dspark_loss
 from hpctoolkit.models.eagle3.loss import eagle3_step_loss, eagle3_target_side
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import acceptance_from_matches, per_position
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.synthetic import SyntheticSample, SyntheticSamples
 from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(120)
 RECIPES = "recipes/draft_models"

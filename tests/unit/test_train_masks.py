@@ -14,9 +14,9 @@ import torch
 from hpctoolkit.models.dflash.trainer import block_supervised
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.synthetic import SyntheticSamples
-from hpctoolkit.train.trainers.build import build_trainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "draft_models"
 pytestmark = pytest.mark.timeout(300)
@@ -102,8 +102,8 @@ def test_targets_of_unsupervised_tokens_do_not_change_the_loss(family):
 
 
 def test_eagle3_vocabulary_counts_supervised_tokens_only_and_is_saved_and_reused(tmp_path):
+    from hpctoolkit.models.common.vocab import supervised_token_counts
     from hpctoolkit.train.loop import DRAFT_VOCAB_FILE, _save_vocab, _saved_vocab_counts
-    from hpctoolkit.train.trainers.vocab import supervised_token_counts
 
     s = SimpleNamespace(
         input_ids=torch.tensor([5, 5, 7, 9, 9, 9]), loss_mask=torch.tensor([0, 0, 1, 1, 0, 1])

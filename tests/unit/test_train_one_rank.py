@@ -9,12 +9,12 @@ import torch
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.batch import collate
+from hpctoolkit.train.build import build_trainer
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.fsdp import LocalMixedPrecision, build_mesh, init_distributed, shard_trainer
 from hpctoolkit.train.optim import build_optimizer, clip_grad_norm
 from hpctoolkit.train.step import forward_backward
 from hpctoolkit.train.synthetic import SyntheticSamples
-from hpctoolkit.train.trainers.build import build_trainer
 
 pytestmark = pytest.mark.timeout(240)
 DRAFT = "recipes/draft_models/tiny_k3_dspark_mla.json"

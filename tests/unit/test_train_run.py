@@ -139,8 +139,8 @@ def test_bf16_mixed_precision_trains(tmp_path):
 
 def test_options_without_effect_are_named(caplog):
     from hpctoolkit.models.registry import load_draft_config
+    from hpctoolkit.train.build import warn_unused_options
     from hpctoolkit.train.config import TrainingConfig
-    from hpctoolkit.train.trainers.build import warn_unused_options
 
     eagle = load_draft_config("recipes/draft_models/tiny_eagle3.json")
     assert warn_unused_options(eagle, TrainingConfig(num_anchors=3, label_source="data")) == [
@@ -213,9 +213,9 @@ def test_activation_checkpointing_is_a_validated_training_option():
 
 def _step_grads(ctx, cfg, batch):
     """Loss and full gradients of one sharded DSpark step (tiny MLA draft, fp32, CPU)."""
+    from hpctoolkit.train.build import build_trainer
     from hpctoolkit.train.fsdp import build_mesh, shard_trainer
     from hpctoolkit.train.step import forward_backward
-    from hpctoolkit.train.trainers.build import build_trainer
 
     tr = build_trainer(
         "recipes/draft_models/tiny_k3_dspark_mla.json", resolve_target("builtin:tiny-qwen3"), cfg

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.block_mask import build_block_mask
@@ -81,8 +82,6 @@ _compiled_flex: Callable | None = None
 
 def _flex_fn(device: torch.device) -> Callable:
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device.type != "cuda":
         return flex_attention  # eager reference path; fine for CPU tests
     if _compiled_flex is None:

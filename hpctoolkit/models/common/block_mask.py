@@ -15,6 +15,7 @@ that is in fact full costs time, never correctness.
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 BLOCK = 128  # FlexAttention's default block size, for queries and keys
 BAND_PAIRS = 1 << 28  # (q, kv) pairs evaluated at once: 256 Mi booleans, and their intermediates
@@ -47,8 +48,6 @@ def _indices(has_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_block_mask(mask_mod: Callable, batch: int, q_len: int, kv_len: int, device: torch.device) -> object:
     """The `BlockMask` of `mask_mod` over `batch x q_len x kv_len` (heads broadcast), on `device`."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     rows = max(BLOCK, (BAND_PAIRS // max(kv_len * batch, 1)) // BLOCK * BLOCK)
     anys, alls = [], []
     for q0 in range(0, q_len, rows):

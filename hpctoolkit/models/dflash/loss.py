@@ -5,7 +5,7 @@ Slot `k` of a block (`k = 1..K-1`; slot 0 is the known anchor) gets weight `exp(
 early slots decide whether later ones are ever reached, so they matter more. `gamma` is the draft
 config's `decay_gamma` (`dflash_decay_gamma` resolves 0 to the DFlash paper's value).
 
-`dflash_loss` is what the trainer optimises (it returns `LossParts`, see `train.losses`);
+`dflash_loss` is what the trainer optimises (it returns `LossParts`, see `models.common.losses`);
 `block_cross_entropy` is the plain mean CE of a block layout, without materialising `[B, T, V]`
 logits (the model tests and benchmarks).
 """
@@ -18,8 +18,8 @@ import torch
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
 from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, row_targets
+from hpctoolkit.models.common.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
-from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 
 # gamma by block size, from the DFlash paper's training recipe.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

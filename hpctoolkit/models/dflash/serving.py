@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.models.serving import Serving, qwen3_fields
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: the config loads torch; this record must not
     from hpctoolkit.models.dflash.config import DFlashConfig
 
 

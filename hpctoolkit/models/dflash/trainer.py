@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from hpctoolkit.models.common.batch import Batch
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.losses import LossParts
+from hpctoolkit.models.common.trainer import (
+    FamilyTrainer,
+    ServedChains,
+    TargetLogits,
+    TrainerOptions,
+    gather_rows,
+    sample_generator,
+)
 from hpctoolkit.models.dflash.layout import (
     IGNORE_INDEX,
     check_anchor_range,
@@ -14,11 +24,6 @@ from hpctoolkit.models.dflash.layout import (
 )
 from hpctoolkit.models.dflash.loss import dflash_decay_gamma, dflash_loss
 from hpctoolkit.models.dflash.model import DFlashDraftModel
-from hpctoolkit.train.batch import Batch
-from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import LossParts
-from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains, gather_rows, sample_generator
 
 
 def block_supervised(supervised_BS: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -58,11 +63,13 @@ class DFlashTrainer(FamilyTrainer):
 
     @classmethod
     def served_chains(
-        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetLogits, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """One block of `k + 1` slots (serving's size) anchored at every served bonus token."""
         anchors = torch.arange(prompt_len, prompt_len + out_len - 1).unsqueeze(0)
-        trainer = cls(draft, head, TrainingConfig(num_anchors=anchors.shape[1], label_source="target"))
+        # The anchors are given (no seed drawn); DFlash reads no unroll length.
+        opts = TrainerOptions(seed=0, ttt_length=0, num_anchors=anchors.shape[1], label_source="target")
+        trainer = cls(draft, head, opts)
         trainer.block_size_override = k + 1
         return ServedChains(
             trainer,

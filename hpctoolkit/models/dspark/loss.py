@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from hpctoolkit.models.common.fused_ce import fused_linear_cross_entropy
 from hpctoolkit.models.common.fused_rows import drop_anchor, fused_block_rows, row_targets, unslot
+from hpctoolkit.models.common.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 from hpctoolkit.models.dflash.layout import IGNORE_INDEX
 from hpctoolkit.models.dflash.loss import slot_weights
 from hpctoolkit.models.dspark.model import DSparkDraftModel, DSparkOutput
-from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, LossParts, acceptance_from_matches, per_position
 
 DSPARK_CE_W = 0.1
 DSPARK_L1_W = 0.9

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hpctoolkit.models.dflash import serving as dflash
 from hpctoolkit.models.serving import Serving, qwen3_fields
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: the config loads torch; this record must not
     from hpctoolkit.models.dspark.config import DSparkConfig
 
 CPU_UNSERVABLE = "vLLM 0.32 serves DSpark only in its V2 model runner, which needs Triton (none on CPU)"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from hpctoolkit.models.common.losses import LossParts
 from hpctoolkit.models.dflash.trainer import DFlashTrainer
 from hpctoolkit.models.dspark.loss import dspark_decay_gamma, dspark_loss
 from hpctoolkit.models.dspark.model import DSparkDraftModel
-from hpctoolkit.train.losses import LossParts
 
 
 class DSparkTrainer(DFlashTrainer):

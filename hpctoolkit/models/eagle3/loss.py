@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpctoolkit.train.losses import LOGIT_CHUNK_ROWS, chunked_rows
+from hpctoolkit.models.common.losses import LOGIT_CHUNK_ROWS, chunked_rows
 
 EAGLE3_STEP_DECAY = 0.8
 

@@ -18,15 +18,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from hpctoolkit.models.common.batch import Batch
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.losses import LossParts, acceptance_from_matches, per_position
+from hpctoolkit.models.common.trainer import FamilyTrainer, ServedChains, TargetLogits, TrainerOptions
+from hpctoolkit.models.common.vocab import supervised_token_counts
 from hpctoolkit.models.eagle3.loss import EAGLE3_STEP_DECAY, eagle3_step_loss, eagle3_target_side
 from hpctoolkit.models.eagle3.model import Eagle3DraftModel, KVCache
-from hpctoolkit.train.batch import Batch
-from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import LossParts, acceptance_from_matches, per_position
-from hpctoolkit.train.target_head import TargetHead
-from hpctoolkit.train.trainers.base import FamilyTrainer, ServedChains
-from hpctoolkit.train.trainers.vocab import supervised_token_counts
 
 
 def shift_left(x_BS: torch.Tensor, n: int) -> torch.Tensor:
@@ -45,13 +43,15 @@ class Eagle3Trainer(FamilyTrainer):
 
     @classmethod
     def served_chains(
-        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetLogits, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """A `k`-step unroll; the chain for the bonus token at `a` starts at `t = a - 1`."""
         first, last = prompt_len - 1, prompt_len + out_len - 3
         t = torch.arange(seq_len)
         mask = ((t >= first) & (t <= last)).unsqueeze(0)
-        return ServedChains(cls(draft, head, TrainingConfig(ttt_length=k)), mask, first, last)
+        # Eagle3 reads no seed, anchors or label source: only the unroll is the served one.
+        opts = TrainerOptions(seed=0, ttt_length=k, num_anchors=0, label_source="target")
+        return ServedChains(cls(draft, head, opts), mask, first, last)
 
     @property
     def num_positions(self) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from hpctoolkit.models.dspark import serving as dspark
 from hpctoolkit.models.serving import Serving
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: the config loads torch; this record must not
     from hpctoolkit.models.k3_dspark.config import K3DSparkConfig
 
 

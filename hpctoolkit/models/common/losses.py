@@ -1,7 +1,7 @@
 # ruff: noqa: N803, N806  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """The loss pieces every family shares: what a loss returns (`LossParts`), chunked row-wise
 logits, per-position sums, and simulated acceptance from matches. Each family's loss is in its
-folder (`models/<family>/loss.py`).
+folder (`models/<family>/loss.py`); the training loop (`train/`) reduces what they return.
 
 Normalisation contract (all families): a loss returns a weighted *sum* over its supervised
 positions (`numerator`, carries the graph) and the sum of those weights (`denominator`). The

@@ -3,7 +3,8 @@
 
 The trainer class comes from the draft registry (`models.registry.trainer_class_for`), keyed by
 the draft's family; what differs by family is a class attribute of the trainer (`unused_options`,
-`prunes_vocab`), never a branch here.
+`prunes_vocab`), never a branch here. The trainer gets the training options it reads as
+`TrainerOptions` (`trainer_options`), so the families never see `TrainingConfig`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ import torch
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.common.config import DraftConfig
 from hpctoolkit.models.common.draft import DraftModel
+from hpctoolkit.models.common.trainer import FamilyTrainer, TrainerOptions
+from hpctoolkit.models.common.vocab import draft_vocab_from_counts
 from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
 from hpctoolkit.train.config import TrainingConfig
 from hpctoolkit.train.target_head import TargetHead, read_target_layer_tensor, read_target_tensor
-from hpctoolkit.train.trainers.base import FamilyTrainer
-from hpctoolkit.train.trainers.vocab import draft_vocab_from_counts
 
 log = logging.getLogger(__name__)
+
+
+def trainer_options(cfg: TrainingConfig) -> TrainerOptions:
+    """The options a family's hooks read, out of the training section."""
+    return TrainerOptions(
+        seed=cfg.seed, ttt_length=cfg.ttt_length, num_anchors=cfg.num_anchors, label_source=cfg.label_source
+    )
 
 
 def warn_unused_options(config: DraftConfig, cfg: TrainingConfig) -> list[str]:
@@ -114,7 +122,7 @@ def build_trainer(
         if isinstance(target, TargetHead):
             raise ConfigError("training.init_layers_from_target needs a target directory, not a bare head")
         init_layers_from_target(draft, Path(target), cfg.init_layers_from_target)
-    return trainer_cls(draft, head, cfg)
+    return trainer_cls(draft, head, trainer_options(cfg))
 
 
 def init_layers_from_target(draft: DraftModel, target_dir: Path, layer_ids: list[int]) -> list[str]:

@@ -1,5 +1,19 @@
 # ruff: noqa: N803, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
-"""`FamilyTrainer`: the unit FSDP wraps, holding one draft and the target's frozen head.
+"""`FamilyTrainer`: the trainer hooks a draft family declares, and the unit FSDP wraps, holding one
+draft and the target's frozen head.
+
+This is the family side of the training contract (torchtitan's `TrainSpec` idea): each family
+subclasses it in `models/<family>/trainer.py`, `models.registry` names it with the family's config,
+model and serving record, and `train/` only looks it up there, so `models/` never imports `train/`.
+What the hooks take and return is therefore declared at or below this module, each piece the
+simplest way:
+
+- `Batch` (`common.batch`) and `LossParts` (`common.losses`) live beside the hooks: they are plain
+  torch records, and the families' losses build `LossParts` anyway;
+- the target head comes in through the one-method protocol `TargetLogits`, since reading it from
+  a checkpoint (`train.target_head`) needs `targets/`, and the hooks only ask it for logits;
+- the training options the hooks read are copied into `TrainerOptions` by `train.build` (and
+  built directly by `served_chains`), so `TrainingConfig` stays with the recipe's sections.
 
 Its `forward` takes plain tensors (so FSDP's mixed-precision policy can cast them) and returns
 `LossParts`. Everything random about a step (DFlash anchors) is drawn by `step_inputs` from
@@ -12,15 +26,34 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from hpctoolkit.models.common.batch import Batch
 from hpctoolkit.models.common.draft import DraftModel
-from hpctoolkit.train.batch import Batch
-from hpctoolkit.train.config import TrainingConfig
-from hpctoolkit.train.losses import LossParts
-from hpctoolkit.train.target_head import TargetHead
+from hpctoolkit.models.common.losses import LossParts
+
+
+class TargetLogits(Protocol):
+    """The target's frozen output head, as the hooks use it (`train.target_head.TargetHead`)."""
+
+    def logits(self, last_NH: torch.Tensor, *, prenorm: bool) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """The `training.*` options a family's hooks read (`train.config.TrainingConfig` names and
+    checks them; `train.build.build_trainer` copies them here). No defaults: every builder says
+    each one, so these cannot drift from the recipe's."""
+
+    seed: int
+    # Eagle3: the test-time-training unroll.
+    ttt_length: int
+    # DFlash / DSpark: anchors per sample, and where the CE labels come from ("target" | "data").
+    num_anchors: int
+    label_source: str
 
 
 def sample_generator(seed: int, step: int, key: str) -> torch.Generator:
@@ -70,7 +103,7 @@ class FamilyTrainer(nn.Module):
     prunes_vocab = False
     draft: DraftModel
 
-    def __init__(self, draft: DraftModel, head: TargetHead, cfg: TrainingConfig) -> None:
+    def __init__(self, draft: DraftModel, head: TargetLogits, cfg: TrainerOptions) -> None:
         super().__init__()
         self.draft = draft
         self.head = head
@@ -83,7 +116,7 @@ class FamilyTrainer(nn.Module):
 
     @classmethod
     def served_chains(
-        cls, draft: DraftModel, head: TargetHead, k: int, prompt_len: int, out_len: int, seq_len: int
+        cls, draft: DraftModel, head: TargetLogits, k: int, prompt_len: int, out_len: int, seq_len: int
     ) -> ServedChains:
         """The chains vLLM verifies when it serves `k` drafts per step after a `prompt_len`
         prompt until `out_len` tokens exist, over a sequence of `seq_len` tokens (prompt, output

@@ -3,7 +3,7 @@
 
 A family whose trainer sets `prunes_vocab` (Eagle3) may have `draft_vocab_size < vocab_size`;
 its draft vocabulary is chosen from token counts before the trainer is built
-(`build.needs_vocab_counts`), by the trainers from the data or by the engines' counts.
+(`train.build.needs_vocab_counts`), by the trainers from the data or by the engines' counts.
 """
 
 from __future__ import annotations
