@@ -84,9 +84,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
     from transformers import AutoTokenizer
 
-    from hpctoolkit.config.load import compose
     from hpctoolkit.data.prompts import load_samples, sources_of
     from hpctoolkit.data.synth import SOURCE
+    from hpctoolkit.recipe.load import compose
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = compose(args.recipe, args.overrides)

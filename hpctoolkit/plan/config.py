@@ -1,9 +1,10 @@
-"""Typed config of the cluster section (`cluster.*`): where the job's parts are placed."""
+"""Typed config of the cluster section (`cluster.*`): where the job's parts are placed; and the
+sections the plan reads of a recipe (`RecipeSections`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hpctoolkit.config.fields import (
     Bool,
@@ -20,6 +21,12 @@ from hpctoolkit.config.fields import (
     require,
     slurm_time_seconds,
 )
+
+if TYPE_CHECKING:
+    from hpctoolkit.data.config import DataConfig
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.train.config import TrainingConfig
 
 
 @dataclass
@@ -113,3 +120,20 @@ class ClusterConfig:
                 "entries must be single long options like --qos=high",
                 line,
             )
+
+
+class RecipeSections(Protocol):
+    """The sections of a recipe that the placement and the sizing read. The recipe type that
+    assembles them (`recipe.schema.RecipeConfig`) stands above plan/, so plan/ names what it
+    reads here instead of importing it."""
+
+    @property
+    def cluster(self) -> ClusterConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def store(self) -> StoreConfig: ...
+    @property
+    def training(self) -> TrainingConfig: ...

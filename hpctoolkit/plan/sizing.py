@@ -48,7 +48,7 @@ from hpctoolkit.errors import ConfigError
 from hpctoolkit.targets.resolve import num_hidden_layers
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
+    from hpctoolkit.plan.config import RecipeSections
     from hpctoolkit.plan.placement import Plan
 
 # Per token beside the hidden states: input_ids (int64, stage 0's writer) and the loss mask
@@ -194,12 +194,12 @@ def stage_bytes_per_token(
     ]
 
 
-def longest_sample_tokens(cfg: RecipeConfig) -> int:
+def longest_sample_tokens(cfg: RecipeSections) -> int:
     d = cfg.data
     return min(d.max_prompt_tokens + d.regenerate_tokens, cfg.engine.max_model_len - 1)
 
 
-def check_counts(cfg: RecipeConfig) -> Counts:
+def check_counts(cfg: RecipeSections) -> Counts:
     """The counts relation of the module docstring; raises `ConfigError` with the numbers."""
     t, n = cfg.training, cfg.data.num_samples
     per_rank = n // t.world_size
@@ -234,7 +234,7 @@ def check_counts(cfg: RecipeConfig) -> Counts:
     return Counts(n, per_rank, consumed * t.world_size, epochs)
 
 
-def node_memory(cfg: RecipeConfig, plan: Plan) -> tuple[NodeMemory, ...]:
+def node_memory(cfg: RecipeSections, plan: Plan) -> tuple[NodeMemory, ...]:
     """Store memory (segments + local buffers) and the workers' allowance on every node of `plan`.
 
     Needs no target config: the render of a batch script calls it before the paths exist.
@@ -270,7 +270,7 @@ def node_memory(cfg: RecipeConfig, plan: Plan) -> tuple[NodeMemory, ...]:
     return tuple(out)
 
 
-def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None = None) -> StoreSizing:
+def size_store(cfg: RecipeSections, target: Mapping[str, Any], plan: Plan | None = None) -> StoreSizing:
     """The store, spool and memory figures of `cfg` against its target's HF config; raises
     `ConfigError` (numbers and the key to change) when the segments cannot hold what is in flight
     or the spool would pass its bound."""
@@ -335,7 +335,7 @@ def _stage_sizes(
     )
 
 
-def _samples_in_flight(cfg: RecipeConfig, worst: StageSizing, tokens: int) -> int:
+def _samples_in_flight(cfg: RecipeSections, worst: StageSizing, tokens: int) -> int:
     """Longest samples unread in the fullest segment at worst: the pause point plus one capture
     batch, which must fit the room above the high watermark (`ConfigError` otherwise)."""
     e, s = cfg.engine, cfg.store
@@ -356,7 +356,7 @@ def _samples_in_flight(cfg: RecipeConfig, worst: StageSizing, tokens: int) -> in
     return int(s.backpressure_high * seg // worst.longest_sample_bytes) + e.capture_batch
 
 
-def _spool_bytes(cfg: RecipeConfig, counts: Counts, sample_bytes: int, spool_max: int) -> int:
+def _spool_bytes(cfg: RecipeSections, counts: Counts, sample_bytes: int, spool_max: int) -> int:
     """The spool's worst case (0 when it is off); `ConfigError` past `spool_max`."""
     t = cfg.training
     spool_bytes = 0

@@ -28,10 +28,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.output.console import speaker
 from hpctoolkit.plan.placement import Process
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
 from hpctoolkit.roles.context import NodeContext, client_store_config, engine_node_args, store_address

@@ -24,7 +24,6 @@ import posixpath
 import shlex
 from collections.abc import Callable, Sequence
 
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import (
     ROLE_EVALUATE,
@@ -34,6 +33,7 @@ from hpctoolkit.plan.placement import (
     span,
 )
 from hpctoolkit.plan.sizing import node_memory
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 from hpctoolkit.slurm import container
 
@@ -53,7 +53,7 @@ def load_for_render(
     """
     from omegaconf import OmegaConf
 
-    from hpctoolkit.config.load import compose, read_yaml
+    from hpctoolkit.recipe.load import compose, read_yaml
 
     given = {o.partition("=")[0] for o in overrides}
     try:
@@ -84,7 +84,7 @@ def _q(text: str) -> str:
 
 def _deferred(cfg: RecipeConfig) -> list[str]:
     """Keys whose value was `???` at render time (they must come as sbatch arguments)."""
-    from hpctoolkit.config.schema import SECTIONS
+    from hpctoolkit.recipe.schema import SECTIONS
 
     return [
         f"{section}.{name}"

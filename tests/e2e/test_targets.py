@@ -226,7 +226,7 @@ print("OK", out, rel)
 def test_the_embedded_default_is_the_real_model_on_mt_bench():
     """`make run`'s recipe: SmolLM2 from its wheel, locally built chat prompts the target answers,
     a DFlash draft reading three of its layers, served on all of MT-Bench."""
-    from hpctoolkit.config.load import load_recipe
+    from hpctoolkit.recipe.load import load_recipe
 
     cfg = load_recipe(str(REPO / "recipes/local.yaml"))
     assert cfg.paths.target_model == "pypi:SmolLM2-135M-Instruct"

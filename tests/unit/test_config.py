@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from hpctoolkit.cli import run_cli
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.submit import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,7 +210,7 @@ def test_config_imports_nothing_heavy(recipe_path):
     # `auto` precisions read the host from files (`config/precision.py`), not through torch.
     code = (
         "import sys, hpctoolkit.config, hpctoolkit.capture, hpctoolkit.submit\n"
-        "from hpctoolkit.config.load import load_recipe\n"
+        "from hpctoolkit.recipe.load import load_recipe\n"
         f"cfg = load_recipe({recipe_path!r}, [])\n"
         "assert 'auto' not in (cfg.engine.dtype, cfg.training.mixed_precision)\n"
         "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'torch.distributed') if m in sys.modules]\n"
@@ -241,8 +241,8 @@ def test_pp_stage_with_nothing_to_capture(capsys, recipe, draft_json):
 def test_store_sizing_reads_the_target_once_for_load_and_plan(recipe):
     # One home for sizing the store against the target: the couplings at load, and the plan's
     # printout and memory check in `python -m hpctoolkit.submit`.
-    from hpctoolkit.config.couplings import store_sizing
     from hpctoolkit.plan.placement import make_plan
+    from hpctoolkit.recipe.couplings import store_sizing
 
     cfg = load_recipe(recipe(), [])
     sized = store_sizing(cfg, make_plan(cfg))

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit.capture.layout import capture_ids_for, owned_layers, pp_partition
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.plan.sizing import (
@@ -27,6 +26,7 @@ from hpctoolkit.plan.sizing import (
     size_store,
     stage_bytes_per_token,
 )
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.slurm.render import load_for_render, render_sbatch
 from hpctoolkit.slurm.sinfo import parse_node_memory_mb
 

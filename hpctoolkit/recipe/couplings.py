@@ -17,8 +17,8 @@ from hpctoolkit.rundir.atomic import read_json_object
 from hpctoolkit.targets.resolve import num_hidden_layers, target_hf_config
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
     from hpctoolkit.plan.placement import Plan
+    from hpctoolkit.recipe.schema import RecipeConfig
 
 
 def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
@@ -53,7 +53,7 @@ def check_layer_fields(cfg: RecipeConfig, target_layers: int, draft: dict[str, A
     and of the draft (its `num_hidden_layers`; unchecked where its config leaves it out)."""
     # Here, not at the top: the evaluation's replay imports this module, and `models`-side code
     # must import without omegaconf (`schema` is OmegaConf's; tests/unit/test_models_import_isolation.py).
-    from hpctoolkit.config.schema import LAYER_FIELDS
+    from hpctoolkit.recipe.schema import LAYER_FIELDS
 
     draft_layers = draft.get("num_hidden_layers")
     depths = {

@@ -27,11 +27,11 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from hpctoolkit.config.couplings import check_couplings, fill_from_draft
 from hpctoolkit.config.fields import check_fields, check_unicode, read_text, shown
-from hpctoolkit.config.precision import resolve_precision
-from hpctoolkit.config.schema import SECTIONS, RecipeConfig
+from hpctoolkit.config.precision import HostFacts, bf16_native, engine_dtype, host_facts
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.couplings import check_couplings, fill_from_draft
+from hpctoolkit.recipe.schema import SECTIONS, RecipeConfig
 
 
 def _valid_keys(full_key: str) -> str:
@@ -248,6 +248,26 @@ def load_pinned(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     cfg = resolve_precision(portable)
     check_couplings(cfg)
     return cfg, to_yaml(portable)
+
+
+def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
+    """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
+    if a precision is `auto`); a new config, `cfg` unchanged.
+
+    The engine runs where an NVIDIA GPU is visible on the host, else on the CPU (vLLM-CPU); the
+    trainer on `training.device` (`auto_engine_dtype`)."""
+    engine, training = cfg.engine, cfg.training
+    if "auto" not in (engine.dtype, training.mixed_precision):
+        return cfg
+    facts = facts if facts is not None else host_facts()
+    if engine.dtype == "auto":
+        engine = dataclasses.replace(engine, dtype=engine_dtype(engine.dtype, facts))
+    if training.mixed_precision == "auto":
+        native = bf16_native(training.device, facts)
+        training = dataclasses.replace(training, mixed_precision="bf16" if native else "fp32")
+    if engine is cfg.engine and training is cfg.training:
+        return cfg
+    return dataclasses.replace(cfg, engine=engine, training=training)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:
