@@ -1,6 +1,8 @@
 """The recipe: the typed sections assembled into one `RecipeConfig` (`schema`), loading with
-overrides (`load`), the rules across sections (`couplings`), and which embedded default `make run`
-takes (`defaults`). Import the names from their modules; this package init imports nothing.
+overrides (`load`), the rules across sections (`couplings`), which embedded default `make run`
+takes (`defaults`), and a recipe's first samples as the trainer will see them (`preview`, a
+command over a whole recipe: data, target and engine). Import the names from their modules; this
+package init imports nothing.
 
 Why a room of its own, above the sections, rather than vLLM's one config package: vLLM's sections
 live in `vllm/config/`, but ours are owned by the rooms that use them (`data`, `engine`, `plan`,

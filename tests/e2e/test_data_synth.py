@@ -497,7 +497,7 @@ def test_preview_writes_and_answers_the_rows_with_the_target():
         [
             sys.executable,
             "-m",
-            "hpctoolkit.data.preview",
+            "hpctoolkit.recipe.preview",
             "recipes/tiny.yaml",
             "data.prompts=builtin:magpie",
             "data.magpie.temperature=2",
