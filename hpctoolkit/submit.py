@@ -247,7 +247,11 @@ def main(argv: list[str]) -> int:
         print(told)
         return 0
     from hpctoolkit.roles.local import run_local
+    from hpctoolkit.targets.resolve import resolve_target
 
+    # The run needs its target now: a packaged one is converted here, once, before the roles start
+    # (loading the recipe only read its header). Under Slurm each node's roles convert it.
+    resolve_target(cfg.paths.target_model)
     run_local(cfg, plan, args.recipe, args.overrides)
     return 0
 

