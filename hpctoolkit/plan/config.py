@@ -49,8 +49,9 @@ class ClusterConfig:
     trainer_placement: str = "own_nodes"
     # Host memory each GPU worker (vLLM worker, trainer rank) needs beside the store's segments
     # and buffers, e.g. "48GB". Set: the batch script asks `--mem` for the busiest node's segments
-    # + buffers + this per worker (hpctoolkit.plan.sizing.node_memory). Unset: no `--mem`.
-    host_memory_per_worker: str = ""
+    # + buffers + this per worker (hpctoolkit.plan.sizing.node_memory). Unset (None; "" in a
+    # recipe): no `--mem`. In bytes, parsed once at load from the recipe's `48GB`.
+    host_memory_per_worker: int | None = None
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
@@ -79,7 +80,7 @@ class ClusterConfig:
         "gpus_per_node": Int(1, 1024),
         "trainer_nodes": Int(1, 100_000),
         "trainer_placement": Choice(("own_nodes", "engine_nodes")),
-        "host_memory_per_worker": Size(empty=True),
+        "host_memory_per_worker": Size(empty=True, optional=True),
         "partition": SlurmText(word=True, nonempty=True, optional=True),
         "account": SlurmText(word=True, nonempty=True, optional=True),
         "time": SlurmTime(),

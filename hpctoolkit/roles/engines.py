@@ -170,9 +170,7 @@ def _loss_masks(ctx: NodeContext, samples: list[tuple[list[int], list[int]]]) ->
 
     seg = mask_segment_bytes([len(ids) for ids, _ in samples])
     # This node's address, as every client of a multi-host job binds and advertises.
-    cfg = dataclasses.replace(
-        client_store_config(ctx), global_segment_size=f"{seg}B", local_buffer_size="16MB"
-    )
+    cfg = dataclasses.replace(client_store_config(ctx), global_segment_size=seg, local_buffer_size=16 << 20)
     return LossMasks(MooncakeStore(store_address(ctx), cfg, role="writer"), samples)
 
 

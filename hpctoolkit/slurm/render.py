@@ -53,16 +53,12 @@ def load_for_render(
     """
     from omegaconf import OmegaConf
 
-    from hpctoolkit.recipe.load import compose, read_yaml
+    from hpctoolkit.recipe.load import compose, override_data, recipe_data
 
     given = {o.partition("=")[0] for o in overrides}
     try:
-        data = read_yaml(path) or {}
-        merged = OmegaConf.merge(
-            OmegaConf.structured(RecipeConfig),
-            OmegaConf.create(data),
-            OmegaConf.from_dotlist(list(overrides)),
-        )
+        data = recipe_data(path)
+        merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), data, override_data(overrides))
         # OmegaConf drops a `???` merged over a schema default, so look at the YAML itself too.
         raw = {k for k in _raw_missing(data) if k not in given}
         missing = sorted(set(OmegaConf.missing_keys(merged)) | raw)

@@ -264,7 +264,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
     plan = make_plan(cfg)
     sized = store_sizing(cfg)
     sample_bytes = sized.longest_sample_bytes
-    assert NUM * sample_bytes > 2 * cfg.store.segment_bytes
+    assert NUM * sample_bytes > 2 * cfg.store.global_segment_size
     run = RunDir.of(tmp_path, "bp-run")
     run.root.mkdir(parents=True)
     ctx = NodeContext(cfg, plan, 0, ("localhost",), "localhost", None, run)

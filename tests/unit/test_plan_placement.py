@@ -135,7 +135,7 @@ def test_k3_recipe_is_the_reference_deployment():
     plan = make_plan(cfg)
     assert (plan.num_nodes, plan.total_gpus) == (5, 40)
     assert cfg.store.enable_hard_pin and cfg.store.kv_lease_ttl_s == 180
-    assert cfg.store.get_retry_max_wait_seconds == 180 and cfg.store.global_segment_size == "128GB"
+    assert cfg.store.get_retry_max_wait_seconds == 180 and cfg.store.global_segment_size == 128 << 30
     assert cfg.training.num_anchors == 512 and cfg.training.epochs == 1
     assert cfg.training.min_loss_tokens == 14 and cfg.training.fsdp_mode == "full_shard"
 
