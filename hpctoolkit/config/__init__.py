@@ -1,5 +1,6 @@
 """The foundation of every config section: field kinds and their checks (`fields`), the host's
-`auto` precisions (`precision`), and what a run is pinned to (`pinned_inputs`).
+`auto` precisions (`precision`), what a run is pinned to (`pinned_inputs`), and the target layers
+a draft config names (`draft`).
 
 Nothing here imports another room of hpctoolkit but `errors`: each section's dataclass lives in the
 room that owns it (`store/config.py`, `engine/config.py`, ...) and declares its fields with these

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from hpctoolkit.config.draft import draft_target_layer_ids
 from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.dtypes import torch_dtype
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.models.common.draft import DraftModel
 from hpctoolkit.models.families import read_config_json
 from hpctoolkit.models.registry import build_draft_model, load_draft_config, trainer_class_for
-from hpctoolkit.recipe.couplings import draft_target_layer_ids
 from hpctoolkit.train.hf_capture import greedy_sequences, recapture
 from hpctoolkit.train.metrics import StepStats
 from hpctoolkit.train.target_head import TargetHead, read_target_tensor
