@@ -178,7 +178,7 @@ def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
         target_layer_ids=LAYERS, dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=8192,
         max_num_seqs=256, extra_args={"gpu_memory_utilization": 0.4},
     )  # fmt: skip
-    store = StoreConfig(global_segment_size="16GB", local_buffer_size="1GB")
+    store = StoreConfig(global_segment_size=16 << 30, local_buffer_size=1 << 30)
     times = []
     t0 = time.monotonic()
     if a["arm"] == "capture":
@@ -333,7 +333,7 @@ def part_capture(ns: argparse.Namespace) -> dict[str, Any]:
     from hpctoolkit.store.config import StoreConfig
     from hpctoolkit.store.mooncake_master import launch_master
 
-    with launch_master(StoreConfig(global_segment_size="16GB"), Path("/tmp/bench-master")) as m:
+    with launch_master(StoreConfig(global_segment_size=16 << 30), Path("/tmp/bench-master")) as m:
         arms = {
             arm: _child(
                 "prefill",

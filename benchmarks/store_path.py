@@ -113,8 +113,8 @@ GiB = float(1 << 30)
 
 def _cfg(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig(
-        global_segment_size=f"{args.segment_mb}MB",
-        local_buffer_size="64MB",
+        global_segment_size=args.segment_mb << 20,
+        local_buffer_size=64 << 20,
         # A 300 MB read on a loaded 2-core host can take seconds; the lease must outlast it.
         kv_lease_ttl_s=60.0,
         get_retry_max_wait_seconds=30.0,

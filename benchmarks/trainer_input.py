@@ -98,8 +98,8 @@ BATCH = 16
 
 def _cfg(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig(
-        global_segment_size=f"{args.segment_mb}MB",
-        local_buffer_size="256MB",
+        global_segment_size=args.segment_mb << 20,
+        local_buffer_size=256 << 20,
         kv_lease_ttl_s=60.0,
         get_retry_max_wait_seconds=60.0,
     )

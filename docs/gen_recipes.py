@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.config import fields as F
-from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.recipe.schema import RecipeConfig
 
 PAGE = Path(__file__).resolve().parent / "recipes.md"
 

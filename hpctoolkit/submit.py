@@ -1,7 +1,7 @@
 """`python -m hpctoolkit.submit RECIPE [section.key=value ...] [--dry-run [--json]] [--render-sbatch]`
 
 RECIPE `default` is the embedded default `make run` takes: recipes/local_gpu.yaml where a CUDA GPU
-and vLLM's CUDA build are present, else recipes/local.yaml (`config.defaults`; the plan printout
+and vLLM's CUDA build are present, else recipes/local.yaml (`recipe.defaults`; the plan printout
 says which and why).
 
 Validates the recipe and its overrides, plans where every part runs and sizes the store, then
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.cli import parse, parser, run_cli
-from hpctoolkit.config.couplings import store_sizing
-from hpctoolkit.config.load import load_pinned
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import Plan, make_plan
 from hpctoolkit.plan.sizing import StoreSizing, check_free_space, check_node_memory
+from hpctoolkit.recipe.couplings import store_sizing
+from hpctoolkit.recipe.load import load_pinned
+from hpctoolkit.recipe.schema import RecipeConfig
 
 # The `cluster.backend`s each flag fits, by its argparse dest: a flag given with a recipe of
 # another backend is refused once the recipe is read, naming the field, before anything runs.
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     chosen = None
     if args.recipe == "default":
         from hpctoolkit import envs
-        from hpctoolkit.config import defaults
+        from hpctoolkit.recipe import defaults
 
         chosen = defaults.choose(defaults.probe(), envs.get(envs.HPCTOOLKIT_DEFAULT_RECIPE.name))
         args.recipe = chosen.recipe
@@ -247,7 +247,11 @@ def main(argv: list[str]) -> int:
         print(told)
         return 0
     from hpctoolkit.roles.local import run_local
+    from hpctoolkit.targets.resolve import resolve_target
 
+    # The run needs its target now: a packaged one is converted here, once, before the roles start
+    # (loading the recipe only read its header). Under Slurm each node's roles convert it.
+    resolve_target(cfg.paths.target_model)
     run_local(cfg, plan, args.recipe, args.overrides)
     return 0
 

@@ -70,8 +70,8 @@ def listening(pid: int) -> set[tuple[str, int]]:
 def small_store_cfg(**kw: Any) -> StoreConfig:
     """Small segments so several clients fit on a 2-core, 24 GiB test machine."""
     base: dict[str, Any] = {
-        "global_segment_size": "64MB",
-        "local_buffer_size": "16MB",
+        "global_segment_size": 64 << 20,
+        "local_buffer_size": 16 << 20,
         "kv_lease_ttl_s": 1.0,
         "get_retry_max_wait_seconds": 2.0,
         "connect_timeout_s": 5.0,

@@ -396,7 +396,8 @@ class Network(Kind):
 
 @dataclass(frozen=True)
 class Size(Kind):
-    """A byte size like `512MB` (`empty`: "" means unset)."""
+    """A byte size: a recipe writes `512MB`, `4GiB` or a number of bytes (`empty`: "" means
+    unset), parsed once at load (`recipe.load`) into the bytes the section holds (None: unset)."""
 
     empty: bool = False
     optional: bool = False

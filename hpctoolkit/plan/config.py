@@ -1,9 +1,10 @@
-"""Typed config of the cluster section (`cluster.*`): where the job's parts are placed."""
+"""Typed config of the cluster section (`cluster.*`): where the job's parts are placed; and the
+sections the plan reads of a recipe (`RecipeSections`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from hpctoolkit.config.fields import (
     Bool,
@@ -20,6 +21,12 @@ from hpctoolkit.config.fields import (
     require,
     slurm_time_seconds,
 )
+
+if TYPE_CHECKING:
+    from hpctoolkit.data.config import DataConfig
+    from hpctoolkit.engine.config import EngineConfig
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.train.config import TrainingConfig
 
 
 @dataclass
@@ -42,8 +49,9 @@ class ClusterConfig:
     trainer_placement: str = "own_nodes"
     # Host memory each GPU worker (vLLM worker, trainer rank) needs beside the store's segments
     # and buffers, e.g. "48GB". Set: the batch script asks `--mem` for the busiest node's segments
-    # + buffers + this per worker (hpctoolkit.plan.sizing.node_memory). Unset: no `--mem`.
-    host_memory_per_worker: str = ""
+    # + buffers + this per worker (hpctoolkit.plan.sizing.node_memory). Unset (None; "" in a
+    # recipe): no `--mem`. In bytes, parsed once at load from the recipe's `48GB`.
+    host_memory_per_worker: int | None = None
     partition: str | None = None
     account: str | None = None
     time: str = "04:00:00"
@@ -72,7 +80,7 @@ class ClusterConfig:
         "gpus_per_node": Int(1, 1024),
         "trainer_nodes": Int(1, 100_000),
         "trainer_placement": Choice(("own_nodes", "engine_nodes")),
-        "host_memory_per_worker": Size(empty=True),
+        "host_memory_per_worker": Size(empty=True, optional=True),
         "partition": SlurmText(word=True, nonempty=True, optional=True),
         "account": SlurmText(word=True, nonempty=True, optional=True),
         "time": SlurmTime(),
@@ -113,3 +121,20 @@ class ClusterConfig:
                 "entries must be single long options like --qos=high",
                 line,
             )
+
+
+class RecipeSections(Protocol):
+    """The sections of a recipe that the placement and the sizing read. The recipe type that
+    assembles them (`recipe.schema.RecipeConfig`) stands above plan/, so plan/ names what it
+    reads here instead of importing it."""
+
+    @property
+    def cluster(self) -> ClusterConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def store(self) -> StoreConfig: ...
+    @property
+    def training(self) -> TrainingConfig: ...

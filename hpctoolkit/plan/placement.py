@@ -42,7 +42,7 @@ from hpctoolkit.plan.ports import (
 )
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
+    from hpctoolkit.plan.config import RecipeSections
 
 ROLE_MASTER = "master"
 ROLE_ENGINE_LEADER = "engine-leader"
@@ -291,7 +291,7 @@ def _engine_nodes(tp: int, nnodes: int, gpn: int, first_node: int) -> tuple[Engi
     return tuple(nodes)
 
 
-def _check_degrees(cfg: RecipeConfig) -> None:
+def _check_degrees(cfg: RecipeSections) -> None:
     """Placement's own rule on the engine degrees (that pp divides the engine's world is the engine
     section's, checked when the recipe loads)."""
     e = cfg.engine
@@ -305,7 +305,7 @@ def _check_degrees(cfg: RecipeConfig) -> None:
         )
 
 
-def make_plan(cfg: RecipeConfig) -> Plan:
+def make_plan(cfg: RecipeSections) -> Plan:
     """Place the master, the engines and the trainers; raise `ConfigError` naming the key when the
     cluster cannot hold the job."""
     _check_degrees(cfg)
@@ -370,7 +370,7 @@ def make_plan(cfg: RecipeConfig) -> Plan:
     return plan
 
 
-def _slurm_trainer(cfg: RecipeConfig, per_node: int, first_gpu: int) -> TrainerPlacement:
+def _slurm_trainer(cfg: RecipeSections, per_node: int, first_gpu: int) -> TrainerPlacement:
     """`per_node` ranks on each of the first `cluster.trainer_nodes` nodes, on the GPUs from
     `first_gpu` (none with training.device=cpu)."""
     t = cfg.training
@@ -388,7 +388,7 @@ def _slurm_trainer(cfg: RecipeConfig, per_node: int, first_gpu: int) -> TrainerP
     return TrainerPlacement(nodes, t.world_size, per_node, t.fsdp_mode, t.device, ranks)
 
 
-def _local_plan(cfg: RecipeConfig) -> Plan:
+def _local_plan(cfg: RecipeSections) -> Plan:
     """Everything on this machine: node index 0 is `localhost`. Engine workers and CUDA trainers
     draw device indices from one pool of `cluster.gpus_per_node` (on a CPU-only machine they are
     worker slots, not GPUs)."""
@@ -422,7 +422,7 @@ def _local_plan(cfg: RecipeConfig) -> Plan:
     return plan
 
 
-def _check_ports(plan: Plan, cfg: RecipeConfig) -> None:
+def _check_ports(plan: Plan, cfg: RecipeSections) -> None:
     """The ports the recipe names do not clash (`ports.check_ports`); the others are picked at start."""
     if plan.master is not None:
         m, metrics = plan.master, cfg.store.metrics_port

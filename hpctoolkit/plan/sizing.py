@@ -43,12 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, owned_layers, pp_partition
 from hpctoolkit.capture.manifest import DTYPE_BYTES
-from hpctoolkit.config.fields import parse_size
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.targets.resolve import num_hidden_layers
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
+    from hpctoolkit.plan.config import RecipeSections
     from hpctoolkit.plan.placement import Plan
 
 # Per token beside the hidden states: input_ids (int64, stage 0's writer) and the loss mask
@@ -194,12 +193,12 @@ def stage_bytes_per_token(
     ]
 
 
-def longest_sample_tokens(cfg: RecipeConfig) -> int:
+def longest_sample_tokens(cfg: RecipeSections) -> int:
     d = cfg.data
     return min(d.max_prompt_tokens + d.regenerate_tokens, cfg.engine.max_model_len - 1)
 
 
-def check_counts(cfg: RecipeConfig) -> Counts:
+def check_counts(cfg: RecipeSections) -> Counts:
     """The counts relation of the module docstring; raises `ConfigError` with the numbers."""
     t, n = cfg.training, cfg.data.num_samples
     per_rank = n // t.world_size
@@ -234,15 +233,14 @@ def check_counts(cfg: RecipeConfig) -> Counts:
     return Counts(n, per_rank, consumed * t.world_size, epochs)
 
 
-def node_memory(cfg: RecipeConfig, plan: Plan) -> tuple[NodeMemory, ...]:
+def node_memory(cfg: RecipeSections, plan: Plan) -> tuple[NodeMemory, ...]:
     """Store memory (segments + local buffers) and the workers' allowance on every node of `plan`.
 
     Needs no target config: the render of a batch script calls it before the paths exist.
     """
     s, e = cfg.store, cfg.engine
-    seg, buf = s.segment_bytes, s.buffer_bytes
-    allowance = cfg.cluster.host_memory_per_worker
-    per_worker = parse_size(allowance, "cluster.host_memory_per_worker") if allowance else 0
+    seg, buf = s.global_segment_size, s.local_buffer_size
+    per_worker = cfg.cluster.host_memory_per_worker or 0
     writers = [0] * plan.num_nodes
     workers = [0] * plan.num_nodes
     readers = [0] * plan.num_nodes
@@ -270,7 +268,7 @@ def node_memory(cfg: RecipeConfig, plan: Plan) -> tuple[NodeMemory, ...]:
     return tuple(out)
 
 
-def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None = None) -> StoreSizing:
+def size_store(cfg: RecipeSections, target: Mapping[str, Any], plan: Plan | None = None) -> StoreSizing:
     """The store, spool and memory figures of `cfg` against its target's HF config; raises
     `ConfigError` (numbers and the key to change) when the segments cannot hold what is in flight
     or the spool would pass its bound."""
@@ -283,18 +281,17 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
     capture = capture_ids_for(e.target_layer_ids, num_layers)
     tokens = longest_sample_tokens(cfg)
     per_token = stage_bytes_per_token(capture, num_layers, e.pp_size, hidden, e.dtype)
-    seg = s.segment_bytes
+    seg = s.global_segment_size
     if seg < MIN_SEGMENT_BYTES:
         raise ConfigError(
-            f"store.global_segment_size={s.global_segment_size} is below Mooncake's smallest segment "
+            f"store.global_segment_size={fmt_bytes(seg)} is below Mooncake's smallest segment "
             f"({fmt_bytes(MIN_SEGMENT_BYTES)}): the writer's client setup would fail"
         )
     stages = _stage_sizes(capture, num_layers, e.pp_size, per_token, tokens, seg)
     in_flight = _samples_in_flight(cfg, max(stages, key=lambda x: x.longest_sample_bytes), tokens)
     counts = check_counts(cfg)
     sample_bytes = (sum(per_token) + LOSS_MASK_BYTES) * tokens
-    spool_max = parse_size(t.spool_max_size, "training.spool_max_size")
-    spool_bytes = _spool_bytes(cfg, counts, sample_bytes, spool_max)
+    spool_bytes = _spool_bytes(cfg, counts, sample_bytes, t.spool_max_size)
     nodes = node_memory(cfg, plan) if plan is not None and plan.backend == "slurm" else ()
     return StoreSizing(
         hidden_size=hidden,
@@ -306,7 +303,7 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
         stages=stages,
         writers=e.num_engines * e.pp_size,
         segment_bytes=seg,
-        local_buffer_bytes=s.buffer_bytes,
+        local_buffer_bytes=s.local_buffer_size,
         store_bytes=e.num_engines * e.pp_size * seg,
         high_watermark=s.backpressure_high,
         low_watermark=s.backpressure_low,
@@ -314,7 +311,7 @@ def size_store(cfg: RecipeConfig, target: Mapping[str, Any], plan: Plan | None =
         capture_batch=e.capture_batch,
         counts=counts,
         spool_bytes=spool_bytes,
-        spool_max_bytes=spool_max,
+        spool_max_bytes=t.spool_max_size,
         nodes=nodes,
     )
 
@@ -335,18 +332,18 @@ def _stage_sizes(
     )
 
 
-def _samples_in_flight(cfg: RecipeConfig, worst: StageSizing, tokens: int) -> int:
+def _samples_in_flight(cfg: RecipeSections, worst: StageSizing, tokens: int) -> int:
     """Longest samples unread in the fullest segment at worst: the pause point plus one capture
     batch, which must fit the room above the high watermark (`ConfigError` otherwise)."""
     e, s = cfg.engine, cfg.store
-    seg = s.segment_bytes
+    seg = s.global_segment_size
     room = seg - s.backpressure_high * seg
     batch_bytes = e.capture_batch * worst.longest_sample_bytes
     if batch_bytes > room:
         fit_batch = int(room // worst.longest_sample_bytes)
         need_seg = math.ceil(batch_bytes / (1 - s.backpressure_high))
         raise ConfigError(
-            f"store.global_segment_size={s.global_segment_size} cannot hold the samples in flight: stage "
+            f"store.global_segment_size={fmt_bytes(seg)} cannot hold the samples in flight: stage "
             f"{worst.stage}'s writer pauses at store.backpressure_high={s.backpressure_high:g} "
             f"({fmt_bytes(s.backpressure_high * seg)}), and one more engine.capture_batch={e.capture_batch} "
             f"of its longest sample ({fmt_bytes(worst.longest_sample_bytes)} at {tokens} tokens) is {fmt_bytes(batch_bytes)} > the {fmt_bytes(room)} left; raise "
@@ -356,7 +353,7 @@ def _samples_in_flight(cfg: RecipeConfig, worst: StageSizing, tokens: int) -> in
     return int(s.backpressure_high * seg // worst.longest_sample_bytes) + e.capture_batch
 
 
-def _spool_bytes(cfg: RecipeConfig, counts: Counts, sample_bytes: int, spool_max: int) -> int:
+def _spool_bytes(cfg: RecipeSections, counts: Counts, sample_bytes: int, spool_max: int) -> int:
     """The spool's worst case (0 when it is off); `ConfigError` past `spool_max`."""
     t = cfg.training
     spool_bytes = 0
@@ -367,7 +364,7 @@ def _spool_bytes(cfg: RecipeConfig, counts: Counts, sample_bytes: int, spool_max
         raise ConfigError(
             f"training.epochs={counts.epochs} replays each rank's first pass from the spool: up to "
             f"{fmt_bytes(spool_bytes)} ({cfg.data.num_samples} samples of at most {fmt_bytes(sample_bytes)}) > "
-            f"training.spool_max_size={t.spool_max_size}; raise it, or lower training.steps to one pass "
+            f"training.spool_max_size={fmt_bytes(spool_max)}; raise it, or lower training.steps to one pass "
             f"({counts.samples_per_rank_per_pass // t.batch_size})"
         )
     return spool_bytes

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hpctoolkit.cli import parse, parser, run_cli
-from hpctoolkit.config.load import to_yaml
 from hpctoolkit.plan.placement import ROLE_EVALUATE, ROLES
+from hpctoolkit.recipe.load import to_yaml
 from hpctoolkit.roles.context import load_context, pinned_of, select_process
 from hpctoolkit.roles.dispatch import run_process
 from hpctoolkit.roles.evaluate import run_evaluate

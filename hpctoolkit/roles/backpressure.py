@@ -115,7 +115,7 @@ def for_engine(ctx: Any, engine: int, say: Callable[[str], None], prefix: str | 
     return Backpressure(
         engine,
         pp,
-        s.segment_bytes,
+        s.global_segment_size,
         s.backpressure_high,
         s.backpressure_low,
         s.backpressure_max_pause_s,

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
-from hpctoolkit.config.load import load_pinned
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.engine.kwargs import NodeArgs
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.lifecycle import MASTER_START_TIMEOUT_S
 from hpctoolkit.plan.placement import LOCALHOST, ROLE_TRAINER, Plan, Process, make_plan
 from hpctoolkit.plan.ports import TRAINER_LISTENER, engine_listener
+from hpctoolkit.recipe.load import load_pinned
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.roles.measure_inputs import measure as measure_inputs
 from hpctoolkit.roles.network import LOOPBACK, HostAddress, free_port, listen, local_address
 from hpctoolkit.rundir import inputs_record

@@ -300,7 +300,7 @@ def _wait_drained(ctx: NodeContext, bound_s: float) -> None:
 def _begin_attempt(ctx: NodeContext, senv: SlurmEnvironment) -> None:
     """The lifecycle's start phase, once per attempt (the batch script's check step): task 0
     starts it (`ledger.start_attempt`); the others wait for it."""
-    from hpctoolkit.config.load import to_yaml
+    from hpctoolkit.recipe.load import to_yaml
     from hpctoolkit.rundir import inputs_record, ledger
 
     restart = ledger.restart_count()

@@ -28,10 +28,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.queue import QueueWriter, wait_drained
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.output.console import speaker
 from hpctoolkit.plan.placement import Process
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.roles import backpressure
 from hpctoolkit.roles.child import Child
 from hpctoolkit.roles.context import NodeContext, client_store_config, engine_node_args, store_address
@@ -170,9 +170,7 @@ def _loss_masks(ctx: NodeContext, samples: list[tuple[list[int], list[int]]]) ->
 
     seg = mask_segment_bytes([len(ids) for ids, _ in samples])
     # This node's address, as every client of a multi-host job binds and advertises.
-    cfg = dataclasses.replace(
-        client_store_config(ctx), global_segment_size=f"{seg}B", local_buffer_size="16MB"
-    )
+    cfg = dataclasses.replace(client_store_config(ctx), global_segment_size=seg, local_buffer_size=16 << 20)
     return LossMasks(MooncakeStore(store_address(ctx), cfg, role="writer"), samples)
 
 

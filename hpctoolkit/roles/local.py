@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpctoolkit import envs, errors
-from hpctoolkit.config.load import load_pinned, to_yaml
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.output import console
 from hpctoolkit.output.console import speaker
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, ROLE_TRAINER, Plan
+from hpctoolkit.recipe.load import load_pinned, to_yaml
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.roles.measure_inputs import measure as measure_inputs
 from hpctoolkit.roles.results import merge_summary, trainer_acceptance_line
 from hpctoolkit.rundir import ledger

@@ -1,7 +1,7 @@
 """What this process sees of the inputs its recipe names: each hashed now (`measure`), for
 `rundir.inputs_record` to pin at a run's start and check at every later attempt and role start.
 
-Which inputs, and how each is pinned, is `config.pinned_inputs`'s (pure); this module finds the files:
+Which inputs is `recipe.schema.named_inputs`'s, how each is pinned `config.pinned_inputs`'s (pure); this module finds the files:
 a target directory's listing, a packaged target's installed GGUF file, an evaluation set's file in
 its installed wheel (keyed `wheel:<distribution>/<file>`: each node has its own site-packages).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpctoolkit.config.pinned_inputs import (
     EVAL_SET,
@@ -19,13 +19,10 @@ from hpctoolkit.config.pinned_inputs import (
     PACKAGED,
     TARGET_DIR,
     Named,
-    named_inputs,
     target_files,
 )
+from hpctoolkit.recipe.schema import RecipeConfig, named_inputs
 from hpctoolkit.rundir.inputs_record import Pin, sha256_file
-
-if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
 
 
 def _entry(n: Named, path: Path, hashed: bool = True) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.output.figures import figure
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
 

@@ -151,7 +151,6 @@ def _published(ctx: NodeContext, prefixes: Sequence[str]) -> int | None:
 
 
 def _live_source(ctx: NodeContext, prefixes: tuple[str, ...], done: ledger.Ledger | None) -> Any:
-    from hpctoolkit.config.fields import parse_size
     from hpctoolkit.plan.sizing import check_counts
     from hpctoolkit.store.mooncake import MooncakeStore
     from hpctoolkit.train.source import LiveSource, ManifestQueues
@@ -171,7 +170,7 @@ def _live_source(ctx: NodeContext, prefixes: tuple[str, ...], done: ledger.Ledge
         spool_dir=str(ctx.run.spool),
         # One pass spools nothing; replays are bounded (plan.sizing checked both at load).
         epochs=check_counts(cfg).epochs,
-        spool_max_bytes=parse_size(cfg.training.spool_max_size, "training.spool_max_size"),
+        spool_max_bytes=cfg.training.spool_max_size,
         engine_prefixes=prefixes,
         resumed=done is not None,
         device="cuda" if cfg.training.device == "cuda" else None,

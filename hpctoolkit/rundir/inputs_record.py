@@ -2,7 +2,7 @@
 
     {"version": 1,
      "recipe": {"sha256", "yaml"},       the resolved recipe before this host's `auto` precisions
-                                         (`config.load.load_pinned`): the same text on every host
+                                         (`recipe.load.load_pinned`): the same text on every host
      "files": {name: {"knob", "what", "sha256", "bytes"}}}   `config.pinned_inputs` says which and how
 
 The first attempt writes it (`pin`, from `ledger.start_attempt`); every later attempt (a requeue,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from hpctoolkit.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
+    from hpctoolkit.recipe.schema import RecipeConfig
 
 # Where `make image` writes the image with its defaults (VLLM_VERSION=0.32.0,
 # IMAGE_TAG_SUFFIX=-pp-export), and so the image the launchers use by default.

@@ -199,7 +199,7 @@ class RoleTask:
         """Wait (within the lead time) for the trainers' checkpoint, then resubmit this same call."""
         import submitit
 
-        from hpctoolkit.config.load import load_recipe
+        from hpctoolkit.recipe.load import load_recipe
         from hpctoolkit.roles.context import run_id_for
         from hpctoolkit.rundir.atomic import read_json
         from hpctoolkit.rundir.layout import RunDir

@@ -24,7 +24,6 @@ import posixpath
 import shlex
 from collections.abc import Callable, Sequence
 
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import (
     ROLE_EVALUATE,
@@ -34,6 +33,7 @@ from hpctoolkit.plan.placement import (
     span,
 )
 from hpctoolkit.plan.sizing import node_memory
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 from hpctoolkit.slurm import container
 
@@ -55,16 +55,12 @@ def load_for_render(
     """
     from omegaconf import OmegaConf
 
-    from hpctoolkit.config.load import compose, read_yaml
+    from hpctoolkit.recipe.load import compose, override_data, recipe_data
 
     given = {o.partition("=")[0] for o in overrides}
     try:
-        data = read_yaml(path) or {}
-        merged = OmegaConf.merge(
-            OmegaConf.structured(RecipeConfig),
-            OmegaConf.create(data),
-            OmegaConf.from_dotlist(list(overrides)),
-        )
+        data = recipe_data(path)
+        merged = OmegaConf.merge(OmegaConf.structured(RecipeConfig), data, override_data(overrides))
         # OmegaConf drops a `???` merged over a schema default, so look at the YAML itself too.
         raw = {k for k in _raw_missing(data) if k not in given}
         missing = sorted(set(OmegaConf.missing_keys(merged)) | raw)
@@ -86,7 +82,7 @@ def _q(text: str) -> str:
 
 def _deferred(cfg: RecipeConfig) -> list[str]:
     """Keys whose value was `???` at render time (they must come as sbatch arguments)."""
-    from hpctoolkit.config.schema import SECTIONS
+    from hpctoolkit.recipe.schema import SECTIONS
 
     return [
         f"{section}.{name}"

@@ -16,7 +16,6 @@ from hpctoolkit.config.fields import (
     Size,
     SlurmText,
     check_fields,
-    parse_size,
     require,
 )
 
@@ -39,9 +38,10 @@ class StoreConfig:
     # Memory each *writer* mounts into the store, in the host memory of its node: one writer per
     # PP stage per engine (the stage's TP rank 0), holding that stage's fragments of every unread
     # sample of its engine (hpctoolkit.plan.sizing). Readers mount none. `local_buffer_size` is
-    # every client's (writers and trainer ranks) registered transfer buffer.
-    global_segment_size: str = "512MB"
-    local_buffer_size: str = "256MB"
+    # every client's (writers and trainer ranks) registered transfer buffer. Both in bytes: a
+    # recipe writes them as `512MB` (`config.fields.Size`), parsed once at load.
+    global_segment_size: int = 512 << 20
+    local_buffer_size: int = 256 << 20
     protocol: str = "tcp"
     device_name: str = ""
     # P2PHANDSHAKE keeps every connection on the interface we name (HTTP metadata binds the
@@ -94,11 +94,3 @@ class StoreConfig:
             f"must lie in (backpressure_low={self.backpressure_low:g}, 1)",
             self.backpressure_high,
         )
-
-    @property
-    def segment_bytes(self) -> int:
-        return parse_size(self.global_segment_size, "global_segment_size")
-
-    @property
-    def buffer_bytes(self) -> int:
-        return parse_size(self.local_buffer_size, "local_buffer_size")

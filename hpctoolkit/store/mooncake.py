@@ -187,12 +187,12 @@ class MooncakeStore:
 
             _start_closer()  # here, never in close() (see the module docstring)
             store = MooncakeDistributedStore()
-            segment = self.cfg.segment_bytes if self.role == "writer" else 0
+            segment = self.cfg.global_segment_size if self.role == "writer" else 0
             rc = store.setup(
                 self.local_hostname,
                 self.cfg.metadata_server,
                 segment,
-                self.cfg.buffer_bytes,
+                self.cfg.local_buffer_size,
                 self.cfg.protocol,
                 self.cfg.device_name,
                 self.address,

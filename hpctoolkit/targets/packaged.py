@@ -108,6 +108,28 @@ def verified_source(target: PackagedTarget) -> Path:
     return path
 
 
+# What a recipe is checked against of a target's config before it is converted, by the key of its
+# GGUF header (`<architecture>.<key>`), named as transformers' GGUF loader names them in the config
+# it converts (`transformers.integrations.ggml.GGUF_CONFIG_MAPPING`).
+HEADER_KEYS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size"}
+
+
+def header_config(spec: str) -> dict[str, Any]:
+    """The figures of packaged target `spec`'s config that a recipe is checked against
+    (`HEADER_KEYS`), read from the header of its verified GGUF file: nothing is converted or
+    written (`resolve` converts it where the run needs the checkpoint). `gguf`'s reader maps the
+    file read-only and imports no torch."""
+    import gguf
+
+    source = verified_source(lookup(spec))  # the same one-line errors as converting it
+    try:
+        fields = gguf.GGUFReader(str(source), "r").fields
+        arch = fields["general.architecture"].contents()
+        return {name: fields[f"{arch}.{key}"].contents() for key, name in HEADER_KEYS.items()}
+    except (KeyError, ValueError, OSError) as err:
+        raise ConfigError(f"paths.target_model: {source} has no readable GGUF header ({err})") from None
+
+
 def converted_dir(target: PackagedTarget, cache: Path) -> Path:
     return cache / "targets" / f"{target.name}-{target.sha256[:12]}"
 

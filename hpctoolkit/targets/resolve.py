@@ -75,10 +75,17 @@ def num_hidden_layers(text: Mapping[str, Any]) -> int:
 
 
 def target_hf_config(spec: str) -> dict[str, Any]:
-    """The text config of target `spec` (a packaged target is converted on first use, once, into the
-    cache; a builtin one is not built)."""
+    """The text config of target `spec`, read without writing anything (loading a recipe checks it):
+    a builtin target's from its definition (not built); a packaged one's from its conversion where
+    one is whole in the cache, else the figures a recipe is checked against from its GGUF header
+    (`packaged.header_config`: it is converted where the run needs it, `resolve_target`); any
+    other's `config.json`."""
     cfg = target_config_source(spec)
-    return text_config(cfg if cfg is not None else read_config(resolve_target(spec)))
+    if cfg is None and packaged.is_packaged(str(spec)):
+        target = packaged.lookup(str(spec))
+        out = packaged.converted_dir(target, cache_dir())
+        cfg = read_config(out) if packaged.is_converted(out, target) else packaged.header_config(str(spec))
+    return text_config(cfg if cfg is not None else read_config(spec))
 
 
 def target_num_layers(model_dir: str | os.PathLike) -> int:

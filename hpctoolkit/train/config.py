@@ -56,9 +56,10 @@ class TrainingConfig:
     # Passes over the published samples (hpctoolkit.plan.sizing.check_counts): 0 derives it from
     # steps x batch_size x world_size and data.num_samples. One pass reads the store only; more
     # spool each rank's first pass to the run directory and replay it, at most spool_max_size
-    # (all ranks together; refused at load when the longest samples could pass it).
+    # (all ranks together; refused at load when the longest samples could pass it). In bytes: a
+    # recipe writes `64GB` (`config.fields.Size`), parsed once at load.
     epochs: int = 0
-    spool_max_size: str = "64GB"
+    spool_max_size: int = 64 << 30
     # "live": read from the Mooncake store as the engine publishes; "offline": replay shards.
     data_source: str = "live"
     # What the hard-label losses (DFlash CE, DSpark's CE term) predict. "target": the target's

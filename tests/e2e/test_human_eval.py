@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import pytest
 
-from hpctoolkit.config.load import compose
-from hpctoolkit.config.schema import EVAL_SETS, EvaluateConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.evaluate.human_eval import Problem, as_questions, load_problems
 from hpctoolkit.evaluate.mt_bench import CATEGORIES, load_questions, select
 from hpctoolkit.evaluate.sets import LOADERS, load_sets, set_lines
+from hpctoolkit.recipe.load import compose
+from hpctoolkit.recipe.schema import EVAL_SETS, EvaluateConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import compose
-from hpctoolkit.config.schema import EvaluateConfig
 from hpctoolkit.errors import ConfigError, DataIntegrityError
 from hpctoolkit.evaluate.chat import acceptance_by_group, acceptance_length
 from hpctoolkit.evaluate.mt_bench import CATEGORIES, Question, load_questions, select
 from hpctoolkit.evaluate.serve import add_counters, counter_delta
+from hpctoolkit.recipe.load import compose
+from hpctoolkit.recipe.schema import EvaluateConfig
 
 pytestmark = pytest.mark.timeout(120)
 

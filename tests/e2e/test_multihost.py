@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import emulated_hosts, free_port, job_processes, wait_done, why_not
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.handoff import submit_sbatch
 from hpctoolkit.slurm.render import render_sbatch

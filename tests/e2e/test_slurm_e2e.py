@@ -24,8 +24,8 @@ import pytest
 from conftest import free_port, wait_done
 from regen_helpers import ROWS, check_regenerated, common_overrides
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm.handoff import submit_sbatch
 from hpctoolkit.slurm.render import render_sbatch

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, job_processes, slurmstepd_pids, wait_done
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.layout import RunDir, slurm_run_id
 from hpctoolkit.slurm import shell

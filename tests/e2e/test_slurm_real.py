@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import wait_done
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import ROLE_TRAINER, Plan, make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import expand_hostlist
 from hpctoolkit.slurm.handoff import submit_sbatch, submit_submitit

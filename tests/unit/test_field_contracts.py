@@ -19,8 +19,8 @@ from submit_helpers import DRAFT, TINY, base, fails
 
 from hpctoolkit.cli import run_cli
 from hpctoolkit.config import fields as F
-from hpctoolkit.config.load import DIGITS_MAX
-from hpctoolkit.config.schema import LAYER_FIELDS, RUN_FILES_ROOM, RUN_ID_SUFFIX, RecipeConfig
+from hpctoolkit.recipe.load import DIGITS_MAX
+from hpctoolkit.recipe.schema import LAYER_FIELDS, RUN_FILES_ROOM, RUN_ID_SUFFIX, RecipeConfig
 from hpctoolkit.rundir.layout import local_run_id, slurm_run_id
 from hpctoolkit.submit import FLAG_BACKENDS, main
 

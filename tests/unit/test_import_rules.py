@@ -189,6 +189,19 @@ def test_the_test_helper_rule_sees_an_import():
     assert _test_helper_imports(found) == ["hpctoolkit.data.prompts imports hpctoolkit.testing.tiny_target"]
 
 
+def test_config_is_the_foundation():
+    # config/ holds the field kinds every section is declared with, so it stands below every room
+    # that owns a section: it imports no room of ours but errors (issue 45 item 2).
+    above = sorted(
+        f"{mod} imports {imp}"
+        for mod in MODULES
+        if mod.startswith("hpctoolkit.config.")
+        for imp in GRAPH[mod]
+        if not imp.startswith("hpctoolkit.config") and imp != "hpctoolkit.errors"
+    )
+    assert above == []
+
+
 @pytest.mark.parametrize("room", PURE_ROOMS)
 def test_pure_rooms_import_nothing_heavy(room):
     bad = sorted(

@@ -16,10 +16,10 @@ import pytest
 
 from hpctoolkit.cli import run_cli
 from hpctoolkit.config import pinned_inputs as named
-from hpctoolkit.config.schema import DraftSection, EvaluateConfig, PathsConfig, RecipeConfig
 from hpctoolkit.data.config import DataConfig, DataSource
 from hpctoolkit.data.prompts import row_key, row_keys
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.schema import DraftSection, EvaluateConfig, PathsConfig, RecipeConfig, named_inputs
 from hpctoolkit.roles import __main__ as roles_main
 from hpctoolkit.roles import context, engines
 from hpctoolkit.roles.measure_inputs import measure
@@ -81,7 +81,7 @@ def test_named_inputs_of_each_kind():
         draft=DraftSection(config="d.json"),
         evaluate=EvaluateConfig(prompts="mt_bench", sets=["mt_bench", "human_eval"]),
     )
-    got = [(n.knob, n.kind, n.ref) for n in named.named_inputs(cfg)]
+    got = [(n.knob, n.kind, n.ref) for n in named_inputs(cfg)]
     assert got == [
         ("data.prompts", named.FILE, "p.jsonl"),
         ("data.draft_vocab", named.FILE, "v.json"),
@@ -99,7 +99,7 @@ def test_named_inputs_builtins_packaged_sources_and_no_evaluation():
         draft=DraftSection(config="d.json"),
         evaluate=EvaluateConfig(enabled=False, prompts="mt_bench"),
     )
-    got = [(n.knob, n.kind) for n in named.named_inputs(cfg)]
+    got = [(n.knob, n.kind) for n in named_inputs(cfg)]
     # builtin:chat is pinned by its name (the recipe); evaluation is off: no set file.
     assert got == [
         ("data.sources[1].path", named.FILE),
@@ -108,7 +108,7 @@ def test_named_inputs_builtins_packaged_sources_and_no_evaluation():
     ]
     cfg.paths.target_model = "builtin:tiny-qwen3"
     cfg.evaluate = EvaluateConfig(prompts="held_out")
-    assert [n.knob for n in named.named_inputs(cfg)] == ["data.sources[1].path", "draft.config"]
+    assert [n.knob for n in named_inputs(cfg)] == ["data.sources[1].path", "draft.config"]
 
 
 def test_target_files_hash_configs_and_size_weights():
@@ -177,8 +177,8 @@ def test_per_job_keys_are_recipe_keys():
 
 
 def test_eval_set_files_are_the_evaluate_packages():
-    from hpctoolkit.config.schema import EVAL_SETS
     from hpctoolkit.evaluate import human_eval, mt_bench
+    from hpctoolkit.recipe.schema import EVAL_SETS
 
     assert named.EVAL_SET_FILES == {
         "mt_bench": (mt_bench.DISTRIBUTION, mt_bench.QUESTION_FILE),
@@ -235,7 +235,7 @@ def test_measure_installed_files_by_stable_names(tmp_path):
 def test_the_pinned_recipe_is_the_same_on_every_host():
     """`auto` precisions are decided by each host (`config.precision`); what is pinned is the
     recipe before that, so a bf16 node and an fp32 one of one job agree."""
-    from hpctoolkit.config.load import load_pinned
+    from hpctoolkit.recipe.load import load_pinned
 
     auto = ["paths.output_dir=o", "engine.dtype=auto", "training.mixed_precision=auto"]
     cfg, text = load_pinned(LOCAL_RECIPE, auto)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.plan import lifecycle as lc
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT

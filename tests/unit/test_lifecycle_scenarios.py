@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit import envs
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError, RoleFailedError
 from hpctoolkit.plan import lifecycle as lc
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 from hpctoolkit.slurm.render import render_sbatch

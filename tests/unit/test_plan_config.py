@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hpctoolkit.config.load import compose
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.config import ClusterConfig
+from hpctoolkit.recipe.load import compose
 
 
 def test_defaults_are_valid():

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.config import ClusterConfig
 from hpctoolkit.plan.placement import (
@@ -22,6 +21,7 @@ from hpctoolkit.plan.placement import (
     make_plan,
 )
 from hpctoolkit.plan.ports import PICKED, engine_listener
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.slurm.render import load_for_render
 
 
@@ -135,7 +135,7 @@ def test_k3_recipe_is_the_reference_deployment():
     plan = make_plan(cfg)
     assert (plan.num_nodes, plan.total_gpus) == (5, 40)
     assert cfg.store.enable_hard_pin and cfg.store.kv_lease_ttl_s == 180
-    assert cfg.store.get_retry_max_wait_seconds == 180 and cfg.store.global_segment_size == "128GB"
+    assert cfg.store.get_retry_max_wait_seconds == 180 and cfg.store.global_segment_size == 128 << 30
     assert cfg.training.num_anchors == 512 and cfg.training.epochs == 1
     assert cfg.training.min_loss_tokens == 14 and cfg.training.fsdp_mode == "full_shard"
 
@@ -286,7 +286,7 @@ def test_local_cuda_trainers_draw_from_the_same_pool():
 
 
 def test_local_recipe_plans():
-    from hpctoolkit.config.load import load_recipe
+    from hpctoolkit.recipe.load import load_recipe
 
     plan = make_plan(load_recipe("recipes/tiny.yaml"))
     assert plan.backend == "local" and len(plan.engines) == 1 and plan.trainer.world_size >= 1
@@ -313,7 +313,7 @@ def test_placement_and_slurm_env_import_nothing_heavy():
 
 def test_k3_recipe_loads_once_its_paths_are_given(tmp_path):
     """The couplings hold for K3: the draft's layers, hidden size, min_loss_tokens, node counts."""
-    from hpctoolkit.config.load import load_recipe
+    from hpctoolkit.recipe.load import load_recipe
 
     target = tmp_path / "kimi-k3"
     target.mkdir()

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from hpctoolkit.capture.layout import capture_ids_for, owned_layers, pp_partition
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
 from hpctoolkit.plan.sizing import (
@@ -27,6 +26,7 @@ from hpctoolkit.plan.sizing import (
     size_store,
     stage_bytes_per_token,
 )
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.slurm.render import load_for_render, render_sbatch
 from hpctoolkit.slurm.sinfo import parse_node_memory_mb
 
@@ -179,7 +179,7 @@ def test_segments_that_cannot_hold_the_in_flight_samples_are_refused(k3_files):
     with pytest.raises(ConfigError) as err:
         k3(k3_files, "recipes/k3.yaml", "store.global_segment_size=32GB")
     msg = str(err.value)
-    assert "store.global_segment_size=32GB" in msg and "engine.capture_batch=16" in msg
+    assert "store.global_segment_size=32.0 GiB" in msg and "engine.capture_batch=16" in msg
     assert "raise store.global_segment_size to 35.0 GiB or lower engine.capture_batch to 14" in msg
     assert "\n" not in msg
     k3(k3_files, "recipes/k3.yaml", "store.global_segment_size=36GB")  # just fits
@@ -196,7 +196,7 @@ def test_the_in_flight_rule_at_its_boundary(k3_files, batch, high):
             cfg,
             engine=dataclasses.replace(cfg.engine, capture_batch=batch),
             store=dataclasses.replace(
-                cfg.store, global_segment_size=str(seg), backpressure_high=high, backpressure_low=high / 2
+                cfg.store, global_segment_size=seg, backpressure_high=high, backpressure_low=high / 2
             ),
         )
         if ok:
@@ -211,7 +211,7 @@ def test_a_segment_below_mooncakes_smallest_is_refused(k3_files):
     with pytest.raises(ConfigError, match="smallest segment"):
         size_store(
             dataclasses.replace(
-                k3(k3_files), store=dataclasses.replace(k3(k3_files).store, global_segment_size="8MB")
+                k3(k3_files), store=dataclasses.replace(k3(k3_files).store, global_segment_size=8 << 20)
             ),
             K3_TARGET,
         )
@@ -267,7 +267,7 @@ def test_counts_that_disagree_are_refused_with_the_fix(k3_files, overrides, says
 def test_a_replay_whose_spool_would_pass_its_bound_is_refused(k3_files):
     with pytest.raises(ConfigError) as err:
         k3(k3_files, "recipes/k3.yaml", "training.steps=40000", "training.epochs=2")
-    assert "training.spool_max_size=64GB" in str(err.value) and "102.5 TiB" in str(err.value)
+    assert "training.spool_max_size=64.0 GiB" in str(err.value) and "102.5 TiB" in str(err.value)
     cfg = k3(
         k3_files,
         "recipes/k3.yaml",

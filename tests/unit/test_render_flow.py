@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.slurm.render import render_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError, StoreError
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.roles import __main__ as roles_main
 from hpctoolkit.roles import context, dispatch, trainer, waits
 from hpctoolkit.roles.network import HostAddress, choose

@@ -12,10 +12,10 @@ from typing import ClassVar
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.engine.kwargs import run_prefix
 from hpctoolkit.errors import DataIntegrityError
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.roles import engines
 from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.rundir.layout import RunDir

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.slurm import shell
 from hpctoolkit.slurm.env import time_limit_minutes
 from hpctoolkit.slurm.handoff import executor_parameters, submit_sbatch

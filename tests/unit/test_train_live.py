@@ -11,8 +11,8 @@ import torch
 
 from hpctoolkit.capture.manifest import build_manifest
 from hpctoolkit.capture.queue import QueueWriter
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.store import fragments
 from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.train.run import train

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hpctoolkit.capture.manifest import build_manifest
-from hpctoolkit.config.schema import RecipeConfig
 from hpctoolkit.data.offline import ShardWriter
 from hpctoolkit.data.sample import Sample
+from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.targets.resolve import resolve_target
 from hpctoolkit.train.hf_capture import recapture
 from hpctoolkit.train.run import train

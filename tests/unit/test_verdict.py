@@ -13,8 +13,8 @@ import os
 import socket
 from pathlib import Path
 
-from hpctoolkit.config.load import load_recipe
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.roles.context import NodeContext
 from hpctoolkit.roles.network import HostAddress
 from hpctoolkit.roles.watch import DEAD_ROUNDS, PeerWatch

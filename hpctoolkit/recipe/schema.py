@@ -26,6 +26,15 @@ from hpctoolkit.config.fields import (
     check_fields,
     require,
 )
+from hpctoolkit.config.pinned_inputs import (
+    BUILTIN,
+    EVAL_SET,
+    FILE,
+    PACKAGED,
+    PACKAGED_PREFIX,
+    TARGET_DIR,
+    Named,
+)
 from hpctoolkit.data.config import DataConfig
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.errors import ConfigError
@@ -184,3 +193,25 @@ LAYER_FIELDS: dict[str, Layers] = {
     "training.init_layers_from_target": Layers("target", one_per="draft"),
     "training.activation_checkpoint_layers": Layers("draft", count=True),
 }
+
+
+def named_inputs(cfg: RecipeConfig) -> list[Named]:
+    """Every input `cfg` names, in a fixed order (`builtin:` ones are pinned by the recipe itself)."""
+    out: list[Named] = []
+    d = cfg.data
+    if d.sources:
+        out += [Named(f"data.sources[{i}].path", FILE, s.path, "prompts") for i, s in enumerate(d.sources)]
+    else:
+        out.append(Named("data.prompts", FILE, d.prompts, "prompts"))
+    if d.draft_vocab:
+        out.append(Named("data.draft_vocab", FILE, d.draft_vocab, "draft vocabulary"))
+    out.append(Named("draft.config", FILE, cfg.draft.config, "draft config"))
+    target = cfg.paths.target_model
+    if target.startswith(PACKAGED_PREFIX):
+        out.append(Named("paths.target_model", PACKAGED, target, "packaged target source"))
+    else:
+        out.append(Named("paths.target_model", TARGET_DIR, target, "target"))
+    ev = cfg.evaluate
+    if ev.enabled and ev.prompts == "mt_bench":
+        out += [Named("evaluate.sets", EVAL_SET, s, f"evaluation set {s}") for s in ev.sets]
+    return [n for n in out if not n.ref.startswith(BUILTIN)]

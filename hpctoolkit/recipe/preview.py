@@ -1,6 +1,6 @@
 """Show the first samples of a recipe's data as the trainer will see them.
 
-    python -m hpctoolkit.data.preview RECIPE [section.key=value ...] [-n N] [--json]
+    python -m hpctoolkit.recipe.preview RECIPE [section.key=value ...] [-n N] [--json]
 
 Renders each row with the target tokenizer's chat template (`paths.target_model`: a builtin or any
 HF tokenizer directory) and the recipe's `data` settings, and prints the text with the supervised
@@ -72,7 +72,7 @@ def _answered(cfg: Any, target: str, n: int) -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = parser("hpctoolkit.data.preview", __doc__)
+    ap = parser("hpctoolkit.recipe.preview", __doc__)
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("-n", type=int, default=3, help="samples to show (default 3)")
@@ -84,9 +84,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
     from transformers import AutoTokenizer
 
-    from hpctoolkit.config.load import compose
     from hpctoolkit.data.prompts import load_samples, sources_of
     from hpctoolkit.data.synth import SOURCE
+    from hpctoolkit.recipe.load import compose
     from hpctoolkit.targets.resolve import resolve_target
 
     cfg = compose(args.recipe, args.overrides)

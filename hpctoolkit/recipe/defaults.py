@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctoolkit.engine.env import cuda_visible
 from hpctoolkit.errors import ConfigError
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -62,8 +63,6 @@ def choose(machine: Machine, forced: str | None = None) -> Choice:
 def probe() -> Machine:
     """This machine's GPUs (through NVML) and the installed vLLM distribution."""
     import importlib.metadata
-
-    from hpctoolkit.engine.env import cuda_visible
 
     gpus = 0
     if cuda_visible():

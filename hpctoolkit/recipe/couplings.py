@@ -1,6 +1,7 @@
 """Rules that tie recipe sections together, checked in one place at load.
 
-They read the target's `config.json` and the draft config JSON (small files); nothing heavier.
+They read the target's `config.json` (a packaged target's GGUF header until it is converted) and
+the draft config JSON: small reads, and nothing is written (`targets.resolve.target_hf_config`).
 """
 
 from __future__ import annotations
@@ -10,30 +11,16 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture.layout import capture_ids_for, check_every_stage_captures
+from hpctoolkit.config.draft import draft_target_layer_ids
 from hpctoolkit.errors import ConfigError
 from hpctoolkit.models.families import serving_for
 from hpctoolkit.plan.sizing import StoreSizing, size_store
+from hpctoolkit.recipe.schema import LAYER_FIELDS, RecipeConfig
 from hpctoolkit.rundir.atomic import read_json_object
 from hpctoolkit.targets.resolve import num_hidden_layers, target_hf_config
 
 if TYPE_CHECKING:
-    from hpctoolkit.config.schema import RecipeConfig
     from hpctoolkit.plan.placement import Plan
-
-
-def draft_target_layer_ids(draft: dict[str, Any]) -> list[int] | None:
-    """The 0-based target layers a draft config reads, whatever its family spells them."""
-    for holder in (draft.get("dflash_config") or {}, draft):
-        for name in ("target_layer_ids", "dspark_target_layer_ids"):
-            if holder.get(name) is not None:
-                return [int(i) for i in holder[name]]
-    eagle = draft.get("eagle_aux_hidden_state_layer_ids") or (draft.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    if eagle is not None:
-        # Eagle3 names capture ids (state after layer k-1), one above the layer index.
-        return [int(i) - 1 for i in eagle]
-    return None
 
 
 def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
@@ -51,10 +38,6 @@ def _check_family_rules(cfg: RecipeConfig, draft: dict[str, Any]) -> None:
 def check_layer_fields(cfg: RecipeConfig, target_layers: int, draft: dict[str, Any]) -> None:
     """Every field that names layers (`schema.LAYER_FIELDS`) against the depth of the target
     and of the draft (its `num_hidden_layers`; unchecked where its config leaves it out)."""
-    # Here, not at the top: the evaluation's replay imports this module, and `models`-side code
-    # must import without omegaconf (`schema` is OmegaConf's; tests/unit/test_models_import_isolation.py).
-    from hpctoolkit.config.schema import LAYER_FIELDS
-
     draft_layers = draft.get("num_hidden_layers")
     depths = {
         "target": (target_layers, cfg.paths.target_model),

