@@ -150,7 +150,17 @@ def _accepts(kind: F.Kind) -> str:
     return repr(kind)  # a kind this page does not know yet: its declaration, as written
 
 
-def default_of(f: dataclasses.Field[Any]) -> str:
+def _size(n: int) -> str:
+    """Bytes as a recipe writes them: `512MB` (binary units, as `config.fields.parse_size` reads them)."""
+    for unit, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def default_of(f: dataclasses.Field[Any], kind: Any = None) -> str:
+    if isinstance(kind, F.Size) and isinstance(f.default, int) and not isinstance(f.default, bool):
+        return f"`{_size(f.default)}`"
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
     elif f.default is not dataclasses.MISSING:
@@ -190,8 +200,8 @@ def _cell(text: str) -> str:
     return "`".join(parts)
 
 
-def _row(key: str, what: str, f: dataclasses.Field[Any], described: dict[str, str]) -> str:
-    return f"| `{key}` | {_cell(what)} | {default_of(f)} | {_cell(described.get(f.name, ''))} |"
+def _row(key: str, what: str, f: dataclasses.Field[Any], described: dict[str, str], kind: Any = None) -> str:
+    return f"| `{key}` | {_cell(what)} | {default_of(f, kind)} | {_cell(described.get(f.name, ''))} |"
 
 
 def _section(cls: type, prefix: str, title: str, out: list[str]) -> None:
@@ -214,7 +224,7 @@ def _section(cls: type, prefix: str, title: str, out: list[str]) -> None:
             what = f"{'list of ' if listed else ''}[section](#{anchor.replace('.', '').lower()})"
         if f.name in notes:
             what += f" ({notes[f.name]})"
-        rows.append(_row(key, what, f, described))
+        rows.append(_row(key, what, f, described, kind))
     if rows:
         out += [f"## {title}" if not prefix.count(".") > 1 else f"### {title}", ""]
         if doc and not doc.startswith(cls.__name__ + "("):
@@ -231,7 +241,7 @@ def render() -> str:
     top = [f for f in dataclasses.fields(RecipeConfig) if not isinstance(kinds[f.name], F.Nested)]
     described, _, _ = _comments(RecipeConfig)
     out += ["## Top level", "", "| field | accepts | default | what it does |", "|---|---|---|---|"]
-    out += [_row(f.name, accepts(kinds[f.name]), f, described) for f in top]
+    out += [_row(f.name, accepts(kinds[f.name]), f, described, kinds[f.name]) for f in top]
     out.append("")
     for f in dataclasses.fields(RecipeConfig):
         sub = _nested_class(RecipeConfig, f.name)

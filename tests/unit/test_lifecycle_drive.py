@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.plan import lifecycle as lc
 from hpctoolkit.plan.placement import make_plan
+from hpctoolkit.recipe.load import load_recipe
 from hpctoolkit.rundir.ledger import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[2]
