@@ -74,7 +74,9 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
     Optional `args`: `mode` (`MODES`, default eager), `in_process` (the engine's, default its
     config's), `probe_cuda` (ask the CUDA runtime for the device count first, as any code above
     vLLM may: it arms torch's fork poisoning), `repeats` (capture the prompts that many times;
-    every repeat is saved, so a caller can count rows that differ between identical requests).
+    every repeat is saved, so a caller can count rows that differ between identical requests),
+    `prefill_batch` (`engine.prefill_batch`, default 1) with `calls` (one `capture()` call per
+    list of prompt positions, in order; each saved sample records its position).
     """
     from hpctoolkit.data.dataset import HiddenStateDataset
     from hpctoolkit.engine import env as engine_env_mod
@@ -99,6 +101,8 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
         max_model_len=1024,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=4,
+        prefill_batch=int(args.get("prefill_batch", 1)),
+        capture_batch=16 * int(args.get("prefill_batch", 1)),
         enforce_eager=eager,
         extra_args=extra_args,
         **({"in_process": bool(args["in_process"])} if "in_process" in args else {}),
@@ -111,16 +115,21 @@ def run_arm(args: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic() - t0
         in_process = eng.in_process
         t1 = time.monotonic()
-        # One capture() call, as the production callers batch it (still one request per generate()).
-        manifests = eng.capture(args["prompts"] * repeats)
+        calls = args.get("calls") or [list(range(len(args["prompts"]) * repeats))]
+        every = args["prompts"] * repeats
+        # capture() calls as the production callers make them: positions fix the prefill batches.
+        manifests = [m for c in calls for m in eng.capture([every[p] for p in c], c)]
+        positions = [p for c in calls for p in c]
         capture_s = time.monotonic() - t1
         reader = MooncakeStore(args["address"], store_cfg, "reader")
         try:
             out = []
             ds = HiddenStateDataset(manifests, reader, retry_max_wait_s=60)
-            for ids, m, s in zip(args["prompts"] * repeats, manifests, ds, strict=True):
+            for pos, m, s in zip(positions, manifests, ds, strict=True):
+                ids = every[pos]
                 out.append(
                     {
+                        "position": pos,
                         "input_ids": s.input_ids.clone(),
                         "prompt_ok": s.input_ids.tolist() == ids,
                         "hidden_states": s.aux_hidden_states.to(torch.float64),
@@ -160,7 +169,9 @@ def spawn_arm(
 
     `prompt_ids` default to `prompts()`; a real target passes its own, with its own layer ids.
     `extra`: `run_arm`'s optional arguments (`mode`, `in_process`, `probe_cuda`, `repeats`)."""
-    name = f"tp{tp}-pp{pp}" + "".join(f"-{k}{v}" for k, v in sorted(extra.items()))
+    name = f"tp{tp}-pp{pp}" + "".join(
+        f"-{k}{len(v) if isinstance(v, list) else v}" for k, v in sorted(extra.items())
+    )
     out, log = work / f"{name}.pt", work / f"{name}.log"
     args = {
         **extra,
@@ -256,6 +267,46 @@ def test_pp2_and_pp3_export_is_bitwise_pp1(tmp_path):
     rows, timings = run_all(model_dir, tmp_path, [2, 3])
     print(f"\n[measure] PP equivalence ({DTYPE}, {time.monotonic() - t0:.0f} s)\n{report(rows, timings)}")
     assert len(rows) == 2 * len(PROMPT_LENGTHS) * 2
+    bad = [r for r in rows if r["max_abs"] != 0.0]
+    assert not bad, f"not bitwise identical:\n{report(bad, [])}"
+
+
+# The batched arm: 7 prompts in prefill batches of 3 (positions 0-2, 3-5, 6), a long one among them.
+BATCHED_LENGTHS = (7, 64, 300, 33, 5, 129, 17)
+PREFILL_BATCH = 3
+# The PP=2 arm first captures as a run resumed at a batch boundary would (a fresh engine, from
+# position 3 on), then every position as a fresh run does.
+RESUMED_FROM = 3
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.timeout(2 * ARM_TIMEOUT_S + 60)
+def test_prefill_batches_at_pp2_are_bitwise_pp1_and_a_resumed_run_matches(tmp_path):
+    pytest.importorskip("mooncake.store", reason="mooncake (the 'engine' extra) is not importable")
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.mooncake_master import launch_master
+    from hpctoolkit.targets.resolve import resolve_target
+
+    model_dir = str(resolve_target("builtin:tiny-qwen3"))
+    g = torch.Generator().manual_seed(20261207)
+    ids = [torch.randint(5, 512, (n,), generator=g).tolist() for n in BATCHED_LENGTHS]
+    every = list(range(len(ids)))
+    t0 = time.monotonic()
+    with launch_master(StoreConfig(), tmp_path / "master-logs") as master:
+        arm = {"prompt_ids": ids, "prefill_batch": PREFILL_BATCH}
+        ref, t1 = spawn_arm(1, model_dir, master.address, tmp_path, calls=[every], **arm)
+        got, t2 = spawn_arm(
+            2, model_dir, master.address, tmp_path, calls=[every[RESUMED_FROM:], every], **arm
+        )
+    resumed, fresh = got[: len(every) - RESUMED_FROM], got[len(every) - RESUMED_FROM :]
+    assert [s["position"] for s in fresh] == every == [s["position"] for s in ref]
+    rows = compare(ref, fresh, 2) + compare(ref[RESUMED_FROM:], resumed, 2)
+    print(
+        f"\n[measure] PP equivalence, prefill batches of {PREFILL_BATCH} ({DTYPE}, "
+        f"{time.monotonic() - t0:.0f} s)\n{report(rows, [t1, t2])}"
+    )
+    assert len(rows) == 2 * (2 * len(every) - RESUMED_FROM)
     bad = [r for r in rows if r["max_abs"] != 0.0]
     assert not bad, f"not bitwise identical:\n{report(bad, [])}"
 
