@@ -379,7 +379,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._gate.admit(request.request_id, request.kv_transfer_params):
+        if not self._gate.admit(request.request_id, getattr(request, "kv_transfer_params", None)):
             return None, False  # a prefill batch not all here yet: vLLM keeps it waiting, in order
         return 0, False  # nothing is ever loaded
 
@@ -425,7 +425,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        self._gate.finished(rid, request.kv_transfer_params)
+        self._gate.finished(rid, getattr(request, "kv_transfer_params", None))
         prompt = request.prompt_token_ids
         if prompt is None:
             raise DataIntegrityError(f"request {rid} has no prompt token ids (embeds only)")
