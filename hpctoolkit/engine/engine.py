@@ -134,10 +134,10 @@ class CaptureEngine:
         """Refuse a KV cache that cannot hold one prefill batch of `max_model_len` prompts: vLLM
         would admit part of a batch and the rest a step later, as its memory allows."""
         b = self.cfg.prefill_batch
-        cache = self._llm.llm_engine.vllm_config.cache_config
-        if b == 1 or not cache.num_gpu_blocks:
+        if b == 1:
             return
-        holds = int(cache.num_gpu_blocks) * int(cache.block_size)
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        holds = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         if holds < b * self.cfg.max_model_len:
             self.shutdown()
             raise ConfigError(

@@ -245,3 +245,21 @@ def test_a_manifest_of_another_prompt_fails_the_call():
     eng = _engine(llm, in_process=True, prefill_batch=2)
     with pytest.raises(DataIntegrityError, match="input ids digest is another prompt's"):
         eng.capture([[1, 2, 3], [4, 5, 6]])
+
+
+@pytest.mark.parametrize(("blocks", "fits"), [(512, True), (511, False), (None, False)])
+def test_engine_start_refuses_a_kv_cache_that_cannot_hold_a_prefill_batch(blocks, fits):
+    llm = _FakeLLM()
+    llm.llm_engine.vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=16)
+    )
+    eng = _engine(llm, in_process=True, prefill_batch=4)  # 4 x max_model_len 2048 = 512 blocks of 16
+    eng._own_fault_dir = False
+    if fits:
+        eng._check_batch_fits()
+        return
+    with pytest.raises(
+        ConfigError, match=r"^engine.prefill_batch=4 needs KV cache room for 4 x engine.max_model_len=2048"
+    ):
+        eng._check_batch_fits()
+    assert eng._llm is None  # shut down before the refusal
