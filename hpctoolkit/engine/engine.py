@@ -307,6 +307,11 @@ class CaptureEngine:
         return sampling_params(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
 
     def _manifest_of(self, out: Any, ids: list[int]) -> Manifest:
+        """The manifest `out` returned for prompt `ids`, checked to be that prompt's."""
+        import torch  # lazily, as vLLM: this module imports without either
+
+        from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
+
         raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
         if raw is None:
             raise DataIntegrityError(
@@ -314,10 +319,6 @@ class CaptureEngine:
             )
         self._captured += 1
         manifest = Manifest.from_dict(raw)
-        import torch
-
-        from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
-
         # Outputs come back in prompt order; the digest the connector put in says so per sample.
         digest = manifest.extra.get(INPUT_IDS_SHA256)
         if manifest.num_tokens != len(ids) or digest != input_ids_digest(torch.tensor(ids, dtype=torch.long)):
