@@ -69,8 +69,16 @@ after an hour of failed machine starts had taken half of them):
 
 The batched arm (`--prefill-batch` above 1, `engine.prefill_batch`, 2026-12-07) has not run on a GPU
 yet: no GPU figure of it exists. The next lease should run `capture --prefill-batch 1 8 32` and
-record here the ratio, samples/s and phase split per B against the goals. On the CPU it runs (see
-`recipes/local.yaml`'s note for the figure that kept the CPU default at one prompt per call).
+record here the ratio, samples/s and phase split per B against the goals.
+
+On the CPU it runs; a short run, 2026-12-07, 2-core container shared with other jobs (load 7-8),
+`capture --capture-prompts 64 --iters 3 --prefill-batch 1 8 --dtype float32 --capture-extra '{}'
+--segment 2GB` (3188 prompt tokens): B=1 plain 69.5 s, capture+publish 41.0 s (ratio 0.59);
+B=8 plain 20.8 s, capture+publish 29.7 s (ratio 1.43); the timed pass's publish steps per sample
+at B=1 gather 8.2 ms, checksum 0.7, copy 0.02, put 4.1; at B=8 0.17, 0.04, 0.01, 1.2. The load
+swamps the arms (plain slower than capture at B=1), so the figures say the arm works, not whether
+batching pays on a CPU: the CPU default stays at `engine.prefill_batch: 1` until a quiet machine
+shows it does.
 """
 
 from __future__ import annotations
@@ -408,8 +416,8 @@ def capture_line(n: int, batch: int, arms: dict[str, dict[str, Any]]) -> tuple[s
     toks = arms["plain"]["prompt_tokens"]
     line = (
         f"capture B={batch}, {n} prompts ({toks} tokens): plain prefill {med['plain']:.2f} s "
-        f"({n / med['plain']:.0f} samples/s, {toks / med['plain']:.0f} tokens/s), capture+publish "
-        f"{med['capture']:.2f} s ({n / med['capture']:.0f} samples/s, {toks / med['capture']:.0f} tokens/s): "
+        f"({n / med['plain']:.1f} samples/s, {toks / med['plain']:.0f} tokens/s), capture+publish "
+        f"{med['capture']:.2f} s ({n / med['capture']:.1f} samples/s, {toks / med['capture']:.0f} tokens/s): "
         f"ratio {ratio:.3f} (medians of {len(arms['plain']['seconds'])}, first pass dropped)"
     )
     phases = arms["capture"].get("phases_s") or {}
