@@ -71,14 +71,20 @@ The batched arm (`--prefill-batch` above 1, `engine.prefill_batch`, 2026-12-07) 
 yet: no GPU figure of it exists. The next lease should run `capture --prefill-batch 1 8 32` and
 record here the ratio, samples/s and phase split per B against the goals.
 
-On the CPU it runs; a short run, 2026-12-07, 2-core container shared with other jobs (load 7-8),
-`capture --capture-prompts 64 --iters 3 --prefill-batch 1 8 --dtype float32 --capture-extra '{}'
---segment 2GB` (3188 prompt tokens): B=1 plain 69.5 s, capture+publish 41.0 s (ratio 0.59);
-B=8 plain 20.8 s, capture+publish 29.7 s (ratio 1.43); the timed pass's publish steps per sample
-at B=1 gather 8.2 ms, checksum 0.7, copy 0.02, put 4.1; at B=8 0.17, 0.04, 0.01, 1.2. The load
-swamps the arms (plain slower than capture at B=1), so the figures say the arm works, not whether
-batching pays on a CPU: the CPU default stays at `engine.prefill_batch: 1` until a quiet machine
-shows it does.
+On the CPU it runs: 2026-12-07, the 2-core helper container (AMX-BF16; load about 1 after a
+loaded first try whose figures were noise), `capture --capture-prompts 64 --iters 3 --prefill-batch
+1 8 --dtype bfloat16 --capture-extra '{}' --segment 2GB`, 64 chat prompts of 3188 tokens:
+
+* B=1: plain prefill 2.78 s (23.0 samples/s), capture+publish 2.97 s (21.5 samples/s): ratio 1.07;
+  a sample's publish steps in the timed pass: gather 0.11 ms, checksum 0.07, copy 0.01, put 1.28.
+* B=8: plain prefill 0.94 s (68.2 samples/s), capture+publish 1.62 s (39.6 samples/s): ratio 1.72;
+  gather 0.12 ms, checksum 0.04, copy 0.01, put 1.14.
+
+Batching pays on the CPU too (capture 1.84x the samples/s of B=1). At B=8 capture costs 10.6 ms a
+sample over plain prefill, and the timed publish steps explain only 1.3 ms of it; the rest (the
+gate's extra scheduler pass per batch, the step that publishes, the drain) is not split yet, and
+the timed pass itself ran faster than the medians, so these are a short run's figures.
+`recipes/local.yaml` (the CPU default) was left at one prompt per call by this change.
 """
 
 from __future__ import annotations
