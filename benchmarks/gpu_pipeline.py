@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_pipeline.py regen   [--prompts 4096] [--tokens 256] [--max-num-seqs 1024]
                                               [--capture-to-batch 1024] [--engines 2] [--engine-seqs 512]
-    python benchmarks/gpu_pipeline.py capture [--prompts 512] [--iters 3]
+    python benchmarks/gpu_pipeline.py capture [--capture-prompts 512] [--iters 3] [--prefill-batch 1 32]
     python benchmarks/gpu_pipeline.py serve   --export runs/local_gpu/export [--k 3]
     python benchmarks/gpu_pipeline.py all     --export runs/local_gpu/export --json OUT.json
 
@@ -16,9 +16,15 @@ model's own template: the embedded GPU default's data.
   `--capture-to-batch` with graphs captured up to that batch, and `--engines` engines sharing the
   GPU (each on its share of the prompts): output tokens/s. Goal >= 50k tokens/s.
 * `capture`: the production `CaptureEngine` (connector, Mooncake master, publish) against the same
-  engine without the capture parts running the same prompts the same way (one request per
-  `generate()` call, `max_tokens=1`), `--iters` passes each, medians: the ratio of times. Goal
-  <= 1.05.
+  engine without the capture parts running the same prompts the same way (`max_tokens=1`,
+  `--prefill-batch` B prompts per `generate()` call, cut at the same fixed positions as
+  `engine.prefill_batch` cuts them, with the same scheduler budget), `--iters` passes each, medians:
+  the ratio of times and samples/s, per B side by side. Goals (issue 42): capture+publish <= 1.05x
+  plain prefill, >= 200 samples/s. After the timed passes the capture arm runs one more pass with
+  the publish path's steps timed (`_phase_timers`, the device synchronized around each step, so
+  that pass is slower and not in the medians): a sample's milliseconds in the gather of its rows,
+  the checksum, the device-to-host copy and the put, the rest being prefill and the engine's own
+  host work. The engine is in-process (one GPU), so its connector runs in the child that times it.
 * `serve`: the target alone and with the draft in `--export` (speculative decoding at `--k`), on
   MT-Bench's first turns, at batch 1 (one request at a time) and batch 32 (32 at once): output
   tokens/s and the speed-up.
@@ -60,6 +66,25 @@ after an hour of failed machine starts had taken half of them):
   capture's shape: several requests per `generate()`. A batch can change a request's rounding
   (other GEMM shapes), so the PP layouts' bitwise equality has to be shown for it first.
 * `serve`: not run (it needs `make run`'s draft; the lease ended before the run stage).
+
+The batched arm (`--prefill-batch` above 1, `engine.prefill_batch`, 2026-12-07) has not run on a GPU
+yet: no GPU figure of it exists. The next lease should run `capture --prefill-batch 1 8 32` and
+record here the ratio, samples/s and phase split per B against the goals.
+
+On the CPU it runs: 2026-12-07, the 2-core helper container (AMX-BF16; load about 1 after a
+loaded first try whose figures were noise), `capture --capture-prompts 64 --iters 3 --prefill-batch
+1 8 --dtype bfloat16 --capture-extra '{}' --segment 2GB`, 64 chat prompts of 3188 tokens:
+
+* B=1: plain prefill 2.78 s (23.0 samples/s), capture+publish 2.97 s (21.5 samples/s): ratio 1.07;
+  a sample's publish steps in the timed pass: gather 0.11 ms, checksum 0.07, copy 0.01, put 1.28.
+* B=8: plain prefill 0.94 s (68.2 samples/s), capture+publish 1.62 s (39.6 samples/s): ratio 1.72;
+  gather 0.12 ms, checksum 0.04, copy 0.01, put 1.14.
+
+Batching pays on the CPU too (capture 1.84x the samples/s of B=1). At B=8 capture costs 10.6 ms a
+sample over plain prefill, and the timed publish steps explain only 1.3 ms of it; the rest (the
+gate's extra scheduler pass per batch, the step that publishes, the drain) is not split yet, and
+the timed pass itself ran faster than the medians, so these are a short run's figures.
+`recipes/local.yaml` (the CPU default) was left at one prompt per call by this change.
 """
 
 from __future__ import annotations
@@ -163,53 +188,113 @@ def child_regen(a: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
-    """`capture`'s two arms: the CaptureEngine, or the same engine's kwargs without capture."""
+PHASES = ("gather", "checksum", "copy", "put")
+
+
+def _phase_timers(sync: bool) -> dict[str, float]:
+    """Wrap the publish path's steps (`engine.publish`, `store.fragments`) with wall-clock timers;
+    the seconds each took so far, by `PHASES`. With `sync` the device is synchronized before and
+    after each, so a step's queued GPU work is counted where it is queued (the gather and the
+    devsum checksum are asynchronous; otherwise the copy's wait would absorb them)."""
+    import torch
+
+    from hpctoolkit.engine import publish
+    from hpctoolkit.integrity import checksum, devsum
+    from hpctoolkit.store import fragments
+    from hpctoolkit.store.mooncake import MooncakeStore
+
+    spent = dict.fromkeys(PHASES, 0.0)
+    cuda = sync and torch.cuda.is_available()
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                spent[name] += time.perf_counter() - t
+
+        return run
+
+    publish.gather_heads = timed("gather", publish.gather_heads)
+    devsum.digests8 = timed("checksum", devsum.digests8)
+    # The CPU path hashes on threads while the put copies: its wait is counted with the put.
+    checksum.digests8_async = timed("checksum", checksum.digests8_async)
+    publish.host_copies = timed("copy", publish.host_copies)
+    fragments.host_copies = timed("copy", fragments.host_copies)
+    MooncakeStore.put_many = timed("put", MooncakeStore.put_many)  # type: ignore[method-assign]
+    return spent
+
+
+def _plain_prefill(cfg: Any, prompts: list[list[int]], iters: int) -> tuple[float, list[float]]:
+    """The capture engine's kwargs without the capture parts: engine start, seconds per pass, each
+    pass in the prefill batches `CaptureEngine.capture` cuts."""
     import os
 
+    from hpctoolkit.engine.env import detect_backend
+    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
+    from hpctoolkit.engine.prefill import prefill_groups
+    from hpctoolkit.engine.regenerate import CAPTURE_ONLY_KEYS
+
+    t0 = time.monotonic()
+    sink = CaptureSink(None, {}, "bench")
+    _, kwargs, env = engine_llm_kwargs(cfg, _target(), sink, backend=detect_backend())
+    os.environ.update(env)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        **{k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS and k != "worker_extension_cls"}
+    )
+    start = time.monotonic() - t0
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    groups = prefill_groups(range(len(prompts)), cfg.prefill_batch)
+    times = []
+    for _ in range(iters):
+        t1 = time.monotonic()
+        for g in groups:
+            llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in g], params, use_tqdm=False)
+        times.append(time.monotonic() - t1)
+    return start, times
+
+
+def child_prefill(a: dict[str, Any]) -> dict[str, Any]:
+    """`capture`'s two arms at prefill batch `a["batch"]`: the CaptureEngine, or the same engine's
+    kwargs without capture (`_plain_prefill`)."""
     from hpctoolkit.engine.config import EngineConfig
     from hpctoolkit.engine.engine import CaptureEngine
-    from hpctoolkit.engine.kwargs import CaptureSink, engine_llm_kwargs
-    from hpctoolkit.engine.regenerate import CAPTURE_ONLY_KEYS
     from hpctoolkit.store.config import StoreConfig
 
     prompts = _chat_prompts(a["prompts"])
+    b = a.get("batch", 1)
     cfg = EngineConfig(
-        target_layer_ids=LAYERS, dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=8192,
-        max_num_seqs=256, extra_args={"gpu_memory_utilization": 0.4},
+        target_layer_ids=LAYERS, dtype=a.get("dtype", "bfloat16"), max_model_len=1024,
+        max_num_batched_tokens=8192, max_num_seqs=256, prefill_batch=b, capture_batch=len(prompts) * b,
+        extra_args=a.get("extra_args", {"gpu_memory_utilization": 0.4}),
     )  # fmt: skip
-    store = StoreConfig(global_segment_size=16 << 30, local_buffer_size=1 << 30)
+    store = StoreConfig(global_segment_size=a.get("segment", 16 << 30), local_buffer_size=1 << 30)
     times = []
+    phases: dict[str, float] = {}
     t0 = time.monotonic()
     if a["arm"] == "capture":
         with CaptureEngine(cfg, _target(), a["address"], store, "bench") as eng:
             start = time.monotonic() - t0
             for _ in range(a["iters"]):
                 t1 = time.monotonic()
-                eng.capture(prompts)
+                eng.capture(prompts)  # one call: the prefill batches are cut inside it
                 times.append(time.monotonic() - t1)
-    else:
-        from hpctoolkit.engine.env import detect_backend
-
-        sink = CaptureSink(None, {}, "bench")
-        _, kwargs, env = engine_llm_kwargs(cfg, _target(), sink, backend=detect_backend())
-        os.environ.update(env)
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        kwargs = {
-            k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS and k != "worker_extension_cls"
-        }
-        llm = LLM(**kwargs)
-        start = time.monotonic() - t0
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        for _ in range(a["iters"]):
+            spent = _phase_timers(sync=True)
             t1 = time.monotonic()
-            for p in prompts:  # as CaptureEngine.capture runs them: one request per generate()
-                llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
-            times.append(time.monotonic() - t1)
+            eng.capture(prompts)
+            phases = {"total": time.monotonic() - t1, **spent}
+    else:
+        start, times = _plain_prefill(cfg, prompts, a["iters"])
     tokens = sum(len(p) for p in prompts)
-    return {**a, "engine_start_s": start, "seconds": times, "prompt_tokens": tokens}
+    return {**a, "engine_start_s": start, "seconds": times, "prompt_tokens": tokens, "phases_s": phases}
 
 
 def child_serve(a: dict[str, Any]) -> dict[str, Any]:
@@ -329,25 +414,47 @@ def part_regen(ns: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def part_capture(ns: argparse.Namespace) -> dict[str, Any]:
-    from hpctoolkit.store.config import StoreConfig
-    from hpctoolkit.store.mooncake_master import launch_master
-
-    with launch_master(StoreConfig(global_segment_size=16 << 30), Path("/tmp/bench-master")) as m:
-        arms = {
-            arm: _child(
-                "prefill",
-                {"arm": arm, "prompts": ns.capture_prompts, "iters": ns.iters, "address": m.address},
-            )
-            for arm in ("plain", "capture")
-        }
+def capture_line(n: int, batch: int, arms: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """One prefill batch's line: both arms' medians (the first pass dropped), samples/s and tokens/s,
+    their ratio, and the capture arm's phase split per sample (ms); and the figures as a dict."""
     med = {k: statistics.median(v["seconds"][1:] or v["seconds"]) for k, v in arms.items()}
     ratio = med["capture"] / med["plain"]
     toks = arms["plain"]["prompt_tokens"]
-    print(f"capture {ns.capture_prompts} prompts ({toks} tokens): plain prefill {med['plain']:.2f} s "
-          f"({toks / med['plain']:.0f} tokens/s), capture+publish {med['capture']:.2f} s "
-          f"({toks / med['capture']:.0f} tokens/s): ratio {ratio:.3f} (medians of {ns.iters}, first pass dropped)", flush=True)  # fmt: skip
-    return {"arms": arms, "median_s": med, "ratio": ratio}
+    line = (
+        f"capture B={batch}, {n} prompts ({toks} tokens): plain prefill {med['plain']:.2f} s "
+        f"({n / med['plain']:.1f} samples/s, {toks / med['plain']:.0f} tokens/s), capture+publish "
+        f"{med['capture']:.2f} s ({n / med['capture']:.1f} samples/s, {toks / med['capture']:.0f} tokens/s): "
+        f"ratio {ratio:.3f} (medians of {len(arms['plain']['seconds'])}, first pass dropped)"
+    )
+    phases = arms["capture"].get("phases_s") or {}
+    per = {}
+    if phases:
+        per = {k: 1000 * phases[k] / n for k in PHASES}
+        per["rest"] = 1000 * phases["total"] / n - sum(per.values())
+        line += "; a sample's ms in a timed pass: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items())
+    return line, {"batch": batch, "median_s": med, "ratio": ratio, "samples_per_s": n / med["capture"],
+                  "phase_ms_per_sample": per, "arms": arms}  # fmt: skip
+
+
+def part_capture(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per `--prefill-batch`: plain prefill and capture+publish in engines of their own, then every
+    batch's line again, side by side."""
+    from hpctoolkit.store.config import StoreConfig
+    from hpctoolkit.store.mooncake_master import launch_master
+
+    rows, lines = [], []
+    extra = json.loads(ns.capture_extra) if ns.capture_extra else None
+    with launch_master(StoreConfig(global_segment_size=ns.segment_bytes), Path("/tmp/bench-master")) as m:
+        for b in ns.prefill_batch:
+            base = {"prompts": ns.capture_prompts, "iters": ns.iters, "address": m.address, "batch": b,
+                    "segment": ns.segment_bytes, "dtype": ns.dtype, **({"extra_args": extra} if extra else {})}  # fmt: skip
+            arms = {arm: _child("prefill", {**base, "arm": arm}) for arm in ("plain", "capture")}
+            line, row = capture_line(ns.capture_prompts, b, arms)
+            print(line, flush=True)
+            lines.append(line)
+            rows.append(row)
+    print("\n".join(lines), flush=True)
+    return rows
 
 
 def part_serve(ns: argparse.Namespace) -> dict[str, Any]:
@@ -375,12 +482,21 @@ def main() -> int:
     ap.add_argument("--engine-seqs", type=int, default=512)
     ap.add_argument("--capture-prompts", type=int, default=512)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument(
+        "--prefill-batch", type=int, nargs="+", default=[1, 32], help="engine.prefill_batch per arm"
+    )
+    ap.add_argument("--segment", default="16GB", help="the capture arm's store segment")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--capture-extra", default="", help="engine.extra_args of the capture arms, JSON")
     ap.add_argument("--export", default="")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--serve-tokens", type=int, default=256)
     ap.add_argument("--batch1", type=int, default=8)
     ap.add_argument("--json", default="")
     ns = ap.parse_args()
+    from hpctoolkit.config.fields import parse_size  # pure; the children import vLLM in their own env
+
+    ns.segment_bytes = parse_size(ns.segment, "--segment")
     got: dict[str, Any] = {}
     if ns.part in ("regen", "all"):
         got["regen"] = part_regen(ns)

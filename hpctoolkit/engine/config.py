@@ -36,6 +36,24 @@ PROTECTED_ENGINE_KEYS = frozenset(
     }
 )
 
+# Scheduler arguments that decide how vLLM cuts a batch of requests into steps: with
+# `prefill_batch > 1` hpctoolkit sizes them (`engine.kwargs.scheduler_budget`), and a value from
+# `extra_args` could split a batch differently between layouts.
+BATCH_SCHEDULER_KEYS = frozenset(
+    {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "max_num_partial_prefills",
+        "max_long_partial_prefills",
+        "scheduling_policy",
+        "scheduler_cls",
+    }
+)
+# The largest prefill batch: vLLM's own default max_num_seqs for a GPU is 1024.
+PREFILL_BATCH_MAX = 1024
+
 
 @dataclass
 class EngineConfig:
@@ -58,6 +76,13 @@ class EngineConfig:
     # stages' publish reports is paid once per batch, not per sample. The manifests of a batch
     # are handed on when the whole batch is published; a failure fails the whole batch.
     capture_batch: int = 16
+    # Prompts per vLLM `generate()` call (`engine.prefill`): vLLM prefills them as one step. The
+    # batches are cut at fixed engine-local sample positions (position // prefill_batch), so a
+    # re-run, or another PP layout, prefills every sample with the same companions and gets the
+    # same bits. 1: one request per `generate()`, as before. Above 1 the capture engine's
+    # max_num_seqs and max_num_batched_tokens grow to hold a whole batch of max_model_len prompts
+    # (`engine.kwargs.scheduler_budget`), and engine start refuses a KV cache that cannot.
+    prefill_batch: int = 1
     # Generating engines that regenerate this engine's rows side by side, each on every N-th row
     # (`roles.engines.engine_prompts`), on the engine's one GPU: a small target leaves a GPU
     # nearly idle while one engine's scheduler works on one CPU core (SmolLM2 on an H100,
@@ -84,6 +109,7 @@ class EngineConfig:
         "max_num_batched_tokens": Int(1),
         "max_num_seqs": Int(1),
         "capture_batch": Int(1),
+        "prefill_batch": Int(1, PREFILL_BATCH_MAX),
         "regenerate_replicas": Int(1, 16),
         "enforce_eager": Bool(optional=True),
         "in_process": Bool(),
@@ -113,6 +139,21 @@ class EngineConfig:
             "regenerate_replicas",
             f"must be 1 for an engine of {self.world_size} GPUs (replicas share one engine's one GPU)",
             self.regenerate_replicas,
+        )
+        require(
+            self.capture_batch % self.prefill_batch == 0,
+            "capture_batch",
+            f"must be a multiple of engine.prefill_batch={self.prefill_batch} (a capture call takes "
+            "whole prefill batches)",
+            self.capture_batch,
+        )
+        split = sorted(BATCH_SCHEDULER_KEYS & set(self.extra_args)) if self.prefill_batch > 1 else []
+        require(
+            not split,
+            "extra_args",
+            f"may not set {split} with engine.prefill_batch={self.prefill_batch}: they decide how vLLM "
+            "splits a prefill batch into steps (set engine.max_num_seqs / max_num_batched_tokens instead)",
+            dict(self.extra_args),
         )
         clash = sorted(PROTECTED_ENGINE_KEYS & set(self.extra_args))
         require(

@@ -9,6 +9,8 @@ them to the object store in the universal fragment layout of `hpctoolkit.capture
 
 Lifecycle of one request (vLLM calls; `S` = scheduler-role instance, `W` = worker-role instance):
 
+0. A request of a prefill batch (`engine.prefill`) waits until the scheduler saw its whole batch:
+   `get_num_new_matched_tokens` answers vLLM "not yet" until then, so one step takes the batch.
 1. Step N (the step that computes the request's last prompt token): `S.build_connector_meta`
    tracks every request's prompt, block ids and computed tokens from the scheduler output
    (`tracker.SampleTracker`), and notes that this one completes in step N: it builds the manifest
@@ -106,6 +108,7 @@ from hpctoolkit.engine.connector_api import (  # noqa: F401 -- the connector's p
     read_faults,
     write_fault,
 )
+from hpctoolkit.engine.prefill import PrefillGate
 from hpctoolkit.engine.publish import Publisher, StageRows
 from hpctoolkit.engine.rows import head_index_of, sample_key_for, stage_heads
 from hpctoolkit.engine.tracker import PendingSample, SampleTracker
@@ -174,6 +177,8 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
         # Scheduler side: which request's sample goes to the stages, and when (tracker.py).
         self._tracker = SampleTracker(self._cache_gid, self._sample)
+        # Holds a prefill batch's requests until all arrived, so one step admits them together.
+        self._gate = PrefillGate()
 
         # Worker side (rank facts are known only after distributed init: register_kv_caches).
         self._rows: StageRows | None = None
@@ -374,6 +379,8 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if not self._gate.admit(request.request_id, getattr(request, "kv_transfer_params", None)):
+            return None, False  # a prefill batch not all here yet: vLLM keeps it waiting, in order
         return 0, False  # nothing is ever loaded
 
     def update_state_after_alloc(
@@ -384,6 +391,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         pending, discard = self._tracker.step(scheduler_output)
+        self._gate.end_pass()  # a batch complete in this pass is admitted, whole, in the next
         return HpcConnectorMetadata(pending=pending, discard=discard)
 
     def _sample(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> PendingSample:
@@ -417,6 +425,7 @@ class HpcHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        self._gate.finished(rid, getattr(request, "kv_transfer_params", None))
         prompt = request.prompt_token_ids
         if prompt is None:
             raise DataIntegrityError(f"request {rid} has no prompt token ids (embeds only)")

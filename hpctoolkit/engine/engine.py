@@ -3,8 +3,9 @@
 `build_llm_kwargs` (`engine.kwargs`, pure, no vLLM import) decides every engine argument and environment
 variable. `CaptureEngine` applies them, checks the store master is reachable *before* vLLM is
 built (an unreachable master fails within `store.connect_timeout_s`, naming the address), and
-runs prefill-only requests, one per `generate()` call, so batch composition never varies with
-the data. Each request's manifest comes back through `kv_transfer_params`.
+runs prefill-only requests, `engine.prefill_batch` per `generate()` call, the batches cut at
+fixed sample positions (`engine.prefill`), so batch composition never varies with the layout, a
+re-run or the timing. Each request's manifest comes back through `kv_transfer_params`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hpctoolkit.engine.kwargs import (
     engine_llm_kwargs,
     store_cfg_dict,
 )
+from hpctoolkit.engine.prefill import GROUP_PARAM, prefill_groups
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 from hpctoolkit.targets.resolve import target_num_layers
 
@@ -98,7 +100,9 @@ class CaptureEngine:
         _, kwargs, env = engine_llm_kwargs(cfg, model_dir, sink, node, backend=self.backend)
         self.in_process = env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.pp_size = cfg.pp_size
+        self._groups = 0  # prefill batches submitted: each gets its own id
         self._start(model_dir, kwargs, env)
+        self._check_batch_fits()
 
     def _start(self, model_dir: str | os.PathLike, kwargs: dict[str, Any], env: dict[str, str]) -> None:
         """Apply the engine's environment, run the preflight gates and build the `LLM`."""
@@ -125,6 +129,22 @@ class CaptureEngine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _check_batch_fits(self) -> None:
+        """Refuse a KV cache that cannot hold one prefill batch of `max_model_len` prompts: vLLM
+        would admit part of a batch and the rest a step later, as its memory allows."""
+        b = self.cfg.prefill_batch
+        if b == 1:
+            return
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        holds = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        if holds < b * self.cfg.max_model_len:
+            self.shutdown()
+            raise ConfigError(
+                f"engine.prefill_batch={b} needs KV cache room for {b} x engine.max_model_len="
+                f"{self.cfg.max_model_len} tokens; the engine holds {holds}: lower it, or give the "
+                "engine more KV cache memory"
+            )
 
     # ------------------------------------------------------------------ faults
 
@@ -221,8 +241,15 @@ class CaptureEngine:
 
     # ---- end PP barrier ----
 
-    def capture(self, prompts_token_ids: Sequence[Sequence[int]]) -> list[Manifest]:
-        """Prefill each prompt (one request per `generate()` call) and return their manifests, in order.
+    def capture(
+        self, prompts_token_ids: Sequence[Sequence[int]], positions: Sequence[int] | None = None
+    ) -> list[Manifest]:
+        """Prefill the prompts and return their manifests, in order.
+
+        `positions` are the prompts' engine-local sample positions (increasing; default 0, 1, ...):
+        prompts whose `position // engine.prefill_batch` agree share one `generate()` call, which
+        vLLM runs as one step (`engine.prefill`), so a sample gets the same bits in every run and
+        layout that captures its batch whole.
 
         Returns only after every fragment of every returned manifest is published. The connector
         publishes a finished request in a later engine step, which the next prompt's first step
@@ -251,31 +278,55 @@ class CaptureEngine:
                     f"prompt {i} of {len(batch)} has {len(ids)} tokens and does not fit "
                     f"engine.max_model_len={self.cfg.max_model_len}"
                 )
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        where = range(len(batch)) if positions is None else [int(p) for p in positions]
+        if len(where) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(where)} positions")
+        groups = prefill_groups(where, self.cfg.prefill_batch)
         manifests = []
         try:
             with self._translate_faults():
-                for ids in batch:
-                    (out,) = self._llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-                    raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
-                    if raw is None:
-                        raise DataIntegrityError(
-                            f"request {out.request_id} ({len(ids)} tokens) returned no manifest in "
-                            "kv_transfer_params"
-                        )
-                    self._captured += 1
-                    manifest = Manifest.from_dict(raw)
-                    if manifest.num_tokens != len(ids):
-                        raise DataIntegrityError(
-                            f"sample {manifest.sample_key}: manifest says {manifest.num_tokens} tokens, "
-                            f"prompt has {len(ids)}"
-                        )
-                    manifests.append(manifest)
+                for group in groups:
+                    params = self._group_params(SamplingParams, len(group))
+                    prompts = [TokensPrompt(prompt_token_ids=batch[i]) for i in group]
+                    outs = self._llm.generate(prompts, params, use_tqdm=False)
+                    for i, out in zip(group, outs, strict=True):
+                        manifests.append(self._manifest_of(out, batch[i]))
                 self._drain(time.monotonic() + PUBLISH_WAIT_S)
         except BaseException as err:
             self._broken = err
             raise
         return manifests
+
+    def _group_params(self, sampling_params: Any, size: int) -> Any:
+        """One prefill batch's sampling parameters: a single sampled token; a batch of several
+        carries its id and size to the connector's gate (`engine.prefill.PrefillGate`)."""
+        extra = None
+        if self.cfg.prefill_batch > 1:
+            self._groups += 1
+            extra = {"kv_transfer_params": {GROUP_PARAM: [f"b{self._groups}", size]}}
+        return sampling_params(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
+
+    def _manifest_of(self, out: Any, ids: list[int]) -> Manifest:
+        """The manifest `out` returned for prompt `ids`, checked to be that prompt's."""
+        import torch  # lazily, as vLLM: this module imports without either
+
+        from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
+
+        raw = (out.kv_transfer_params or {}).get(MANIFEST_PARAM)
+        if raw is None:
+            raise DataIntegrityError(
+                f"request {out.request_id} ({len(ids)} tokens) returned no manifest in kv_transfer_params"
+            )
+        self._captured += 1
+        manifest = Manifest.from_dict(raw)
+        # Outputs come back in prompt order; the digest the connector put in says so per sample.
+        digest = manifest.extra.get(INPUT_IDS_SHA256)
+        if manifest.num_tokens != len(ids) or digest != input_ids_digest(torch.tensor(ids, dtype=torch.long)):
+            raise DataIntegrityError(
+                f"sample {manifest.sample_key}: manifest says {manifest.num_tokens} tokens, prompt has "
+                f"{len(ids)}, or its input ids digest is another prompt's"
+            )
+        return manifest
 
     # ------------------------------------------------------------------ lifetime
 

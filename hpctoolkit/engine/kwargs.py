@@ -130,17 +130,33 @@ def _checked(cfg: EngineConfig, capture_ids: Sequence[int], node: NodeArgs) -> l
     return ids
 
 
+def scheduler_budget(cfg: EngineConfig) -> tuple[int, int]:
+    """`(max_num_seqs, max_num_batched_tokens)` of a capture engine.
+
+    `engine.prefill_batch = 1`: the section's own values (a long prompt is prefilled in chunks of
+    `max_num_batched_tokens`). Above 1, large enough that one scheduler pass admits a whole batch
+    (`engine.prefill`): B sequences and B prompts of up to `max_model_len - 1` tokens each, plus
+    one slot per request for a drafting method's extra tokens (none for `extract_hidden_states`).
+    vLLM then never chunks a batch's prompts, so no layout can cut a batch into other steps.
+    """
+    b = cfg.prefill_batch
+    if b == 1:
+        return cfg.max_num_seqs, cfg.max_num_batched_tokens
+    return max(cfg.max_num_seqs, b), max(cfg.max_num_batched_tokens, b * cfg.max_model_len)
+
+
 def _llm_args(
     cfg: EngineConfig, model_dir: str | os.PathLike, ids: list[int], extra: dict[str, Any], *, eager: bool
 ) -> dict[str, Any]:
     """`vllm.LLM`'s keyword arguments of a capture engine, before `engine.extra_args`."""
     world = cfg.world_size
+    seqs, tokens = scheduler_budget(cfg)
     return {
         "model": str(model_dir),
         "dtype": cfg.dtype,
         "max_model_len": cfg.max_model_len,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": tokens,
+        "max_num_seqs": seqs,
         "enable_chunked_prefill": True,
         # A prefix-cache hit would skip the forward of the shared prefix, so its rows would never
         # be written into the cache-only layer for this request.

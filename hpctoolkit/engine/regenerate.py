@@ -305,9 +305,9 @@ def generation_kwargs(
     from hpctoolkit.engine.env import detect_backend
 
     sink = CaptureSink(None, {}, "regenerate")
-    _, kwargs, env = engine_llm_kwargs(
-        engine_cfg, target_dir, sink, node, backend=backend or detect_backend()
-    )
+    # The section's own scheduler budgets: the capture engine's prefill-batch sizing is not its.
+    own = dataclasses.replace(engine_cfg, prefill_batch=1)
+    _, kwargs, env = engine_llm_kwargs(own, target_dir, sink, node, backend=backend or detect_backend())
     return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY_KEYS}, env
 
 

@@ -342,14 +342,19 @@ def _capture(
     stop: threading.Event,
     preempted: threading.Event,
 ) -> None:
-    """Capture `todo` in batches of `engine.capture_batch`: each manifest, tagged with its prompt
-    index and content key, gets its loss mask and joins the queue. Stops early, without failing, on
-    preemption (`preempted` is then set); a stopped step fails it."""
+    """Capture `todo` in calls of at most `engine.capture_batch`: each manifest, tagged with its
+    prompt index and content key, gets its loss mask and joins the queue. Calls and the prefill
+    batches within them (`engine.prefill_batch`) are cut at fixed engine-local positions, so a
+    resumed attempt prefills each sample with the same companions as a fresh run wherever its
+    checkpoint left a batch whole. Stops early, without failing, on preemption (`preempted` is
+    then set); a stopped step fails it."""
+    from hpctoolkit.engine.prefill import call_bounds, engine_positions
+
     mine = [ids for *_, ids in todo]
-    batch = ctx.cfg.engine.capture_batch
-    # Between batches: wait while the trainers leave too much unread in a segment.
+    positions = engine_positions(engine, ctx.cfg.engine.num_engines, [index for index, *_ in todo])
+    # Between calls: wait while the trainers leave too much unread in a segment.
     gate = backpressure.for_engine(ctx, engine, say, prefix=queue.run_prefix)
-    for i in range(0, len(mine), batch):
+    for start, stop_at in call_bounds(positions, ctx.cfg.engine.capture_batch):
         if stop.is_set():
             raise DataIntegrityError(
                 f"engine {engine} stopped after {queue.published} of {len(mine)} samples"
@@ -358,9 +363,9 @@ def _capture(
             preempted.set()
             return
         gate.wait(stop)
-        # A batch's manifests come back once all of its fragments are published.
-        captured = eng.capture(mine[i : i + batch])
-        for raw, (index, key, _) in zip(captured, todo[i : i + batch], strict=True):
+        # A call's manifests come back once all of its fragments are published.
+        captured = eng.capture(mine[start:stop_at], positions[start:stop_at])
+        for raw, (index, key, _) in zip(captured, todo[start:stop_at], strict=True):
             tags = {ledger.PROMPT_KEY: index, ledger.CONTENT_KEY: key}
             m = dataclasses.replace(raw, extra={**raw.extra, **tags})
             m = masks.publish(m)

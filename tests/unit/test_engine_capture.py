@@ -1,6 +1,7 @@
 """`CaptureEngine.capture` around a stand-in `LLM`: batches, the publish wait, fail-closed rules.
 
-A capture call runs one request per `generate()` and waits once, after its last prompt, for the
+A capture call runs `engine.prefill_batch` requests per `generate()` (the batches cut at fixed
+sample positions) and waits once, after its last prompt, for the
 stages' publish reports (`_drain`); these tests pin that down without starting vLLM: the wait runs
 once per call, every manifest of the call is returned only after every stage reported, and any
 failure (an earlier sample's writer, a missing manifest, reports that never come) fails the whole
@@ -13,6 +14,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="capture() builds vLLM's SamplingParams and TokensPrompt")
 
@@ -21,7 +23,9 @@ from hpctoolkit.capture import Manifest, build_manifest
 from hpctoolkit.engine.config import EngineConfig
 from hpctoolkit.engine.connector import MANIFEST_PARAM, write_fault
 from hpctoolkit.engine.engine import CaptureEngine
+from hpctoolkit.engine.prefill import GROUP_PARAM
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
+from hpctoolkit.store.fragments import INPUT_IDS_SHA256, input_ids_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,15 +33,16 @@ NUM_LAYERS, HIDDEN = 6, 8
 CAPTURE_IDS = [1, 3, 5, 6]
 
 
-def _manifest(i: int, num_tokens: int, pp_size: int) -> dict:
+def _manifest(i: int, ids: list[int], pp_size: int) -> dict:
     return build_manifest(
         sample_key=f"run-e0-{i}",
         capture_ids=CAPTURE_IDS,
-        num_tokens=num_tokens,
+        num_tokens=len(ids),
         hidden_size=HIDDEN,
         num_layers=NUM_LAYERS,
         pp_size=pp_size,
         dtype="bfloat16",
+        extra={INPUT_IDS_SHA256: input_ids_digest(torch.tensor(ids, dtype=torch.long))},
     ).to_dict()
 
 
@@ -53,6 +58,7 @@ class _FakeLLM:
         self.pp_size = pp_size
         self.missing = missing
         self.generated: list[list[int]] = []
+        self.calls: list[tuple[int, object]] = []  # (prompts, kv_transfer_params) per generate()
         self.published = [0] * pp_size
         self.rpc_calls: list[int] = []  # how many requests had been generated at each RPC
         self.rpc_blocks = rpc_blocks  # an Event the RPC waits on (an engine that stopped answering)
@@ -74,14 +80,19 @@ class _FakeLLM:
         self.pending = 0
 
     def generate(self, prompts, params, use_tqdm):
-        assert len(prompts) == 1  # one request per generate(): batch composition is fixed
         assert params.max_tokens == 1
-        ids = list(prompts[0]["prompt_token_ids"])
-        i = len(self.generated)
-        self.generated.append(ids)
-        self.pending += 1
-        raw = None if i in self.missing else _manifest(i, len(ids), self.pp_size)
-        return [SimpleNamespace(request_id=str(i), kv_transfer_params={MANIFEST_PARAM: raw} if raw else None)]
+        self.calls.append((len(prompts), (params.extra_args or {}).get("kv_transfer_params")))
+        outs = []
+        for prompt in prompts:
+            ids = list(prompt["prompt_token_ids"])
+            i = len(self.generated)
+            self.generated.append(ids)
+            self.pending += 1
+            raw = None if i in self.missing else _manifest(i, ids, self.pp_size)
+            outs.append(
+                SimpleNamespace(request_id=str(i), kv_transfer_params={MANIFEST_PARAM: raw} if raw else None)
+            )
+        return outs
 
     def collective_rpc(self, method):
         assert method == "hpctoolkit_published_count"
@@ -95,11 +106,19 @@ class _FakeLLM:
         return counts
 
 
-def _engine(llm: _FakeLLM, *, in_process: bool, fault_dir: str | None = None) -> CaptureEngine:
+def _engine(
+    llm: _FakeLLM, *, in_process: bool, fault_dir: str | None = None, prefill_batch: int = 1
+) -> CaptureEngine:
     eng = object.__new__(CaptureEngine)
-    eng._llm, eng._fault_dir, eng._broken, eng._captured = llm, fault_dir, None, 0
+    eng._llm, eng._fault_dir, eng._broken, eng._captured, eng._groups = llm, fault_dir, None, 0, 0
     eng.reaped, eng.in_process, eng.pp_size = [], in_process, llm.pp_size
-    eng.cfg = EngineConfig(target_layer_ids=[0, 2, 4], pp_size=llm.pp_size, gpus_per_node=llm.pp_size)
+    eng.cfg = EngineConfig(
+        target_layer_ids=[0, 2, 4],
+        pp_size=llm.pp_size,
+        gpus_per_node=llm.pp_size,
+        prefill_batch=prefill_batch,
+        capture_batch=16 * prefill_batch,
+    )
     return eng
 
 
@@ -119,7 +138,7 @@ def test_a_batch_waits_once_and_returns_every_manifest_in_order(in_process):
     eng = _engine(llm, in_process=in_process)
     prompts = _prompts(5)
     manifests = eng.capture(prompts)
-    assert llm.generated == prompts  # one request per generate(), in order
+    assert llm.generated == prompts and llm.calls == [(1, None)] * 5  # one request per generate()
     assert [m.num_tokens for m in manifests] == [len(p) for p in prompts]
     assert all(isinstance(m, Manifest) for m in manifests)
     assert [m.sample_key for m in manifests] == [f"run-e0-{i}" for i in range(5)]
@@ -189,3 +208,58 @@ def test_every_prompt_is_checked_before_the_first_runs():
         eng.capture([[1, 2], []])
     assert llm.generated == []
     assert len(eng.capture([[1, 2]])) == 1  # a refused call does not break the engine
+
+
+def test_prefill_batches_are_cut_at_fixed_positions_and_carry_their_group():
+    llm = _FakeLLM()
+    eng = _engine(llm, in_process=True, prefill_batch=4)
+    prompts = _prompts(7)
+    # A resumed run: positions 2, 5 and 9 were trained on; batch 1 (positions 4..7) is partial.
+    positions = [0, 1, 3, 4, 6, 7, 8]
+    manifests = eng.capture(prompts, positions)
+    assert llm.generated == prompts
+    assert [n for n, _ in llm.calls] == [3, 3, 1]  # positions 0-3, 4-7, 8-11
+    assert [p[GROUP_PARAM] for _, p in llm.calls] == [["b1", 3], ["b2", 3], ["b3", 1]]
+    assert [m.sample_key for m in manifests] == [f"run-e0-{i}" for i in range(7)]
+    assert llm.steps == 1  # still one drain per call
+    eng.capture(_prompts(2), [12, 13])
+    assert llm.calls[-1] == (2, {GROUP_PARAM: ["b4", 2]})  # a new id per batch, never reused
+
+
+def test_positions_must_increase_and_match_the_prompts():
+    eng = _engine(_FakeLLM(), in_process=True, prefill_batch=2)
+    with pytest.raises(ValueError, match="2 prompts but 1 positions"):
+        eng.capture(_prompts(2), [0])
+    with pytest.raises(DataIntegrityError, match="position 1 follows 3"):
+        eng.capture(_prompts(2), [3, 1])
+
+
+def test_a_manifest_of_another_prompt_fails_the_call():
+    llm = _FakeLLM()
+    real = llm.generate
+
+    def swapped(prompts, params, use_tqdm):
+        return real(prompts, params, use_tqdm)[::-1]
+
+    llm.generate = swapped
+    eng = _engine(llm, in_process=True, prefill_batch=2)
+    with pytest.raises(DataIntegrityError, match="input ids digest is another prompt's"):
+        eng.capture([[1, 2, 3], [4, 5, 6]])
+
+
+@pytest.mark.parametrize(("blocks", "fits"), [(512, True), (511, False), (None, False)])
+def test_engine_start_refuses_a_kv_cache_that_cannot_hold_a_prefill_batch(blocks, fits):
+    llm = _FakeLLM()
+    llm.llm_engine.vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=16)
+    )
+    eng = _engine(llm, in_process=True, prefill_batch=4)  # 4 x max_model_len 2048 = 512 blocks of 16
+    eng._own_fault_dir = False
+    if fits:
+        eng._check_batch_fits()
+        return
+    with pytest.raises(
+        ConfigError, match=r"^engine.prefill_batch=4 needs KV cache room for 4 x engine.max_model_len=2048"
+    ):
+        eng._check_batch_fits()
+    assert eng._llm is None  # shut down before the refusal
