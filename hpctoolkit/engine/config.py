@@ -72,8 +72,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
     # Prompts per `CaptureEngine.capture()` call in the callers that capture a prompt list
-    # (`make run`, the Slurm leader): still one request per `generate()`, but the wait for the
-    # stages' publish reports is paid once per batch, not per sample. The manifests of a batch
+    # (`make run`, the Slurm leader), a multiple of `prefill_batch`: the wait for the stages'
+    # publish reports is paid once per call, not per sample. The manifests of a batch
     # are handed on when the whole batch is published; a failure fails the whole batch.
     capture_batch: int = 16
     # Prompts per vLLM `generate()` call (`engine.prefill`): vLLM prefills them as one step. The
