@@ -105,7 +105,7 @@ stage_regen() {
 }
 
 stage_capture() {
-  timeout -k 20 420 "$py" benchmarks/gpu_pipeline.py capture --json "$res/capture.json"
+  timeout -k 20 540 "$py" benchmarks/gpu_pipeline.py capture --prefill-batch 1 8 32 --json "$res/capture.json"
 }
 
 stage_serve() {
