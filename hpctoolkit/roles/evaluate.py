@@ -161,7 +161,7 @@ def run_evaluate(ctx: NodeContext) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    from hpctoolkit.evaluate.serve import serving_method
+    from hpctoolkit.models.families import serving_for
     from hpctoolkit.targets.resolve import display_name, resolve_target
 
     t0 = time.monotonic()
@@ -192,7 +192,7 @@ def run_evaluate(ctx: NodeContext) -> int:
         result |= run(ctx, export_dir, target_dir, tok)
         say(figures_line(result["evaluate"], summary))
         # The same draft outside hpctoolkit: what a user runs to serve it.
-        method = serving_method(export_dir)
+        method = serving_for(cfg.draft.config).vllm_method  # the recipe's family: what export wrote
         argv = serve_argv(
             export_dir, target_dir, method=method, num_speculative_tokens=cfg.evaluate.num_speculative_tokens
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,7 @@ class _StandInEngine:
     def __exit__(self, *exc: object) -> None:
         self.store.close()
 
-    def capture(self, prompts: list[list[int]]) -> list[Any]:
+    def capture(self, prompts: list[list[int]], positions: Sequence[int] | None = None) -> list[Any]:
         out = []
         for ids in prompts:
             key = f"{self.prefix}-s{self.n}"
