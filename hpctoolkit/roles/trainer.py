@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from hpctoolkit.output.console import speaker
@@ -27,9 +26,8 @@ from hpctoolkit.roles.results import (
     trainers_are_last,
 )
 from hpctoolkit.roles.trainer_job import TrainerJob, trainer_job
-from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir import ledger, totals
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
-from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.rundir.summary import carry_forward
 from hpctoolkit.train import preempt
 
@@ -92,41 +90,21 @@ def _hosts(job: TrainerJob, source: Any) -> dict[str, Any]:
     """Where each role ran (the address its node recorded) and the bytes trainer ranks read from
     other hosts: all of a rank's bytes when its node runs no engine (the fragments live in the
     engines' store segments)."""
+    plan = job.plan
+    roles = {node: sorted({p.role for p in plan.on_node(node)}) for node in range(plan.num_nodes)}
+    engine_nodes = {n.node for e in plan.engines for n in e.nodes}
+    remote = [r.rank for r in plan.trainer.ranks if r.node not in engine_nodes]
     hosts = {}
-    for node in range(job.plan.num_nodes):
+    for node, node_roles in roles.items():
         rec = read_json(job.run.host(node)) or {}
-        roles = sorted({p.role for p in job.plan.on_node(node)})
-        hosts[f"n{node}"] = {"host": rec.get("nodename"), "address": rec.get("address"), "roles": roles}
-    engine_nodes = {n.node for e in job.plan.engines for n in e.nodes}
-    across = 0
-    for r in job.plan.trainer.ranks:
-        if r.node not in engine_nodes:
-            across += int((read_json(source.read_record(r.rank)) or {}).get("bytes", 0))
+        hosts[f"n{node}"] = {"host": rec.get("nodename"), "address": rec.get("address"), "roles": node_roles}
+    across = sum(int((read_json(source.read_record(rank)) or {}).get("bytes", 0)) for rank in remote)
     return {"hosts": hosts, "bytes_across_hosts": across}
 
 
 def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
     """(samples, bytes, every rank complete) from the ranks' read records of this attempt."""
-    n = nbytes = 0
-    complete = True
-    for r in range(world_size):
-        rec = read_json(source.read_record(r)) or {}
-        if rec.get("prefixes", list(source.engine_prefixes)) != list(source.engine_prefixes):
-            rec = {}  # an earlier attempt's
-        n += int(rec.get("samples", 0))
-        nbytes += int(rec.get("bytes", 0))
-        complete = complete and bool(rec.get("complete"))
-    return n, nbytes, complete
-
-
-def _published(run: RunDir, prefixes: Sequence[str]) -> int | None:
-    total = 0
-    for i, prefix in enumerate(prefixes):
-        rec = read_json(run.queue_done(i))
-        if not isinstance(rec, dict) or rec.get("run_prefix") != prefix:
-            return None
-        total += int(rec["published"])
-    return total
+    return totals.read_totals([source.read_record(r) for r in range(world_size)], source.engine_prefixes)
 
 
 class _DrainWatch:
@@ -192,7 +170,7 @@ def _train_live(job: TrainerJob) -> int:
 def _live_summary(job: TrainerJob, source: Any, watch: _DrainWatch, result: Any) -> dict[str, Any]:
     world = job.plan.trainer.world_size
     deadline = time.monotonic() + READ_RECORDS_TIMEOUT_S
-    published = _published(job.run, job.prefixes)
+    published = totals.published(job.run, job.prefixes)
     read, moved, complete = _read_totals(source, world)
     # A rank's record is complete once its stream ended; one whose steps took exactly its share
     # never asks for more, so every published sample read also ends the wait (it held a job that

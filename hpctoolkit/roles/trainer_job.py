@@ -73,33 +73,32 @@ def trainer_job(ctx: NodeContext, proc: Process) -> TrainerJob:
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
         return TrainerJob(cfg, cfg.data.offline_dir, ctx.run, ctx.run_id, ctx.plan, rank0, t0)
+    store_cfg = client_store_config(ctx)
+    address, metrics = _master_addresses(ctx, rank0)
+    return _live_job(ctx, rank0, t0, address, store_cfg, metrics)
+
+
+def _master_addresses(ctx: NodeContext, rank0: bool) -> tuple[str, str | None]:
+    """The store's address, once the master answers there, and on rank 0 its metrics address."""
     address = store_address(ctx)
     wait_reachable(address, MASTER_REACH_TIMEOUT_S)
-    store_factory = _store_factory(address, client_store_config(ctx))
-    metrics = _metrics_address(ctx) if rank0 else None
-    return _live_job(cfg, ctx, rank0, t0, store_factory, metrics)
-
-
-def _store_factory(address: str, store_cfg: Any) -> Any:
-    from hpctoolkit.store.mooncake import MooncakeStore
-
-    return functools.partial(MooncakeStore, address, store_cfg, role="reader")
-
-
-def _metrics_address(ctx: NodeContext) -> str | None:
+    if not rank0:
+        return address, None
     if ctx.plan.master is None:
-        return ctx.cfg.store.master_metrics_address
-    return read_master_record(ctx)["metrics_address"]
+        return address, ctx.cfg.store.master_metrics_address
+    return address, read_master_record(ctx)["metrics_address"]
 
 
 def _live_job(
-    cfg: Any, ctx: NodeContext, rank0: bool, t0: float, store_factory: Any, metrics: str | None
+    ctx: NodeContext, rank0: bool, t0: float, address: str, store_cfg: Any, metrics: str | None
 ) -> TrainerJob:
     from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.plan.sizing import check_counts
+    from hpctoolkit.store.mooncake import MooncakeStore
     from hpctoolkit.train.source import LiveSource, ManifestQueues
     from hpctoolkit.train.vocab_counts import counted_vocab
 
+    cfg = ctx.cfg
     # One pass spools nothing; replays are bounded (plan.sizing checked both at load).
     epochs = check_counts(cfg).epochs
     run = ctx.run
@@ -123,7 +122,7 @@ def _live_job(
     source = LiveSource(
         "",
         expected=sum(expected),
-        store_factory=store_factory,
+        store_factory=functools.partial(MooncakeStore, address, store_cfg, role="reader"),
         retry_max_wait_s=cfg.store.get_retry_max_wait_seconds,
         follow=ManifestQueues(str(run.root), prefixes, expected, QUEUE_STALL_TIMEOUT_S),
         spool_dir=str(run.spool),
