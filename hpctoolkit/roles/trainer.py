@@ -52,13 +52,23 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
     from hpctoolkit.train.run import train
 
     job = trainer_job(ctx, proc)
-    if job.live:
-        return _train_live(job)
-    result = train(job.cfg, job.samples, job.run.train, progress_file=job.run.progress("trainer"))
+    # A live run's rank 0 releases the engines once every rank read its share.
+    watch = _DrainWatch(job) if job.live else None
+    if watch is not None and job.rank0:
+        watch.thread.start()
+    try:
+        result = train(job.cfg, job.samples, job.run.train, progress_file=job.run.progress("trainer"))
+    except BaseException as err:
+        if job.rank0 and job.live:
+            write_json_atomic(job.run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+        raise
+    finally:
+        if watch is not None:
+            watch.close()
     if preempt.requested():
         return _preempted(job, result)
     if job.rank0:
-        _finish(job, {"recipe": job.cfg.name, "run_id": job.run_id, **_train_fields(job, result)})
+        _finish(job, _summary(job, watch, result))
     return 0
 
 
@@ -110,8 +120,8 @@ def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
 class _DrainWatch:
     """Rank 0: release the engines (`drained`) as soon as every rank read its share."""
 
-    def __init__(self, job: TrainerJob, source: Any, metrics: str | None):
-        self.job, self.source, self.metrics = job, source, metrics
+    def __init__(self, job: TrainerJob):
+        self.job, self.source, self.metrics = job, job.samples, job.metrics
         self.result: dict[str, Any] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hpctoolkit-drain-watch", daemon=True)
@@ -144,27 +154,11 @@ def _count_keys(metrics: str | None) -> int | None:
     return None if metrics is None else count_keys_via_master(metrics)
 
 
-def _train_live(job: TrainerJob) -> int:
-    from hpctoolkit.train.run import train
-
-    source = job.samples
-    watch = _DrainWatch(job, source, job.metrics)
-    if job.rank0:
-        watch.thread.start()
-    try:
-        result = train(job.cfg, source, job.run.train, progress_file=job.run.progress("trainer"))
-    except BaseException as err:
-        if job.rank0:
-            write_json_atomic(job.run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
-        raise
-    finally:
-        watch.close()
-    if preempt.requested():
-        return _preempted(job, result)
-    if job.rank0:
-        watch.thread.join(timeout=30)
-        _finish(job, _live_summary(job, source, watch, result))
-    return 0
+def _summary(job: TrainerJob, watch: _DrainWatch | None, result: Any) -> dict[str, Any]:
+    if watch is None:
+        return {"recipe": job.cfg.name, "run_id": job.run_id, **_train_fields(job, result)}
+    watch.thread.join(timeout=30)
+    return _live_summary(job, job.samples, watch, result)
 
 
 def _live_summary(job: TrainerJob, source: Any, watch: _DrainWatch, result: Any) -> dict[str, Any]:
