@@ -112,9 +112,9 @@ def _hosts(job: TrainerJob, source: Any) -> dict[str, Any]:
     return {"hosts": hosts, "bytes_across_hosts": across}
 
 
-def _read_totals(source: Any, world_size: int) -> tuple[int, int, bool]:
-    """(samples, bytes, every rank complete) from the ranks' read records of this attempt."""
-    return totals.read_totals([source.read_record(r) for r in range(world_size)], source.engine_prefixes)
+def _read_records(job: TrainerJob) -> list[Any]:
+    """Each rank's read record (`LiveSource.read_record`), by rank."""
+    return [job.samples.read_record(r) for r in range(job.plan.trainer.world_size)]
 
 
 class _DrainWatch:
@@ -122,6 +122,7 @@ class _DrainWatch:
 
     def __init__(self, job: TrainerJob):
         self.job, self.source, self.metrics = job, job.samples, job.metrics
+        self.records = _read_records(job)
         self.result: dict[str, Any] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hpctoolkit-drain-watch", daemon=True)
@@ -130,7 +131,7 @@ class _DrainWatch:
         from hpctoolkit.capture.queue import write_drained
 
         while not self.stop.wait(0.5):
-            if _read_totals(self.source, self.job.plan.trainer.world_size)[2]:
+            if totals.read_totals(self.records, self.source.engine_prefixes)[2]:
                 try:
                     self.result["keys_left_in_store"] = _count_keys(self.metrics)
                 finally:  # the engines go either way; a failed count is counted again later
@@ -163,9 +164,11 @@ def _summary(job: TrainerJob, watch: _DrainWatch | None, result: Any) -> dict[st
 
 def _live_summary(job: TrainerJob, source: Any, watch: _DrainWatch, result: Any) -> dict[str, Any]:
     world = job.plan.trainer.world_size
+    fields = _train_fields(job, result)
+    records = _read_records(job)
     deadline = time.monotonic() + READ_RECORDS_TIMEOUT_S
     published = totals.published(job.run, job.prefixes)
-    read, moved, complete = _read_totals(source, world)
+    read, moved, complete = totals.read_totals(records, source.engine_prefixes)
     # A rank's record is complete once its stream ended; one whose steps took exactly its share
     # never asks for more, so every published sample read also ends the wait (it held a job that
     # read all it published, K3's own counts, for the whole timeout).
@@ -177,7 +180,7 @@ def _live_summary(job: TrainerJob, source: Any, watch: _DrainWatch, result: Any)
         and time.monotonic() < deadline
     ):
         time.sleep(0.5)
-        read, moved, complete = _read_totals(source, world)
+        read, moved, complete = totals.read_totals(records, source.engine_prefixes)
     keys_left = watch.result.get("keys_left_in_store")
     if keys_left is None:
         keys_left = _count_keys(watch.metrics)
@@ -188,7 +191,7 @@ def _live_summary(job: TrainerJob, source: Any, watch: _DrainWatch, result: Any)
         "samples_read": read,
         "bytes_moved": moved,
         "keys_left_in_store": keys_left,
-        **_train_fields(job, result),
+        **fields,
         "drained_after_s": round(watch.result["at_s"], 1) if "at_s" in watch.result else None,
         "train_wall_seconds": round(time.monotonic() - job.t0, 1),
         **_hosts(job, source),
