@@ -16,7 +16,7 @@ Inside a run directory (every node of a Slurm job shares it):
     manifests/drained            trainer rank 0: every rank read its share; engines may leave
     manifests/engine<i>.vocab.json   engine i's counts of its samples' supervised tokens, by id;
                                  manifests/draft_vocab.json: the pruned vocabulary a live run's
-                                 trainers chose from them (`roles.trainer`)
+                                 trainers chose from them (`train.vocab_counts`)
     manifests/engine<i>.regenerated  engine i's generating engine is done ({"run_prefix"}): the
                                  followers of a multi-node engine then join its capture engine
     manifests/engine<i>.closed   engine i's leader released its store segment and left

@@ -1,0 +1,38 @@
+"""What a live run's records say it moved: the samples the engines published (their queues'
+`.done` records) and what the trainer ranks read (their read records), for rank 0's summary.
+
+Records of an earlier attempt (another run prefix) count as absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpctoolkit.rundir.atomic import read_json
+from hpctoolkit.rundir.layout import RunDir
+
+
+def published(run: RunDir, prefixes: Sequence[str]) -> int | None:
+    """Samples every engine published, or None while any engine's queue of this attempt is open."""
+    total = 0
+    for i, prefix in enumerate(prefixes):
+        rec = read_json(run.queue_done(i))
+        if not isinstance(rec, dict) or rec.get("run_prefix") != prefix:
+            return None
+        total += int(rec["published"])
+    return total
+
+
+def read_totals(records: Sequence[Path], prefixes: Sequence[str]) -> tuple[int, int, bool]:
+    """(samples, bytes, every rank complete) from the ranks' read records of this attempt."""
+    n = nbytes = 0
+    complete = True
+    for path in records:
+        rec = read_json(path) or {}
+        if rec.get("prefixes", list(prefixes)) != list(prefixes):
+            rec = {}  # an earlier attempt's
+        n += int(rec.get("samples", 0))
+        nbytes += int(rec.get("bytes", 0))
+        complete = complete and bool(rec.get("complete"))
+    return n, nbytes, complete
