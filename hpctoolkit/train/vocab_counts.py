@@ -13,10 +13,15 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from hpctoolkit.errors import ConfigError, DataIntegrityError
+from hpctoolkit.models.common.vocab import draft_vocab_from_counts
+from hpctoolkit.models.registry import load_draft_config
 from hpctoolkit.output.console import speaker
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
+from hpctoolkit.train.build import needs_vocab_counts
 
 say = speaker("trainer")
 
@@ -27,12 +32,6 @@ def counted_vocab(
     """`cfg`, with `data.draft_vocab` set to the pruned vocabulary chosen from the engines' counts
     of every sample's supervised tokens when the draft prunes its vocabulary and the recipe names
     none. Each engine's counts are waited for at most `stall_timeout_s` (as its queue is)."""
-    import torch
-
-    from hpctoolkit.models.common.vocab import draft_vocab_from_counts
-    from hpctoolkit.models.registry import load_draft_config
-    from hpctoolkit.train.build import needs_vocab_counts
-
     draft = load_draft_config(cfg.draft.config)
     if cfg.data.draft_vocab or not needs_vocab_counts(draft):
         return cfg
