@@ -239,11 +239,14 @@ def ladder_row(family: str, samples: int, steps: int, s: dict[str, Any], out: Pa
                 "tau": v.get("served_acceptance_length"),
                 "by_category": v.get("served_acceptance_by_category"),
                 "by_turn": v.get("served_acceptance_by_turn"),
+                "per_position": _per_position(v.get("counters") or {}),
             }
             for name, v in per_set.items()
         }
         or {"mt_bench": {"tau": s.get("served_acceptance_length")}},
-        "served_per_position": s.get("served_per_position_acceptance"),
+        # The first set's (MT-Bench's): the run's summary keeps it under `evaluate`.
+        "served_per_position": s.get("served_per_position_acceptance")
+        or (s.get("evaluate") or {}).get("served_per_position_acceptance"),
         "served_by_category": s.get("served_acceptance_by_category"),
         "served_by_turn": s.get("served_acceptance_by_turn"),
         "trainer_tau_at_k": s.get("acceptance_length_at_served_k", s.get("acceptance_length")),
@@ -261,6 +264,15 @@ def ladder_row(family: str, samples: int, steps: int, s: dict[str, Any], out: Pa
         "date": datetime.date.today().isoformat(),
         "commit": _commit(),
     }
+
+
+def _per_position(counters: dict[str, Any]) -> list[float] | None:
+    """The share of drafts whose i-th token vLLM accepted, from the set's own spec-decode counters."""
+    drafts = counters.get("vllm:spec_decode_num_drafts")
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    if not drafts or not accepted:
+        return None
+    return [round(a / drafts, 4) for a in accepted]
 
 
 def rows_from_ladder(path: Path) -> list[dict[str, Any]]:

@@ -87,6 +87,7 @@ stage_ladder() {
 
 # The first runs on CUDA of tests written after the last GPU session, ahead of the whole tier.
 NEW_GPU_TESTS=(
+  "tests/gpu/test_train_gpu.py::test_a_batch_packed_on_the_host_is_padded_on_the_device_bitwise"
   "tests/e2e/test_engine_real.py::test_a_request_aborted_mid_prefill_leaves_no_fragment"
   "tests/gpu/test_gpu_vllm.py::test_graphs_round_as_compiled_without_graphs"
   "tests/gpu/test_gpu_vllm.py::test_no_stale_rows_under_graphs"

@@ -844,3 +844,44 @@ def test_the_compiled_fused_block_loss_is_the_eager_one(family):
     for name, ref in ge.items():
         if ref is not None:
             torch.testing.assert_close(gc[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_batch_packed_on_the_host_is_padded_on_the_device_bitwise(dtype):
+    """`collate(pin_memory=True)` packs the real rows into page-locked memory; the feeder moves
+    them on its side stream and pads them there. The same tensors as padding on the host, bit for
+    bit, with a step queued on the compute stream before and after (`DeviceFeeder`)."""
+    from types import SimpleNamespace
+
+    from hpctoolkit.train.step import DeviceFeeder
+
+    g = torch.Generator().manual_seed(3)
+
+    def sample(i, n):
+        return SimpleNamespace(
+            key=f"s{i}",
+            input_ids=torch.randint(0, 50, (n,), generator=g),
+            aux_hidden_states=torch.randn(3, n, 576, generator=g).to(torch.bfloat16),
+            last_hidden_states=torch.randn(n, 576, generator=g).to(torch.bfloat16),
+            loss_mask=torch.ones(n, dtype=torch.long),
+            manifest=None,
+        )
+
+    feeder = DeviceFeeder(torch.device("cuda"), dtype)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for lengths in ([1280, 17, 300, 5], [1], [640] * 16, [2000, 3]):
+        samples = [sample(i, n) for i, n in enumerate(lengths)]
+        kw = {"max_seq_len": 1280, "min_loss_tokens": 2, "pin_memory": True, "step": 80}
+        host = collate(samples, pack=False, **kw)
+        packed = collate(samples, **kw)
+        assert packed.packed is not None and packed.packed.aux_LTH.is_pinned()
+        busy @ busy  # the compute stream has work queued when the side stream copies
+        a, b = feeder.put(host), feeder.put(packed)
+        c = (busy @ busy).sum()  # and after
+        torch.cuda.synchronize()
+        assert torch.isfinite(c)
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if isinstance(x, torch.Tensor):
+                assert x.is_cuda and y.is_cuda and x.dtype == y.dtype, f.name
+                assert torch.equal(x, y), f.name

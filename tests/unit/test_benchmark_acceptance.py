@@ -73,9 +73,17 @@ def test_a_rungs_row_is_small_and_the_ladders_table_is_drawn_from_the_recorded_r
         "served_acceptance_length": 1.8,
         "served_acceptance_by_category": {"writing": 1.7, "math": 1.9},
         "served_acceptance_by_turn": {"1": 1.8, "2": 1.8},
-        "served_per_position_acceptance": [0.5, 0.2, 0.1],
+        # As a run's summary keeps them: the first set's rates under `evaluate`, each set's counters.
+        "evaluate": {"served_per_position_acceptance": [0.5, 0.2, 0.1]},
         "per_set": {
-            "mt_bench": {"served_acceptance_length": 1.8, "served_acceptance_by_category": {"writing": 1.7}},
+            "mt_bench": {
+                "served_acceptance_length": 1.8,
+                "served_acceptance_by_category": {"writing": 1.7},
+                "counters": {
+                    "vllm:spec_decode_num_drafts": 200,
+                    "vllm:spec_decode_num_accepted_tokens_per_pos": [100, 40, 20],
+                },
+            },
             "human_eval": {"served_acceptance_length": 2.1},
         },
         "acceptance_length_at_served_k": 2.4,
@@ -90,6 +98,9 @@ def test_a_rungs_row_is_small_and_the_ladders_table_is_drawn_from_the_recorded_r
     assert row["regenerated"] == {"turns": 4096, "truncated": 900, "degenerate": 12}
     assert row["seconds"]["phases"]["regenerate"] == 120.0 and row["gpu_busy"]["share"] == 0.93
     assert row["gpu_seconds"] == 800.0 and row["epochs"] == 8.0
+    assert row["served_per_position"] == [0.5, 0.2, 0.1]
+    assert row["served"]["mt_bench"]["per_position"] == [0.5, 0.2, 0.1]
+    assert row["served"]["human_eval"]["per_position"] is None  # no counters recorded
     assert len(json.dumps(row)) < 2000  # no data, no weights
     record = tmp_path / "ladder.jsonl"
     record.write_text(json.dumps(row) + "\n")

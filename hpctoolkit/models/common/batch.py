@@ -1,4 +1,4 @@
-# ruff: noqa: N802, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+# ruff: noqa: N802, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """`Batch`: one padded training batch, what a family's trainer hooks read (`common.trainer`).
 
 It lives here, beside the hooks that read it, rather than with the collation that builds it
@@ -18,6 +18,11 @@ to the next of a few fixed lengths: `train.batch.padded_length`):
 - `weight_B` 1.0, or 0.0 for a sample shorter than `min_loss_tokens`. Such a sample still runs
   through forward and backward, so every rank issues the same collectives; it just contributes
   nothing to the loss.
+
+A batch collated for a CUDA trainer keeps its hidden states `packed` (`PackedHidden`): only the
+real rows, in the layout they were captured in, so the host copies each sample's states once and
+the copy engine moves only those rows; `to(device)` pads them there. Until then `context_BSC` and
+`last_BSH` are meta tensors: their shapes are known, and reading their data fails.
 """
 
 from __future__ import annotations
@@ -25,6 +30,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class PackedHidden:
+    """A batch's hidden states as the host collates them for a device: the samples' real rows only.
+
+    - `aux_LTH` `[n_aux, T, H]` layer-major as captured, the samples one after another on `T`
+      (T = the sum of `lengths`);
+    - `last_TH` `[T, H]`;
+    - `lengths` each sample's rows, in batch order.
+
+    `unpack` builds the padded `[B, S, n_aux * H]` and `[B, S, H]` wherever the tensors are: zeros,
+    then each sample's rows, position-major, layers in order. Bitwise what padding on the host gives.
+    """
+
+    aux_LTH: torch.Tensor
+    last_TH: torch.Tensor
+    lengths: tuple[int, ...]
+
+    def to(self, device: torch.device | str) -> PackedHidden:
+        return PackedHidden(
+            self.aux_LTH.to(device, non_blocking=True),
+            self.last_TH.to(device, non_blocking=True),
+            self.lengths,
+        )
+
+    def unpack(self, seq_len: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n_aux, _, H = self.aux_LTH.shape
+        B, dev = len(self.lengths), self.aux_LTH.device
+        context = torch.zeros(B, seq_len, n_aux, H, dtype=dtype or self.aux_LTH.dtype, device=dev)
+        last = torch.zeros(B, seq_len, self.last_TH.shape[-1], dtype=dtype or self.last_TH.dtype, device=dev)
+        start = 0
+        for b, n in enumerate(self.lengths):
+            # [n_aux, n, H] -> [n, n_aux, H]: one strided copy (and cast) per sample, no temporary.
+            context[b, :n].copy_(self.aux_LTH[:, start : start + n].transpose(0, 1))
+            last[b, :n].copy_(self.last_TH[start : start + n])
+            start += n
+        return context.view(B, seq_len, n_aux * H), last
 
 
 @dataclass
@@ -43,6 +86,9 @@ class Batch:
     # The CPU batch this one was moved from (`to`): what the host reads without waiting on the
     # device (anchor sampling), so a step queued behind another never syncs.
     host: Batch | None = field(default=None, repr=False, compare=False)
+    # The hidden states of a batch collated for a device (`PackedHidden`); `context_BSC` and
+    # `last_BSH` are meta tensors until `to` pads them on the device.
+    packed: PackedHidden | None = field(default=None, repr=False, compare=False)
 
     def on_host(self) -> Batch:
         """This batch's CPU original; itself if it lives on the CPU (else a copy, which syncs)."""
@@ -78,11 +124,15 @@ class Batch:
         def mv(t: torch.Tensor, float_dtype: torch.dtype | None = None) -> torch.Tensor:
             return t.to(device=device, dtype=float_dtype or t.dtype, non_blocking=True)
 
+        if self.packed is not None:
+            context, last = self.packed.to(device).unpack(self.seq_len, dtype)
+        else:
+            context, last = mv(self.context_BSC, dtype), mv(self.last_BSH, dtype)
         return Batch(
             self.keys,
             mv(self.input_ids_BS),
-            mv(self.context_BSC, dtype),
-            mv(self.last_BSH, dtype),
+            context,
+            last,
             mv(self.valid_BS),
             mv(self.lengths_B),
             mv(self.weight_B),
