@@ -176,7 +176,7 @@ class Sample:
     def buffer_bytes(manifest: Manifest, dtype: torch.dtype) -> int:
         """The bytes of a sample's buffer: input_ids, hidden states, mask, sums, in that order."""
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         mask_bytes = t if manifest.loss_mask is not None else 0
         return t * 8 + n * t * h * elem + mask_bytes + sum(f.nbytes for f in manifest.sums)
 
@@ -207,7 +207,7 @@ class Sample:
     ) -> Sample:
         t, h, n = manifest.num_tokens, manifest.hidden_size, len(manifest.fragments)
         ids_bytes = t * 8
-        hidden_bytes = n * t * h * torch.empty((), dtype=dtype).element_size()
+        hidden_bytes = n * t * h * dtype.itemsize
         mask_bytes = t if manifest.loss_mask is not None else 0
         sums_at = ids_bytes + hidden_bytes + mask_bytes
         buf = backing[: cls.buffer_bytes(manifest, dtype)]

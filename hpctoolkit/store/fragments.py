@@ -190,7 +190,9 @@ def publish_stage(
 
 
 def _check_mask_values(manifest: Manifest, mask: torch.Tensor) -> None:
-    if bool(((mask != 0) & (mask != 1)).any()):
+    # uint8 (as stored): one pass for "above 1"; other integer kinds also look below 0.
+    bad = mask.gt(1) if mask.dtype == torch.uint8 else (mask != 0) & (mask != 1)
+    if bool(bad.any()):
         raise DataIntegrityError(
             f"sample {manifest.sample_key!r}, object {manifest.loss_mask.key if manifest.loss_mask else '?'!r}: "
             "loss_mask holds values other than 0 and 1"
