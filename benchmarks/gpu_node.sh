@@ -78,10 +78,17 @@ stage_ladder() {
   local rc=$?
   kill "$smi" 2>/dev/null
   cp runs/acceptance/acceptance.json "$res/" 2>/dev/null
-  find runs/acceptance -path '*latest/summary.json' | while read -r f; do
-    cp "$f" "$res/summary-$(basename "$(dirname "$(dirname "$f")")").json"
+  # Each point's `latest` is a link (find does not follow it, so the 2026-12-08 rung's summary
+  # stayed behind): glob through it. The logs' last 4 MiB each, named by point.
+  local f point
+  for f in runs/acceptance/*/latest/summary.json; do
+    [ -f "$f" ] || continue
+    point=$(basename "$(dirname "$(dirname "$f")")")
+    cp "$f" "$res/summary-$point.json"
+    for log in "$(dirname "$f")"/logs/*.log "$(dirname "$f")"/logs/*.json; do
+      [ -f "$log" ] && tail -c 4194304 "$log" > "$res/$point-$(basename "$log")"
+    done
   done
-  find runs/acceptance -name '*.log' -path '*trainer*' -exec cp {} "$res/" \; 2>/dev/null
   return $rc
 }
 
@@ -94,6 +101,11 @@ NEW_GPU_TESTS=(
   "tests/gpu/test_train_gpu.py::test_overlapped_steps_train_as_drained_ones"
   "tests/e2e/test_vllm_serve_cli.py::test_the_printed_serve_command_serves_the_export"
 )
+
+# The trainer's collate, padded on the host against packed and padded on the GPU (benchmarks/collate.py).
+stage_collate() {
+  timeout -k 20 300 "$py" benchmarks/collate.py --device cuda
+}
 
 stage_tier_new() {
   timeout -k 20 420 "$py" -m pytest -m gpu -p no:cacheprovider -o addopts= -ra \
