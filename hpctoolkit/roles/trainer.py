@@ -25,7 +25,7 @@ from hpctoolkit.roles.results import (
     trainer_fields,
     trainers_are_last,
 )
-from hpctoolkit.roles.trainer_job import TrainerJob, trainer_job
+from hpctoolkit.roles.trainer_job import TrainerJob, tell_failed, trainer_job
 from hpctoolkit.rundir import ledger, totals
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.summary import carry_forward
@@ -49,7 +49,7 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
     """0 once trained; `ledger.PREEMPTED_EXIT` after a checkpoint on SIGUSR2 (requeue the job)."""
     # First: SIGUSR2's default action ends the process, and the notice may come at any time.
     preempt.install()
-    from hpctoolkit.train.run import train
+    from hpctoolkit.train.run import train_on
 
     job = trainer_job(ctx, proc)
     # A live run's rank 0 releases the engines once every rank read its share.
@@ -57,10 +57,12 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
     if watch is not None and job.rank0:
         watch.thread.start()
     try:
-        result = train(job.cfg, job.samples, job.run.train, progress_file=job.run.progress("trainer"))
+        result = train_on(
+            job.cfg, job.target_dir, job.samples, job.run.train, progress_file=job.run.progress("trainer")
+        )
     except BaseException as err:
         if job.rank0 and job.live:
-            write_json_atomic(job.run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+            tell_failed(job.run, err)
         raise
     finally:
         if watch is not None:

@@ -4,7 +4,8 @@ The builder does what a rank needs before it trains, in order and once: the rend
 listens and records its port; `os.environ` gets torch.distributed's variables), then for a live
 run the store's address (waited for until the master answers), the sizing, the ledger this
 attempt resumes from, the pruned vocabulary the engines counted, and the source that reads the
-engines' queues. What it returns is all `roles.trainer` hands to `train` and reports from.
+engines' queues; last the target (a packaged one converted on first use). What it returns is all
+`roles.trainer` hands to `train.run.train_on` and reports from.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
@@ -29,7 +31,9 @@ from hpctoolkit.roles.context import (
 )
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
+from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
+from hpctoolkit.targets.resolve import resolve_target
 
 # No new manifest from any engine for this long (engine start included) fails the read.
 QUEUE_STALL_TIMEOUT_S = 1800.0
@@ -44,6 +48,7 @@ class TrainerJob:
 
     cfg: Any  # the recipe; a live run's carries the pruned vocabulary the engines counted
     samples: Any  # the offline shard folder, or a live run's `LiveSource`
+    target_dir: Path  # the target's checkpoint directory (`targets.resolve.resolve_target`)
     run: RunDir
     run_id: str
     plan: Plan
@@ -72,7 +77,8 @@ def trainer_job(ctx: NodeContext, proc: Process) -> TrainerJob:
     if cfg.training.data_source == "offline":
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
-        return TrainerJob(cfg, cfg.data.offline_dir, ctx.run, ctx.run_id, ctx.plan, rank0, t0)
+        target_dir = _target(cfg, ctx.run, live_rank0=False)
+        return TrainerJob(cfg, cfg.data.offline_dir, target_dir, ctx.run, ctx.run_id, ctx.plan, rank0, t0)
     store_cfg = client_store_config(ctx)
     address, metrics = _master_addresses(ctx, rank0)
     return _live_job(ctx, rank0, t0, address, store_cfg, metrics)
@@ -135,4 +141,22 @@ def _live_job(
         # next batch whole while the GPU trains on this one (`benchmarks/trainer_input.py`).
         read_ahead=max(8, 2 * cfg.training.batch_size),
     )
-    return TrainerJob(counted, source, run, ctx.run_id, ctx.plan, rank0, t0, prefixes, metrics)
+    target_dir = _target(counted, run, live_rank0=rank0)
+    return TrainerJob(counted, source, target_dir, run, ctx.run_id, ctx.plan, rank0, t0, prefixes, metrics)
+
+
+def _target(cfg: Any, run: RunDir, *, live_rank0: bool) -> Path:
+    """The target's directory, built or converted into the cache on first use. As a failed
+    training does, a failed conversion on a live run's rank 0 tells the services (`tell_failed`)."""
+    try:
+        return resolve_target(str(cfg.paths.target_model))
+    except BaseException as err:
+        if live_rank0:
+            tell_failed(run, err)
+        raise
+
+
+def tell_failed(run: RunDir, err: BaseException) -> None:
+    """`ended.json` for a run whose trainers failed: the services' cue to stop, and the error
+    `python -m hpctoolkit.status` shows."""
+    write_json_atomic(run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
