@@ -4,8 +4,10 @@ The builder does what a rank needs before it trains, in order and once: the rend
 listens and records its port; `os.environ` gets torch.distributed's variables), then for a live
 run the store's address (waited for until the master answers), the sizing, the ledger this
 attempt resumes from, the pruned vocabulary the engines counted, and the source that reads the
-engines' queues; last the target (a packaged one converted on first use). What it returns is all
-`roles.trainer` hands to `train.run.train_on` and reports from.
+engines' queues; last the target (a packaged one converted on first use). The plan's share in
+the summary (which roles ran where, which ranks read across hosts) is taken here too
+(`rundir.summary.TrainerReport`). What it returns is all `roles.trainer` hands to
+`train.run.train_on` and reports from.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from hpctoolkit.roles.context import (
     trainer_env,
     trainer_rendezvous,
 )
+from hpctoolkit.roles.results import trainers_are_last
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
+from hpctoolkit.rundir.summary import TrainerReport
 from hpctoolkit.targets.resolve import resolve_target
 
 # No new manifest from any engine for this long (engine start included) fails the read.
@@ -51,7 +55,7 @@ class TrainerJob:
     target_dir: Path  # the target's checkpoint directory (`targets.resolve.resolve_target`)
     run: RunDir
     run_id: str
-    plan: Plan
+    report: TrainerReport  # what rank 0's summary takes besides training's result
     rank0: bool
     t0: float  # when the rank began its job (after the rendezvous)
     prefixes: tuple[str, ...] = ()  # a live run's engine queues of this attempt
@@ -78,7 +82,8 @@ def trainer_job(ctx: NodeContext, proc: Process) -> TrainerJob:
         if not cfg.data.offline_dir:
             raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
         target_dir = _target(cfg, ctx.run, live_rank0=False)
-        return TrainerJob(cfg, cfg.data.offline_dir, target_dir, ctx.run, ctx.run_id, ctx.plan, rank0, t0)
+        report = trainer_report(ctx)
+        return TrainerJob(cfg, cfg.data.offline_dir, target_dir, ctx.run, ctx.run_id, report, rank0, t0)
     store_cfg = client_store_config(ctx)
     address, metrics = _master_addresses(ctx, rank0)
     return _live_job(ctx, rank0, t0, address, store_cfg, metrics)
@@ -142,7 +147,25 @@ def _live_job(
         read_ahead=max(8, 2 * cfg.training.batch_size),
     )
     target_dir = _target(counted, run, live_rank0=rank0)
-    return TrainerJob(counted, source, target_dir, run, ctx.run_id, ctx.plan, rank0, t0, prefixes, metrics)
+    report = trainer_report(ctx, prefixes)
+    return TrainerJob(counted, source, target_dir, run, ctx.run_id, report, rank0, t0, prefixes, metrics)
+
+
+def trainer_report(ctx: NodeContext, prefixes: tuple[str, ...] = ()) -> TrainerReport:
+    """What rank 0 reports from besides training's result, the plan's part taken now."""
+    plan: Plan = ctx.plan
+    engine_nodes = {n.node for e in plan.engines for n in e.nodes}
+    return TrainerReport(
+        ctx.run,
+        ctx.cfg.name,
+        ctx.run_id,
+        ctx.cfg.evaluate.num_speculative_tokens,
+        trainers_are_last(ctx.cfg),
+        world_size=plan.trainer.world_size,
+        prefixes=prefixes,
+        node_roles=tuple(tuple(sorted({p.role for p in plan.on_node(n)})) for n in range(plan.num_nodes)),
+        remote_ranks=tuple(r.rank for r in plan.trainer.ranks if r.node not in engine_nodes),
+    )
 
 
 def _target(cfg: Any, run: RunDir, *, live_rank0: bool) -> Path:
