@@ -18,9 +18,8 @@ from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import Process
 from hpctoolkit.roles.context import NodeContext
 from hpctoolkit.roles.results import trainer_acceptance_line
-from hpctoolkit.roles.trainer_job import TrainerJob, tell_failed, trainer_job
+from hpctoolkit.roles.trainer_job import TrainerJob, trainer_job
 from hpctoolkit.rundir import ledger, totals
-from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.summary import live_summary, offline_summary, write_trainer_summary
 from hpctoolkit.train import preempt
 
@@ -55,7 +54,7 @@ def run_trainer(ctx: NodeContext, proc: Process) -> int:
         )
     except BaseException as err:
         if job.rank0 and job.live:
-            tell_failed(job.run, err)
+            ledger.end_failed(job.run, err)
         raise
     finally:
         if watch is not None:
@@ -73,15 +72,13 @@ def _preempted(job: TrainerJob, result: dict[str, Any] | None) -> int:
     tasks (`srun --kill-on-bad-exit`), and the batch script reads the record to requeue."""
     if job.rank0:
         step = (result or {}).get("steps_trained")
-        write_json_atomic(job.run.ended, {"ok": False, "preempted": True, "step": step})
+        ledger.end_preempted(job.run, step)
         say(
             f"SIGUSR2: checkpointed at step {step} (nothing new when no step was trained since the last); "
             f"requeue the job to resume (exit {ledger.PREEMPTED_EXIT})"
         )
     else:
-        deadline = time.monotonic() + PREEMPT_RECORD_WAIT_S
-        while not (read_json(job.run.ended) or {}).get("preempted") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        ledger.wait_preempted(job.run, PREEMPT_RECORD_WAIT_S)
     return ledger.PREEMPTED_EXIT
 
 

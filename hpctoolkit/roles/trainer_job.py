@@ -4,10 +4,9 @@ The builder does what a rank needs before it trains, in order and once: the rend
 listens and records its port; `os.environ` gets torch.distributed's variables), then for a live
 run the store's address (waited for until the master answers), the sizing, the ledger this
 attempt resumes from, the pruned vocabulary the engines counted, and the source that reads the
-engines' queues; last the target (a packaged one converted on first use). The plan's share in
-the summary (which roles ran where, which ranks read across hosts) is taken here too
-(`rundir.summary.TrainerReport`). What it returns is all `roles.trainer` hands to
-`train.run.train_on` and reports from.
+engines' queues; then the plan's share in the summary (which roles ran where, which ranks read
+across hosts: `rundir.summary.TrainerReport`), and last the target (a packaged one converted on
+first use). What it returns is all `roles.trainer` hands to `train.run.train_on` and reports from.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from hpctoolkit.roles.context import (
 from hpctoolkit.roles.results import trainers_are_last
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
-from hpctoolkit.rundir.atomic import write_json_atomic
 from hpctoolkit.rundir.layout import RunDir
 from hpctoolkit.rundir.summary import TrainerReport
 from hpctoolkit.targets.resolve import resolve_target
@@ -78,15 +76,22 @@ def trainer_job(ctx: NodeContext, proc: Process) -> TrainerJob:
         os.environ[envs.HPCTOOLKIT_RENDEZVOUS_FD.name] = str(listening.detach())
     rank0 = proc.node_rank == 0
     t0 = time.monotonic()
-    if cfg.training.data_source == "offline":
-        if not cfg.data.offline_dir:
-            raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
-        target_dir = _target(cfg, ctx.run, live_rank0=False)
-        report = trainer_report(ctx)
-        return TrainerJob(cfg, cfg.data.offline_dir, target_dir, ctx.run, ctx.run_id, report, rank0, t0)
-    store_cfg = client_store_config(ctx)
-    address, metrics = _master_addresses(ctx, rank0)
-    return _live_job(ctx, rank0, t0, address, store_cfg, metrics)
+    live = cfg.training.data_source != "offline"
+    if not live and not cfg.data.offline_dir:
+        raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
+    samples: Any = cfg.data.offline_dir
+    prefixes: tuple[str, ...] = ()
+    metrics: str | None = None
+    if live:
+        cfg, samples, prefixes, metrics = _live_source(ctx, rank0)
+    report = trainer_report(ctx, prefixes)
+    try:
+        target_dir = resolve_target(str(cfg.paths.target_model))  # a packaged one converted here, once
+    except BaseException as err:
+        if live and rank0:  # as a failed training does: the services' cue to stop
+            ledger.end_failed(ctx.run, err)
+        raise
+    return TrainerJob(cfg, samples, target_dir, ctx.run, ctx.run_id, report, rank0, t0, prefixes, metrics)
 
 
 def _master_addresses(ctx: NodeContext, rank0: bool) -> tuple[str, str | None]:
@@ -100,15 +105,17 @@ def _master_addresses(ctx: NodeContext, rank0: bool) -> tuple[str, str | None]:
     return address, read_master_record(ctx)["metrics_address"]
 
 
-def _live_job(
-    ctx: NodeContext, rank0: bool, t0: float, address: str, store_cfg: Any, metrics: str | None
-) -> TrainerJob:
+def _live_source(ctx: NodeContext, rank0: bool) -> tuple[Any, Any, tuple[str, ...], str | None]:
+    """A live run's recipe (with the pruned vocabulary the engines counted), its `LiveSource`, this
+    attempt's engine queues and, on rank 0, the master's metrics address."""
     from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.plan.sizing import check_counts
     from hpctoolkit.store.mooncake import MooncakeStore
     from hpctoolkit.train.source import LiveSource, ManifestQueues
     from hpctoolkit.train.vocab_counts import counted_vocab
 
+    store_cfg = client_store_config(ctx)
+    address, metrics = _master_addresses(ctx, rank0)
     cfg = ctx.cfg
     # One pass spools nothing; replays are bounded (plan.sizing checked both at load).
     epochs = check_counts(cfg).epochs
@@ -146,9 +153,7 @@ def _live_job(
         # next batch whole while the GPU trains on this one (`benchmarks/trainer_input.py`).
         read_ahead=max(8, 2 * cfg.training.batch_size),
     )
-    target_dir = _target(counted, run, live_rank0=rank0)
-    report = trainer_report(ctx, prefixes)
-    return TrainerJob(counted, source, target_dir, run, ctx.run_id, report, rank0, t0, prefixes, metrics)
+    return counted, source, prefixes, metrics
 
 
 def trainer_report(ctx: NodeContext, prefixes: tuple[str, ...] = ()) -> TrainerReport:
@@ -166,20 +171,3 @@ def trainer_report(ctx: NodeContext, prefixes: tuple[str, ...] = ()) -> TrainerR
         node_roles=tuple(tuple(sorted({p.role for p in plan.on_node(n)})) for n in range(plan.num_nodes)),
         remote_ranks=tuple(r.rank for r in plan.trainer.ranks if r.node not in engine_nodes),
     )
-
-
-def _target(cfg: Any, run: RunDir, *, live_rank0: bool) -> Path:
-    """The target's directory, built or converted into the cache on first use. As a failed
-    training does, a failed conversion on a live run's rank 0 tells the services (`tell_failed`)."""
-    try:
-        return resolve_target(str(cfg.paths.target_model))
-    except BaseException as err:
-        if live_rank0:
-            tell_failed(run, err)
-        raise
-
-
-def tell_failed(run: RunDir, err: BaseException) -> None:
-    """`ended.json` for a run whose trainers failed: the services' cue to stop, and the error
-    `python -m hpctoolkit.status` shows."""
-    write_json_atomic(run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})

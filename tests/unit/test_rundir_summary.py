@@ -112,3 +112,16 @@ def test_the_trainers_last_word_keeps_an_earlier_attempts_figures_and_ends_the_r
     assert json.loads(run.summary.read_text()) == written
     assert json.loads(run.ended.read_text()) == {"ok": True}
     assert not run.latest.is_symlink()
+
+
+def test_the_trainers_end_records_say_failed_or_preempted(tmp_path):
+    from hpctoolkit.rundir import ledger
+
+    run = RunDir(tmp_path, "r1")
+    run.root.mkdir(parents=True)
+    ledger.end_failed(run, ValueError("bad"))
+    assert json.loads(run.ended.read_text()) == {"ok": False, "error": "ValueError: bad"}
+    assert not ledger.wait_preempted(run, 0)
+    ledger.end_preempted(run, 7)
+    assert json.loads(run.ended.read_text()) == {"ok": False, "preempted": True, "step": 7}
+    assert ledger.wait_preempted(run, 0)
