@@ -25,9 +25,10 @@ from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
 from hpctoolkit.roles.context import NodeContext, load_context
 from hpctoolkit.roles.dry import dry_now
-from hpctoolkit.roles.results import finished, merge_summary, phase_fields, trainer_acceptance_line
+from hpctoolkit.roles.results import finished, trainer_acceptance_line
 from hpctoolkit.rundir.atomic import read_json, write_json_atomic
 from hpctoolkit.rundir.progress import Counted, count_line, write_progress
+from hpctoolkit.rundir.summary import merge_summary, phase_fields
 
 # What summary.json carries of a chat-set result, with `per_set` (the rest stays under "evaluate").
 MT_BENCH_HEADLINE = (

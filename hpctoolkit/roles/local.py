@@ -34,10 +34,11 @@ from hpctoolkit.plan.placement import ROLE_ENGINE_FOLLOWER, ROLE_ENGINE_LEADER, 
 from hpctoolkit.recipe.load import load_pinned, to_yaml
 from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.roles.measure_inputs import measure as measure_inputs
-from hpctoolkit.roles.results import merge_summary, trainer_acceptance_line
+from hpctoolkit.roles.results import trainer_acceptance_line
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.atomic import read_json
 from hpctoolkit.rundir.layout import RunDir, local_run_id
+from hpctoolkit.rundir.summary import merge_summary
 
 # What a role process runs: `role_argv(role)`; the tests put stubs in.
 RoleArgv = Callable[[str], list[str]]

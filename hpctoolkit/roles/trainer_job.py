@@ -4,7 +4,9 @@ The builder does what a rank needs before it trains, in order and once: the rend
 listens and records its port; `os.environ` gets torch.distributed's variables), then for a live
 run the store's address (waited for until the master answers), the sizing, the ledger this
 attempt resumes from, the pruned vocabulary the engines counted, and the source that reads the
-engines' queues. What it returns is all `roles.trainer` hands to `train` and reports from.
+engines' queues; then the plan's share in the summary (which roles ran where, which ranks read
+across hosts: `rundir.summary.TrainerReport`), and last the target (a packaged one converted on
+first use). What it returns is all `roles.trainer` hands to `train.run.train_on` and reports from.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hpctoolkit import envs
@@ -27,9 +30,12 @@ from hpctoolkit.roles.context import (
     trainer_env,
     trainer_rendezvous,
 )
+from hpctoolkit.roles.results import trainers_are_last
 from hpctoolkit.roles.waits import MASTER_REACH_TIMEOUT_S, wait_reachable
 from hpctoolkit.rundir import ledger
 from hpctoolkit.rundir.layout import RunDir
+from hpctoolkit.rundir.summary import TrainerReport
+from hpctoolkit.targets.resolve import resolve_target
 
 # No new manifest from any engine for this long (engine start included) fails the read.
 QUEUE_STALL_TIMEOUT_S = 1800.0
@@ -44,9 +50,10 @@ class TrainerJob:
 
     cfg: Any  # the recipe; a live run's carries the pruned vocabulary the engines counted
     samples: Any  # the offline shard folder, or a live run's `LiveSource`
+    target_dir: Path  # the target's checkpoint directory (`targets.resolve.resolve_target`)
     run: RunDir
     run_id: str
-    plan: Plan
+    report: TrainerReport  # what rank 0's summary takes besides training's result
     rank0: bool
     t0: float  # when the rank began its job (after the rendezvous)
     prefixes: tuple[str, ...] = ()  # a live run's engine queues of this attempt
@@ -69,13 +76,22 @@ def trainer_job(ctx: NodeContext, proc: Process) -> TrainerJob:
         os.environ[envs.HPCTOOLKIT_RENDEZVOUS_FD.name] = str(listening.detach())
     rank0 = proc.node_rank == 0
     t0 = time.monotonic()
-    if cfg.training.data_source == "offline":
-        if not cfg.data.offline_dir:
-            raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
-        return TrainerJob(cfg, cfg.data.offline_dir, ctx.run, ctx.run_id, ctx.plan, rank0, t0)
-    store_cfg = client_store_config(ctx)
-    address, metrics = _master_addresses(ctx, rank0)
-    return _live_job(ctx, rank0, t0, address, store_cfg, metrics)
+    live = cfg.training.data_source != "offline"
+    if not live and not cfg.data.offline_dir:
+        raise ConfigError("training.data_source=offline needs data.offline_dir (the shard folder)")
+    samples: Any = cfg.data.offline_dir
+    prefixes: tuple[str, ...] = ()
+    metrics: str | None = None
+    if live:
+        cfg, samples, prefixes, metrics = _live_source(ctx, rank0)
+    report = trainer_report(ctx, prefixes)
+    try:
+        target_dir = resolve_target(str(cfg.paths.target_model))  # a packaged one converted here, once
+    except BaseException as err:
+        if live and rank0:  # as a failed training does: the services' cue to stop
+            ledger.end_failed(ctx.run, err)
+        raise
+    return TrainerJob(cfg, samples, target_dir, ctx.run, ctx.run_id, report, rank0, t0, prefixes, metrics)
 
 
 def _master_addresses(ctx: NodeContext, rank0: bool) -> tuple[str, str | None]:
@@ -89,15 +105,17 @@ def _master_addresses(ctx: NodeContext, rank0: bool) -> tuple[str, str | None]:
     return address, read_master_record(ctx)["metrics_address"]
 
 
-def _live_job(
-    ctx: NodeContext, rank0: bool, t0: float, address: str, store_cfg: Any, metrics: str | None
-) -> TrainerJob:
+def _live_source(ctx: NodeContext, rank0: bool) -> tuple[Any, Any, tuple[str, ...], str | None]:
+    """A live run's recipe (with the pruned vocabulary the engines counted), its `LiveSource`, this
+    attempt's engine queues and, on rank 0, the master's metrics address."""
     from hpctoolkit.engine.kwargs import run_prefix
     from hpctoolkit.plan.sizing import check_counts
     from hpctoolkit.store.mooncake import MooncakeStore
     from hpctoolkit.train.source import LiveSource, ManifestQueues
     from hpctoolkit.train.vocab_counts import counted_vocab
 
+    store_cfg = client_store_config(ctx)
+    address, metrics = _master_addresses(ctx, rank0)
     cfg = ctx.cfg
     # One pass spools nothing; replays are bounded (plan.sizing checked both at load).
     epochs = check_counts(cfg).epochs
@@ -135,4 +153,21 @@ def _live_job(
         # next batch whole while the GPU trains on this one (`benchmarks/trainer_input.py`).
         read_ahead=max(8, 2 * cfg.training.batch_size),
     )
-    return TrainerJob(counted, source, run, ctx.run_id, ctx.plan, rank0, t0, prefixes, metrics)
+    return counted, source, prefixes, metrics
+
+
+def trainer_report(ctx: NodeContext, prefixes: tuple[str, ...] = ()) -> TrainerReport:
+    """What rank 0 reports from besides training's result, the plan's part taken now."""
+    plan: Plan = ctx.plan
+    engine_nodes = {n.node for e in plan.engines for n in e.nodes}
+    return TrainerReport(
+        ctx.run,
+        ctx.cfg.name,
+        ctx.run_id,
+        ctx.cfg.evaluate.num_speculative_tokens,
+        trainers_are_last(ctx.cfg),
+        world_size=plan.trainer.world_size,
+        prefixes=prefixes,
+        node_roles=tuple(tuple(sorted({p.role for p in plan.on_node(n)})) for n in range(plan.num_nodes)),
+        remote_ranks=tuple(r.rank for r in plan.trainer.ranks if r.node not in engine_nodes),
+    )

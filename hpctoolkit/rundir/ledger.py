@@ -27,6 +27,11 @@ summary is set aside as `summary.earlier.json`, `rundir.summary`) and then write
 script's `check` step; under submitit, task 0 while the other tasks wait in `wait_attempt`; the
 embedded launcher, without a job, in a fresh directory).
 
+The trainers' end record `ended.json` tells the services the attempt is over: `{"ok": true}` with
+the summary (`rundir.summary`), `{"ok": false, "error"}` when they failed (`end_failed`), and
+`{"ok": false, "preempted": true, "step"}` once they checkpointed on SIGUSR2 (`end_preempted`,
+which `preempted_attempt` reads back).
+
 Pure file I/O: no torch, no store.
 """
 
@@ -158,6 +163,26 @@ def preempted_attempt(run: RunDir) -> str | None:
     if done is None or done.step != ended.get("step"):
         return None
     return f"checkpoint step-{done.step:08d} of run {run.run_id} is complete"
+
+
+def end_failed(run: RunDir, err: BaseException) -> None:
+    """The trainers failed with `err`: the services' cue to stop, and what `hpctoolkit.status` shows."""
+    write_json_atomic(run.ended, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+
+def end_preempted(run: RunDir, step: int | None) -> None:
+    """The trainers checkpointed at `step` on SIGUSR2 (None: no step this attempt): requeue the job."""
+    write_json_atomic(run.ended, {"ok": False, "preempted": True, "step": step})
+
+
+def wait_preempted(run: RunDir, timeout_s: float) -> bool:
+    """Whether `end_preempted`'s record appeared within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (read_json(run.ended) or {}).get("preempted"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def remaining(share: Iterable[int], ledger: Ledger | None) -> list[int]:

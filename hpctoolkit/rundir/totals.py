@@ -2,11 +2,14 @@
 `.done` records) and what the trainer ranks read (their read records), for rank 0's summary.
 
 Records of an earlier attempt (another run prefix) count as absent.
+
+Once training ended, rank 0 waits for the other ranks' records (`wait_read_totals`), bounded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpctoolkit.rundir.atomic import read_json
@@ -36,3 +39,32 @@ def read_totals(records: Sequence[Path], prefixes: Sequence[str]) -> tuple[int, 
         nbytes += int(rec.get("bytes", 0))
         complete = complete and bool(rec.get("complete"))
     return n, nbytes, complete
+
+
+def wait_read_totals(
+    records: Sequence[Path],
+    prefixes: Sequence[str],
+    published: int | None,
+    *,
+    wait: bool,
+    drained: Callable[[], bool],
+    timeout_s: float,
+) -> tuple[int, int]:
+    """(samples, bytes) the ranks read, once every rank's record is complete, or `drained()` says
+    every rank read its share, or every published sample was read, or after `timeout_s`; at once
+    unless `wait` (one rank: its own record is written)."""
+    deadline = time.monotonic() + timeout_s
+    read, moved, complete = read_totals(records, prefixes)
+    # A rank's record is complete once its stream ended; one whose steps took exactly its share
+    # never asks for more, so every published sample read also ends the wait (it held a job that
+    # read all it published, K3's own counts, for the whole timeout).
+    while (
+        not complete
+        and not drained()
+        and wait
+        and (published is None or read < published)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+        read, moved, complete = read_totals(records, prefixes)
+    return read, moved

@@ -1,4 +1,4 @@
-"""`train(cfg, samples_source, out_dir)`: the trainer's entry point.
+"""`train(cfg, samples_source, out_dir)`: the trainer's entry point (`train_on` a resolved target).
 
 - `world_size == 1`: runs in this process (a one-rank gloo/NCCL group, so FSDP and the
   distributed checkpoint take the same path as on a cluster).
@@ -70,7 +70,24 @@ def train(
     resume: bool = True,
     progress_file: str | os.PathLike = "",
 ) -> dict[str, Any]:
-    """Train the draft of `cfg` (a `RecipeConfig`) for `cfg.training.steps` and export it.
+    """`train_on` the target `cfg.paths.target_model` names, resolved here (built or converted on
+    first use; the trainer role's job builder resolves it before it hands over)."""
+    cfg.training.validate()  # before a target is built or converted
+    target_dir = resolve_target(str(cfg.paths.target_model))
+    return train_on(cfg, target_dir, samples_source, out_dir, resume=resume, progress_file=progress_file)
+
+
+def train_on(
+    cfg,
+    target_dir: str | os.PathLike,
+    samples_source: SamplesSource,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = True,
+    progress_file: str | os.PathLike = "",
+) -> dict[str, Any]:
+    """Train the draft of `cfg` (a `RecipeConfig`) for `cfg.training.steps` on the target checkpoint
+    in `target_dir` (resolved: `targets.resolve.resolve_target`) and export it.
 
     Resumes from the newest complete checkpoint in `out_dir/checkpoints` when `resume`. Returns
     the summary (`steps_trained`, `final_loss`, `acceptance_length` incl. the bonus token,
@@ -83,7 +100,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     job = TrainJob(
         draft_config=str(cfg.draft.config),
-        target_dir=str(resolve_target(str(cfg.paths.target_model))),
+        target_dir=str(target_dir),
         training=cfg.training,
         samples_source=samples_source,
         out_dir=str(out),

@@ -435,8 +435,8 @@ def test_a_history_too_long_for_the_prompt_is_dropped(tok, monkeypatch):
 
 
 def test_summary_block_from_the_engines_logs(tmp_path):
-    from hpctoolkit.roles.results import synthesized_fields
     from hpctoolkit.rundir.layout import RunDir
+    from hpctoolkit.rundir.summary import synthesized_fields
 
     run = RunDir.of(tmp_path, "r1")
     assert synthesized_fields(run) == {}

@@ -237,7 +237,8 @@ def test_the_trainer_figure_is_named_at_its_depth_and_at_the_served_k():
     ttt_length 7, above k=3's ceiling of 4, beside 1.11 served at k=3); the figure at the served k
     sits next to it, and the terminal line names both ks."""
     from hpctoolkit.models.common.losses import LossParts
-    from hpctoolkit.roles.results import trainer_acceptance_line, trainer_fields
+    from hpctoolkit.roles.results import trainer_acceptance_line
+    from hpctoolkit.rundir.summary import trainer_fields
     from hpctoolkit.train.metrics import StepStats, trainer_figures
 
     P = 7

@@ -15,9 +15,11 @@ import pytest
 from hpctoolkit.errors import RoleFailedError
 from hpctoolkit.plan.lifecycle import ENGINES_DRAIN_GRACE_S
 from hpctoolkit.plan.placement import make_plan
-from hpctoolkit.roles import context, dispatch, evaluate, trainer
+from hpctoolkit.roles import context, dispatch, evaluate
 from hpctoolkit.roles.network import HostAddress
+from hpctoolkit.roles.trainer_job import trainer_report
 from hpctoolkit.rundir.atomic import write_json_atomic
+from hpctoolkit.rundir.summary import write_trainer_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "tests/golden/emulated_3node.yaml"  # evaluate.enabled (the default)
@@ -47,7 +49,7 @@ def latest(ctx) -> str | None:
 @pytest.mark.parametrize(("enabled", "linked"), [("false", True), ("true", False)])
 def test_trainer_sets_latest_only_when_it_is_the_last_role(tmp_path, enabled, linked):
     ctx = ctx_for(tmp_path, f"evaluate.enabled={enabled}")
-    trainer._finish(ctx, {"run_id": ctx.run_id, "steps_trained": 3})
+    write_trainer_summary(trainer_report(ctx), {"run_id": ctx.run_id, "steps_trained": 3})
     assert json.loads(ctx.run.summary.read_text())["steps_trained"] == 3
     assert json.loads(ctx.run.ended.read_text()) == {"ok": True}
     assert latest(ctx) == (ctx.run_id if linked else None)
@@ -64,8 +66,8 @@ def test_a_by_hand_resume_of_a_finished_run_keeps_its_figures(tmp_path):
     write_json_atomic(ctx.run.summary, earlier)
     ledger.begin_attempt(ctx.run, "43", 0)
     assert not ctx.run.summary.exists()
-    trainer._finish(
-        ctx,
+    write_trainer_summary(
+        trainer_report(ctx),
         {
             "run_id": ctx.run_id,
             "steps_trained": 8,
@@ -153,8 +155,8 @@ def test_submitit_trainer_rank0_runs_evaluate_after_its_trainer(
 
 
 def test_phase_seconds_take_each_phases_slowest_engine_and_keep_what_the_summary_holds(tmp_path):
-    from hpctoolkit.roles.results import merge_summary, phase_fields
     from hpctoolkit.rundir.layout import RunDir
+    from hpctoolkit.rundir.summary import merge_summary, phase_fields
 
     run = RunDir(tmp_path, "r1")
     run.logs.mkdir(parents=True)
