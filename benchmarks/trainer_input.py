@@ -63,6 +63,12 @@ What they say:
   199 and 293 samples/s), not the reader's. The 32768-sample pass did not finish in the 200 s it
   was given there (writer-bound at about 290/s, it needs about 4 minutes): its CUDA figure and the
   GPU's busy share in a real rung (`summary.json`'s `gpu_busy`) are still to measure.
+- The first real rung with this path (one H100, 2026-12-08, DFlash 4096 x 2048,
+  `docs/what-ran-where.md`) shows what the stand-in step hides: the trainer's own main thread.
+  Its replay ran at 155-185 samples/s with the GPU 3-6 % busy (6.5 % over the run), and py-spy
+  found the main thread 80 % busy, 65 % of that in `collate`'s host padding, which a sleeping
+  consumer never pays. The reader was not the limit there; the collate is now packed
+  (`benchmarks/collate.py`), and the next rung measures what it buys.
 """
 
 from __future__ import annotations
