@@ -74,15 +74,48 @@ def _hidden_batch(
     )
 
 
-def _packed(samples: Sequence[Any], lengths: Sequence[int], pin_memory: bool) -> PackedHidden:
-    """Uninitialized packed buffers for the samples' first `lengths` rows (`collate` fills them)."""
-    aux, last = samples[0].aux_hidden_states, samples[0].last_hidden_states
-    T = sum(lengths)
-    return PackedHidden(
-        torch.empty(aux.shape[0], T, aux.shape[-1], dtype=aux.dtype, pin_memory=pin_memory),
-        torch.empty(T, last.shape[-1], dtype=last.dtype, pin_memory=pin_memory),
-        tuple(lengths),
-    )
+class _Hidden:
+    """Where `collate` puts each sample's hidden states: the padded `[B, S, n_aux*H]` and
+    `[B, S, H]` (`_hidden_batch`), or, when `pack`ing samples read on the host, their real rows
+    one after another (`PackedHidden`) with meta tensors standing for the padded ones.
+
+    Packing is for a CUDA trainer's host: on the H100 rung of 2026-12-08 (4096 conversations, 276
+    tokens a sample on average, batches padded to their longest) the host's zero-fill and
+    position-major copy took 65 % of the trainer's main thread, at 185 samples/s with the GPU 5 %
+    busy; packed, the host copies each real row once (`benchmarks/collate.py`)."""
+
+    def __init__(
+        self, samples: Sequence[Any], lengths: Sequence[int], seq_len: int, pin_memory: bool, pack: bool
+    ) -> None:
+        # Collated from the host's copies unless every sample has one on the device.
+        from_host = any(getattr(s, "device_copy", None) is None for s in samples)
+        self.packed: PackedHidden | None = None
+        self._at = 0
+        if not (pack and from_host):
+            self.sources, self.context, self.last = _hidden_batch(samples, seq_len, pin_memory)
+            return
+        aux, last = samples[0].aux_hidden_states, samples[0].last_hidden_states
+        n_aux, _, H = aux.shape
+        T, B = sum(lengths), len(samples)
+        self.packed = PackedHidden(
+            torch.empty(n_aux, T, H, dtype=aux.dtype, pin_memory=pin_memory),
+            torch.empty(T, last.shape[-1], dtype=last.dtype, pin_memory=pin_memory),
+            tuple(lengths),
+        )
+        self.sources = samples
+        self.context = torch.empty(B, seq_len, n_aux * H, dtype=aux.dtype, device="meta")
+        self.last = torch.empty(B, seq_len, last.shape[-1], dtype=last.dtype, device="meta")
+
+    def put(self, b: int, n: int, aux: torch.Tensor, last: torch.Tensor) -> None:
+        """Sample `b`'s first `n` rows."""
+        if self.packed is None:
+            # [n_aux, T, H] layer-major -> [T, n_aux * H] position-major, layer order kept.
+            self.context[b, :n].view(n, aux.shape[0], aux.shape[-1]).copy_(aux[:, :n].transpose(0, 1))
+            self.last[b, :n] = last[:n]
+            return
+        self.packed.aux_LTH[:, self._at : self._at + n].copy_(aux[:, :n])
+        self.packed.last_TH[self._at : self._at + n].copy_(last[:n])
+        self._at += n
 
 
 def _check_shapes(s: Any, aux: torch.Tensor, last: torch.Tensor, n_aux: int, hidden: int) -> None:
@@ -113,12 +146,8 @@ def collate(
     to the device is queued without the host waiting for it (and runs at copy-engine speed: 58 ms
     of pageable copy a step at K3 shapes on an H200, `benchmarks/train_k3_gpu.py`).
 
-    `pack` (default: `pin_memory`) keeps the hidden states packed (`Batch.packed`): each sample's
-    real rows copied once, as captured, and padded where the batch is moved to (`Batch.to`). The
-    padded host layout cost a trainer its input rate: on the H100 rung of 2026-12-08 (4096
-    conversations, 276 tokens a sample on average, batches padded to their longest) the host's
-    zero-fill and position-major copy took 65 % of the trainer's main thread, at 185 samples/s
-    with the GPU 5 % busy.
+    `pack` (default: `pin_memory`) keeps the hidden states packed (`Batch.packed`, `_Hidden`
+    says why): each sample's real rows copied once, padded where the batch is moved to.
 
     Samples that each carry a `device_copy` (checked on a CUDA device, `fetch_sample(device=...)`)
     have their hidden states collated there, from those copies, on the current stream: the host
@@ -139,32 +168,14 @@ def collate(
     first = samples[0]
     n_aux, _, H = first.aux_hidden_states.shape
     B = len(samples)
-    # Collated from the host's copies unless every sample has one on the device (`_hidden_batch`).
-    from_host = any(getattr(s, "device_copy", None) is None for s in samples)
-    want = pin_memory if pack is None else pack
-    packed = _packed(samples, lengths, pin_memory) if want and from_host else None
-    if packed is None:
-        hidden_from, context, last = _hidden_batch(samples, S, pin_memory)
-    else:
-        hidden_from = samples
-        context = torch.empty(B, S, n_aux * H, dtype=packed.aux_LTH.dtype, device="meta")
-        last = torch.empty(B, S, packed.last_TH.shape[-1], dtype=packed.last_TH.dtype, device="meta")
+    hidden = _Hidden(samples, lengths, S, pin_memory, pin_memory if pack is None else pack)
     input_ids = torch.zeros(B, S, dtype=torch.long, pin_memory=pin_memory)
     valid = torch.zeros(B, S, dtype=torch.bool)
     masked = torch.zeros(B, S, dtype=torch.bool)
-    start = 0
-    for b, (s, hs, n) in enumerate(zip(samples, hidden_from, lengths, strict=True)):
-        aux = hs.aux_hidden_states
-        _check_shapes(s, aux, hs.last_hidden_states, n_aux, H)
+    for b, (s, hs, n) in enumerate(zip(samples, hidden.sources, lengths, strict=True)):
+        _check_shapes(s, hs.aux_hidden_states, hs.last_hidden_states, n_aux, H)
         input_ids[b, :n] = s.input_ids[:n]
-        if packed is None:
-            # [n_aux, T, H] layer-major -> [T, n_aux * H] position-major, layer order kept.
-            context[b, :n].view(n, n_aux, H).copy_(aux[:, :n].transpose(0, 1))
-            last[b, :n] = hs.last_hidden_states[:n]
-        else:
-            packed.aux_LTH[:, start : start + n].copy_(aux[:, :n])
-            packed.last_TH[start : start + n].copy_(hs.last_hidden_states[:n])
-            start += n
+        hidden.put(b, n, hs.aux_hidden_states, hs.last_hidden_states)
         valid[b, :n] = True
         mask = getattr(s, "loss_mask", None)
         if mask is None:
@@ -187,13 +198,13 @@ def collate(
     return Batch(
         keys=[str(s.key) for s in samples],
         input_ids_BS=input_ids,
-        context_BSC=context,
-        last_BSH=last,
+        context_BSC=hidden.context,
+        last_BSH=hidden.last,
         valid_BS=valid,
         lengths_B=lengths_t,
         weight_B=weight,
         last_prenorm=prenorm.pop(),
         truncated=truncated,
         supervised=supervised,
-        packed=packed,
+        packed=hidden.packed,
     )
