@@ -5,7 +5,8 @@ template: MT-Bench's 80 questions, both turns, per-category figures; `human_eval
 each set's figure), or `builtin:tiny` or a JSONL file, skipping
 `--prompt-offset` of them (e.g. the training ones). Prints the two acceptance lengths, then the result JSON (also written
 to `--out`); `--plot` writes a served-vs-simulated PNG. The questions served so far go to stderr
-every 10 s.
+every 10 s. A k past the depth the draft was trained for (`--ttt-length` gives an Eagle3 draft's) is
+warned about on stderr before serving.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -20,6 +22,7 @@ from transformers import AutoTokenizer
 from hpctoolkit.cli import parse, parser, run_cli
 from hpctoolkit.data.prompts import load_prompt_ids
 from hpctoolkit.errors import ConfigError
+from hpctoolkit.evaluate.command import k_warning
 from hpctoolkit.evaluate.compare import evaluate
 from hpctoolkit.evaluate.serve import reporting
 from hpctoolkit.evaluate.sets import set_lines
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument(
+        "--ttt-length",
+        type=int,
+        help="the training.ttt_length an Eagle3 draft was trained with, to warn when k exceeds it",
+    )
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--plot", help="write a served-vs-simulated PNG here")
     return ap
@@ -64,6 +72,10 @@ def main(argv: list[str]) -> int:
     args = parse(build_parser(), argv)
     if args.num_speculative_tokens < 1 or args.max_tokens < 1 or args.num_prompts < 1:
         raise ConfigError("--num-speculative-tokens, --max-tokens and --num-prompts must be >= 1")
+    config = Path(args.export_dir) / "config.json"
+    k = args.num_speculative_tokens
+    if config.is_file() and (warning := k_warning(config, k, ttt_length=args.ttt_length)):
+        print(f"hpctoolkit: warning: {warning}", file=sys.stderr, flush=True)
     target = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(str(target))
     if args.prompts == "mt_bench":

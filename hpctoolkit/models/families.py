@@ -20,7 +20,7 @@ from hpctoolkit.models.dflash.serving import SERVING as DFLASH
 from hpctoolkit.models.dspark.serving import SERVING as DSPARK
 from hpctoolkit.models.eagle3.serving import SERVING as EAGLE3
 from hpctoolkit.models.k3_dspark.serving import SERVING as K3_DSPARK
-from hpctoolkit.models.serving import Serving
+from hpctoolkit.models.serving import Serving, TrainedDepth
 from hpctoolkit.rundir.atomic import read_json_object
 
 _BY_FAMILY: dict[str, Serving] = {}
@@ -73,6 +73,16 @@ def serving_for(config: Any) -> Serving:
         if key in _BY_NAME:
             return _BY_NAME[key]
     raise ConfigError(f"no draft registered for {what}; known: {', '.join(known_names())}")
+
+
+def trained_depth(config: Any, *, ttt_length: int | None = None) -> TrainedDepth | None:
+    """How many speculative tokens the draft of `config` (what `serving_for` takes) was trained to
+    propose: DFlash, DSpark and K3 DSpark `block_size - 1`, Eagle3 the run's `ttt_length` (its
+    `training.ttt_length`; None: unknown, and so is an Eagle3 draft's depth). Pure: reads the
+    config, loads nothing."""
+    if isinstance(config, (str, os.PathLike)):
+        config = read_config_json(config)
+    return serving_for(config).trained_depth(config, ttt_length)
 
 
 def serving_of_family(family: str) -> Serving:

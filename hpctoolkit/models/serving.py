@@ -22,6 +22,23 @@ def _nothing_unsupported(config: Any) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TrainedDepth:
+    """How many speculative tokens a draft was trained to propose, `depth`, and what set it,
+    `source` (`block_size 4`, `training.ttt_length 7`). vLLM serves any k; draft positions past
+    `depth` were never in the loss, so they are rarely accepted and only cost verification."""
+
+    depth: int
+    source: str
+
+
+def field_of(config: Any, key: str) -> Any:
+    """`key` of a `config.json` dict or of a config instance; None where it has none."""
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+@dataclass(frozen=True)
 class Serving:
     """One draft family, as export, evaluation and the couplings see it.
 
@@ -31,6 +48,11 @@ class Serving:
       `save_draft` writes (our own checkpoint).
     - `served_architecture`: what export writes, the vLLM 0.32 draft class's registry name.
     - `vllm_method`: vLLM's `speculative_config["method"]`.
+    - `title`: the family as people write it (`DFlash`), for messages.
+    - `trained_depth(config, ttt_length)`: how many speculative tokens the draft was trained to
+      propose (`TrainedDepth`), from a `config.json` dict or a config instance and the run's
+      `training.ttt_length` (None: unknown); None where the config cannot tell
+      (`families.trained_depth` is the lookup).
     - `config_fields(config)`: the serving `config.json` fields (all but `architectures` and
       `torch_dtype`).
     - `unsupported(config)`: trained features vLLM 0.32 has no serving code for; export refuses
@@ -45,7 +67,9 @@ class Serving:
     architectures: tuple[str, ...]
     served_architecture: str
     vllm_method: str
+    title: str
     config_fields: Callable[[Any], dict[str, Any]]
+    trained_depth: Callable[[Any, int | None], TrainedDepth | None]
     unsupported: Callable[[Any], list[str]] = _nothing_unsupported
     cpu_unservable: str | None = None
     min_loss_tokens: Callable[[Mapping[str, Any]], tuple[int, str]] | None = None

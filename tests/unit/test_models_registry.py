@@ -366,3 +366,59 @@ def test_python_m_reports_a_bad_flag_in_one_line(prog):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: python -m {prog}: unrecognized arguments: --nope"]
+
+
+# The speculative tokens each recipe's draft was trained to propose: block families
+# `block_size - 1` (slot 0 is the known anchor), Eagle3 the run's `training.ttt_length`.
+TRAINED_DEPTH = {
+    "kimi_k3_dspark_mla.json": (6, "block_size 7"),
+    "tiny_k3_dspark_mla.json": (6, "block_size 7"),
+    "qwen3_8b_dspark.json": (6, "block_size 7"),
+    "tiny_dspark.json": (6, "block_size 7"),
+    "qwen3_8b_dflash.json": (15, "block_size 16"),
+    "tiny_dflash.json": (3, "block_size 4"),
+    "smollm2_dflash.json": (3, "block_size 4"),
+    "qwen3_8b_eagle3.json": (5, "training.ttt_length 5"),
+    "tiny_eagle3.json": (5, "training.ttt_length 5"),
+    "smollm2_eagle3.json": (5, "training.ttt_length 5"),
+}
+
+
+def test_every_family_declares_its_trained_depth():
+    from hpctoolkit.models.families import serving_of_family
+
+    assert set(TRAINED_DEPTH) == set(EXPECTED)
+    covered = {serving_for(RECIPES / name).family for name in TRAINED_DEPTH}
+    assert covered == set(families())
+    assert all(serving_of_family(f).title for f in families())
+
+
+@pytest.mark.parametrize(("name", "want"), TRAINED_DEPTH.items())
+def test_trained_depth_reads_the_draft_json_its_config_and_its_export_alike(name, want):
+    from hpctoolkit.models.families import trained_depth
+    from hpctoolkit.models.serving import TrainedDepth
+
+    config = load_draft_config(RECIPES / name)
+    serving = serving_for(config)
+    served = serving.config_fields(config) | {"architectures": [serving.served_architecture]}
+    for source in (RECIPES / name, str(RECIPES / name), config, served):
+        assert trained_depth(source, ttt_length=5) == TrainedDepth(*want), source
+
+
+def test_trained_depth_defaults_and_unknowns():
+    from hpctoolkit.models.families import trained_depth
+
+    def depth(draft, **kw):
+        got = trained_depth(draft, **kw)
+        return None if got is None else got.depth
+
+    # A config.json without block_size: the config class's default (DFlash 16, DSpark 7).
+    assert depth({"model_type": "dflash_draft"}) == 15
+    assert depth({"model_type": "dspark_draft"}) == 6 and depth({"model_type": "k3_dspark"}) == 6
+    assert depth({"model_type": "dflash_draft", "dflash_config": {"block_size": 5}}) == 4
+    assert depth({"architectures": ["DFlashDraftModel"], "block_size": 8}, ttt_length=2) == 7
+    # Eagle3's depth is a training setting its config.json does not carry: unknown without it.
+    assert depth({"model_type": "eagle3_draft"}) is None
+    assert depth({"architectures": ["Eagle3Qwen3ForCausalLM"]}, ttt_length=3) == 3
+    with pytest.raises(ConfigError, match="no draft registered"):
+        trained_depth({"model_type": "nope"})

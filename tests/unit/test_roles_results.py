@@ -171,13 +171,3 @@ def test_phase_seconds_take_each_phases_slowest_engine_and_keep_what_the_summary
     merge_summary(run, got)
     assert phase_fields(run, evaluate=50)["phases_s"] == {**got["phases_s"], "evaluate": 50}
     assert phase_fields(RunDir(tmp_path, "empty")) == {}
-
-
-def test_serving_past_the_trained_depth_is_warned_about():
-    from hpctoolkit.roles.evaluate import depth_warning
-
-    assert depth_warning(3, 3) is None and depth_warning(3, 15) is None and depth_warning(3, None) is None
-    assert depth_warning(5, 3) == (
-        "WARNING: serving at k=5 (evaluate.num_speculative_tokens), past the depth the draft was "
-        "trained to, 3: positions 4..5 were never trained"
-    )

@@ -33,8 +33,7 @@ def config_fields(config: DSparkConfig) -> dict[str, Any]:
 
 def min_loss_tokens(draft: Mapping[str, Any]) -> tuple[int, str]:
     """A DSpark sample shorter than two whole blocks carries no usable signal."""
-    nested = draft.get("dflash_config") or {}
-    block = int(draft.get("block_size") or nested.get("block_size") or DEFAULT_BLOCK_SIZE)
+    block = dflash.block_size_of(draft, DEFAULT_BLOCK_SIZE)
     return 2 * block, (
         f"2 x block_size ({2 * block}): a DSpark sample shorter than two whole blocks carries no "
         "usable signal"
@@ -47,7 +46,9 @@ SERVING = Serving(
     architectures=("Qwen3DSparkModel", "DSparkDraftModel"),
     served_architecture="Qwen3DSparkModel",
     vllm_method="dspark",
+    title="DSpark",
     config_fields=config_fields,
+    trained_depth=dflash.block_depth(DEFAULT_BLOCK_SIZE),
     unsupported=dflash.unsupported,
     cpu_unservable=CPU_UNSERVABLE,
     min_loss_tokens=min_loss_tokens,
