@@ -21,6 +21,15 @@
 # added with site.addsitedir, so the .pth files inside them count too. Every process started with
 # VENV/bin/python (vLLM's spawned workers included) gets this order; PYTHONPATH does not, because
 # callers that build their own environment drop it.
+# VENV/bin then gets the console scripts of every installed distribution (vllm, torchrun, ...: the
+# console_scripts of each entry_points.txt in the site), so that activating the venv or putting
+# VENV/bin on PATH runs `vllm serve` as a run prints it. pip --target writes its own scripts under
+# VENV/wheelhouse-site/bin, for the base interpreter, which is neither on PATH nor the venv's. Each
+# is a wrapper `#!VENV/bin/python` that imports and calls its function under an
+# `if __name__ == "__main__":` guard, as pip's are: vLLM's workers start by multiprocessing's spawn,
+# which imports the main script again, and must not run the command a second time. A wrapper the
+# installer wrote whose command is gone is removed; another file of the command's name (a
+# hand-written wrapper) is replaced, with a warning; the venv's own python* and activate* are kept.
 # The vLLM patch series of the wheelhouse's vllm version (patches/vllm/vX.Y.Z/series, or --series)
 # is applied to the wheelhouse site. The last line is what VENV's python sees: torch and vLLM
 # versions, CUDA, the GPUs and NCCL, after a warning for any `# image:` name nothing provides.
@@ -157,10 +166,76 @@ PY
 if [ "$isolated" = 1 ]; then say "venv $venv: the wheelhouse only (--isolated)"
 else say "venv $venv: the wheelhouse, then ${images[*]}"; fi
 
-# 5. The patch series, on the wheelhouse's vLLM.
+# 5. The console scripts of the site's distributions, in VENV/bin (the header says why).
+"$vpy" -I - "$site" "$venv/bin" <<'PY' || die 1 "could not write the console scripts of $site into $venv/bin (above)"
+import importlib.metadata as md
+import os
+import re
+import sys
+
+site, bindir = sys.argv[1:3]
+MARK = "# written by install_wheelhouse.sh from "
+python = os.path.join(bindir, "python")
+shebang = f"#!{python}\n"
+if len(shebang) > 127 or any(c.isspace() for c in python):
+    # The kernel cuts a long #! line and splits it at blanks: start through sh instead, as pip does.
+    shebang = f"#!/bin/sh\n'''exec' \"{python}\" \"$0\" \"$@\"\n' '''\n"
+
+scripts, notes = {}, []
+for dist in sorted(md.distributions(path=[site]), key=lambda d: d.metadata["Name"].lower()):
+    name_version = f"{dist.metadata['Name']} {dist.version}"
+    for ep in dist.entry_points.select(group="console_scripts"):
+        top, _, rest = (ep.attr or "").partition(".")
+        if "/" in ep.name or not top.isidentifier() or not all(p.isidentifier() for p in ep.module.split(".")):
+            notes.append(f"{name_version}'s console script {ep.name} = {ep.value} is not module:function")
+        elif ep.name in scripts:
+            notes.append(f"{ep.name} of {name_version} left out: {scripts[ep.name][0]} has one")
+        else:
+            scripts[ep.name] = (
+                name_version,
+                f"{shebang}{MARK}{name_version}: {ep.name} = {ep.value}\n"
+                f"import sys\nfrom {ep.module} import {top}\n\n"
+                f'if __name__ == "__main__":\n    sys.exit({ep.attr}())\n',
+            )
+
+
+def ours(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return MARK in f.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+for name in sorted(os.listdir(bindir)):
+    path = os.path.join(bindir, name)
+    if name not in scripts and os.path.isfile(path) and ours(path):
+        os.remove(path)
+written = []
+for name, (source, text) in sorted(scripts.items()):
+    path = os.path.join(bindir, name)
+    if re.fullmatch(r"python[0-9.]*|[Aa]ctivate.*", name):
+        notes.append(f"{name} of {source} left out: {path} is the venv's own")
+        continue
+    if os.path.lexists(path) and not ours(path):  # a hand-written wrapper, say: ours replaces it
+        notes.append(f"{path} was not written by the installer: replaced by {name} of {source}")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(path + ".tmp", 0o755)
+    os.replace(path + ".tmp", path)
+    written.append(name)
+for note in notes:
+    print(f"install_wheelhouse: warning: {note}", file=sys.stderr)
+if "vllm" not in written:
+    print("install_wheelhouse: warning: no `vllm` console script: the wheelhouse's vllm declares none", file=sys.stderr)
+among = ", vllm among them" if "vllm" in written else ""
+print(f"install_wheelhouse: {len(written)} console scripts of the wheelhouse in {bindir}{among}")
+PY
+
+# 6. The patch series, on the wheelhouse's vLLM.
 PYTHON=$py bash "$repo/patches/apply_series.sh" "$site" "$series" || die 1 "the patch series $series does not apply to $site"
 
-# 6. What the venv sees, from a neutral folder so that nothing in the caller's shadows it.
+# 7. What the venv sees, from a neutral folder so that nothing in the caller's shadows it.
 cd /
 "$vpy" -I - "$repo" "$lock" <<'PY' || die 1 "$vpy cannot import torch and vllm (above)"
 import importlib.metadata as md
@@ -202,5 +277,5 @@ print(f"install_wheelhouse: torch {torch.__version__}, vllm {vllm.__version__}, 
       f"{count} GPU(s): {names}, NCCL {nccl}")
 PY
 
-# 7. make's set-up stamp: `make run VENV=$venv` (and `make test`) take this venv as set up.
+# 8. make's set-up stamp: `make run VENV=$venv` (and `make test`) take this venv as set up.
 touch "$venv/.hpctoolkit-setup"

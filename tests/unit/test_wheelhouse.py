@@ -315,14 +315,41 @@ FAKE_TORCH = {
     "torch/cuda/nccl.py": "def version():\n    return (2, 32, 6)\n",
 }
 PROBE = "import sys, torch, imgonly; print(torch.WHERE, torch.__version__, imgonly.WHERE, sys.executable)"
+# The fake `vllm` command starts a child by spawn, as vLLM starts its engine (test_wheelhouse_serve.py).
+FAKE_VLLM_CLI = """\
+import multiprocessing
+import sys
+
+
+def child():
+    import torch
+
+    print(f"child: torch from the {torch.WHERE}, {sys.executable}", flush=True)
+
+
+def main():
+    proc = multiprocessing.get_context("spawn").Process(target=child)
+    proc.start()
+    proc.join()
+    print(f"vllm {' '.join(sys.argv[1:])}: the child exited {proc.exitcode}")
+    return proc.exitcode
+"""
+FAKE_VLLM = {
+    "vllm/__init__.py": "__version__ = '0.32.0'\n",
+    "vllm/entrypoints/__init__.py": "",
+    "vllm/entrypoints/cli/__init__.py": "",
+    "vllm/entrypoints/cli/main.py": FAKE_VLLM_CLI,
+    "vllm-0.32.0.dist-info/entry_points.txt": "[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n",
+}
 
 
 def fake_installation(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A wheelhouse (torch, vllm), an image (its own torch, imgonly, packaging) and a series."""
+    """A wheelhouse (torch, vllm with its `vllm` command), an image (its own torch, imgonly, packaging)
+    and a series."""
     house = tmp_path / "house"
     house.mkdir()
     make_wheel(house, "torch", "2.13.0", files=FAKE_TORCH)
-    make_wheel(house, "vllm", "0.32.0", files={"vllm/__init__.py": "__version__ = '0.32.0'\n"})
+    make_wheel(house, "vllm", "0.32.0", files=FAKE_VLLM)
     image = tmp_path / "image"
     (image / "torch").mkdir(parents=True)
     (image / "torch" / "__init__.py").write_text("__version__ = '2.11.0'\nWHERE = 'image'\n")
