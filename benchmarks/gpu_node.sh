@@ -23,7 +23,7 @@
 # (the gpu tests not yet run on CUDA), flake (the overlapped-steps test after the vLLM tests), stress
 # (that test under stress, with its positive controls and CUDA-sanitizer arms), run (`make run` with that venv: the GPU default), bench
 # (benchmarks/gpu_pipeline.py all, on make run's draft), or its parts one at a time: regen,
-# capture, serve (after run); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
+# capture, serve (after run or ladder: the draft against the target alone); store (the checksums' cost, benchmarks/store_path.py). Each appends to $HPC/results/STAGE.log and records "STAGE rc=N seconds=S" in
 # $HPC/results/stages.txt; the stages go on after a failed one. Every limit ends in a SIGKILL 20 s
 # after its SIGTERM: on 2026-12-06 the tier's pytest outlived its SIGTERM by ten minutes.
 set -uo pipefail
@@ -121,9 +121,16 @@ stage_capture() {
   timeout -k 20 540 "$py" benchmarks/gpu_pipeline.py capture --prefill-batch 1 8 32 --json "$res/capture.json"
 }
 
+# The draft against the target alone (issue 43 item 3): SERVE_EXPORT, else the newest export of a
+# ladder rung or of the run stage.
 stage_serve() {
-  export_dir=$(find runs/local_gpu -type d -name export -print -quit 2>/dev/null)
-  [ -n "$export_dir" ] || { echo "no export under runs/local_gpu: the run stage made no draft"; return 1; }
+  local export_dir=${SERVE_EXPORT:-}
+  if [ -z "$export_dir" ]; then
+    # shellcheck disable=SC2012  # the newest by time, and these paths hold no odd characters
+    export_dir=$(ls -td runs/acceptance/*/latest/export runs/local_gpu/*/export 2>/dev/null | head -n 1)
+  fi
+  [ -n "$export_dir" ] || { echo "no export under runs/acceptance or runs/local_gpu: no draft to serve"; return 1; }
+  echo "serving $export_dir"
   timeout -k 20 420 "$py" benchmarks/gpu_pipeline.py serve --export "$export_dir" --json "$res/serve.json"
 }
 
