@@ -12,6 +12,9 @@
 #   benchmarks/gpu_node.sh wait SECONDS      until the stages end or SECONDS pass; print the log's
 #                                            tail and copy the results into $OUT (when set)
 #
+# A py-spy wheel in .prof/ (ignored; carried with `start`) is installed, and the ladder stage then
+# records the trainer twice (profile_trainer): where its main thread goes, without polling for it.
+#
 # The lent machine goes back after 30 s without a call, stages and all: poll with `wait 25`, and
 # make edits in the same batch of calls as a poll, not between them (2026-12-06: one node lost).
 #
@@ -66,10 +69,31 @@ stage_run() {
 # sampled every second beside it (smi.csv), each point's summary and trainer log copied back.
 # LADDER_POINTS (default 4096:2048) and LADDER_FAMILIES (default dflash) pick the rung; LADDER_ARGS
 # adds recipe overrides (e.g. "engine.regenerate_replicas=1").
+# Two 8-second py-spy records (raw) of the rung's trainer, 20 s and 150 s after its first step:
+# its live pass and its replay, without a caller polling for them. Needs $HPC/pyspy (a py-spy wheel
+# carried in .prof/, installed by `start`).
+profile_trainer() {
+  local spy=$HPC/pyspy/bin/py-spy log="" pid="" at
+  for _ in $(seq 900); do
+    # shellcheck disable=SC2012  # the newest run's log; these paths hold no odd characters
+    log=$(ls -t runs/acceptance/*/*/logs/trainer0.log 2>/dev/null | head -n 1)
+    pid=$(pgrep -f "hpctoolkit.roles trainer" | head -n 1)
+    [ -n "$pid" ] && [ -n "$log" ] && grep -qs "hpctoolkit.trainer\] step" "$log" && break
+    sleep 2
+  done
+  [ -n "$pid" ] || return 0
+  for at in 20 150; do
+    sleep $((at == 20 ? 20 : 122))
+    "$spy" record --pid "$pid" -d 8 -r 100 -f raw -o "$res/trainer-at$at.raw" > /dev/null 2>&1 || return 0
+    grep -s "hpctoolkit.trainer\] step" "$log" | tail -n 1 > "$res/trainer-at$at.step"
+  done
+}
+
 stage_ladder() {
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 1 \
     > "$res/smi.csv" 2>&1 &
   local smi=$!
+  [ -x "$HPC/pyspy/bin/py-spy" ] && profile_trainer &
   local extra
   read -r -a extra <<< "${LADDER_ARGS:-}"
   timeout -k 20 1500 "$py" benchmarks/acceptance.py --ladder --points "${LADDER_POINTS:-4096:2048}" \
@@ -253,6 +277,9 @@ case ${1:-} in
         "$here/dist/snapshot.tar" > "$HPC/repo/.commit"
     else
       cp -a "$here/." "$HPC/repo/"
+    fi
+    if compgen -G "$here/.prof/py_spy-*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --target "$HPC/pyspy" "$here"/.prof/py_spy-*.whl
     fi
     setsid nohup "$0" _run "$@" > "$res/driver.log" 2>&1 < /dev/null &
     echo "started: $*";;
