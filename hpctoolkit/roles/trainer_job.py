@@ -152,6 +152,7 @@ def _live_source(ctx: NodeContext, rank0: bool) -> tuple[Any, Any, tuple[str, ..
         # Two batches fetched and checked ahead of the step that takes them: the host reads the
         # next batch whole while the GPU trains on this one (`benchmarks/trainer_input.py`).
         read_ahead=max(8, 2 * cfg.training.batch_size),
+        seed=cfg.training.seed,
     )
     return counted, source, prefixes, metrics
 

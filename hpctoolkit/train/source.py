@@ -51,13 +51,19 @@ def _open_shards(path: Path, rank: int, world_size: int, epoch: int, skip: int, 
         raise ConfigError(
             f"offline shards {path} hold {n} samples, fewer than training.world_size={world_size}"
         )
-    if epoch == 0:
-        order = list(range(n))
-    else:
-        g = torch.Generator().manual_seed(seed * 7919 + epoch)
-        order = torch.randperm(n, generator=g).tolist()
-    mine = order[rank::world_size]
+    mine = epoch_order(n, seed, epoch)[rank::world_size]
     yield from _read_shards(reader, mine[skip:], workers=2, depth=8, name=f"shards-rank{rank}")
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order `n` stored samples are read in at `epoch`: as stored in the first pass (epoch 0),
+    then a permutation drawn from the training seed and the epoch, so that no two epochs train on
+    the same batches in the same order. The same on every attempt, so a resume's `skip` lands on
+    the sample it stopped at."""
+    if epoch == 0:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 7919 + epoch)
+    return torch.randperm(n, generator=g).tolist()
 
 
 def _read_shards(
@@ -217,7 +223,7 @@ class LiveSource:
       every sample handed out so far durable, so a resume cuts the spool to exactly the samples
       its checkpoint trained on;
     - the read record is rewritten at most once a second (`data.spool.ThrottledRecord`);
-    - the replay reads ahead the same way.
+    - the replay reads ahead the same way, each epoch in an order of its own (`epoch_order`).
     Host memory beyond the batch being trained: up to `read_ahead` fetched samples, up to
     `spool_queue` samples waiting for the spool's thread, and up to `spool_shard_bytes` (plus one
     sample) of the shard being filled; with the defaults and SmolLM2's longest samples (about
@@ -240,6 +246,8 @@ class LiveSource:
     device: str | None = None
     read_ahead: int = 8
     fetch_workers: int = 4
+    # The training seed: each replayed epoch reads the spool in its own order (`epoch_order`).
+    seed: int = 0
     spool_shard_bytes: int = 256 << 20
     spool_queue: int = 16
     # This process's spool writer while a first pass runs (never pickled: each rank opens its own).
@@ -262,7 +270,7 @@ class LiveSource:
     def __call__(self, rank: int, world_size: int, epoch: int, skip: int) -> Iterator[Any]:
         if epoch > 0:
             if self.spools and (self.epochs == 0 or epoch < self.epochs):
-                yield from self._replay(rank, skip)
+                yield from self._replay(rank, epoch, skip)
             return
         # A resumed first pass: the store holds only what the checkpoint did not train on (the
         # engines capture those prompts again); the spool keeps the `skip` samples it did.
@@ -372,14 +380,16 @@ class LiveSource:
             finally:
                 record.close()
 
-    def _replay(self, rank: int, skip: int) -> Iterator[Any]:
+    def _replay(self, rank: int, epoch: int, skip: int) -> Iterator[Any]:
         record = self.read_record(rank)
         if not record.exists() or not json.loads(record.read_text()).get("complete"):
             return  # the first pass did not finish: nothing complete to replay
         reader = ShardReader(self.spool.shards(rank))
         yield from _read_shards(
             reader,
-            range(skip, len(reader)),
+            # Until 2026-12-08 every epoch replayed the spool as written: the same batches, in
+            # the same order, epoch after epoch (offline shards were already shuffled).
+            epoch_order(len(reader), self.seed, epoch)[skip:],
             workers=self.fetch_workers,
             depth=self.read_ahead,
             name=f"replay-rank{rank}",

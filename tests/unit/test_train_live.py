@@ -16,7 +16,7 @@ from hpctoolkit.recipe.schema import RecipeConfig
 from hpctoolkit.store import fragments
 from hpctoolkit.store.memory import MemoryStore
 from hpctoolkit.train.run import train
-from hpctoolkit.train.source import LiveSource, ManifestQueues
+from hpctoolkit.train.source import LiveSource, ManifestQueues, epoch_order
 
 pytestmark = pytest.mark.timeout(180)
 NUM_LAYERS = 6
@@ -69,7 +69,8 @@ def test_ranks_split_all_engines_samples_and_spool_them(tmp_path):
     for r in range(2):
         rec = json.loads(src.read_record(r).read_text())
         assert rec["samples"] == 3 and rec["complete"] and rec["bytes"] > 0
-        assert [s.key for s in src(r, 2, 1, 1)] == got[r][1:]  # replayed from the spool
+        # Replayed from the spool, in epoch 1's order, after the one sample a resume skips.
+        assert [s.key for s in src(r, 2, 1, 1)] == [got[r][i] for i in epoch_order(3, 0, 1)][1:]
     with pytest.raises(ConfigError, match="cannot resume"):
         list(src(0, 2, 0, 1))
 
@@ -86,8 +87,28 @@ def test_a_resumed_first_pass_keeps_what_its_checkpoint_trained_and_spools_the_r
     assert [s.key for s in again(0, 1, 0, 1)] == ["job9r1-e0-s1", "job9r1-e0-s2"]
     rec = json.loads(again.read_record(0).read_text())
     assert rec["samples"] == 3 and rec["complete"]
-    assert [s.key for s in again(0, 1, 1, 0)] == ["job9-e0-s0", "job9r1-e0-s1", "job9r1-e0-s2"]
+    spooled = ["job9-e0-s0", "job9r1-e0-s1", "job9r1-e0-s2"]
+    assert [s.key for s in again(0, 1, 1, 0)] == [spooled[i] for i in epoch_order(3, 0, 1)]
     assert store.keys() == []
+
+
+def test_each_replayed_epoch_reads_the_spool_in_its_own_order_the_same_on_every_attempt(tmp_path):
+    """Epochs >= 1 are permutations of the spool drawn from (seed, epoch): no two epochs repeat
+    the same batches, a second reader (a resumed attempt) sees the same order, and a resume's
+    `skip` continues the epoch where it stopped."""
+    store = MemoryStore()
+    prefixes = _publish(store, tmp_path, engines=1, per_engine=12)
+    src = _source(store, tmp_path, prefixes, [12])
+    spooled = [s.key for s in src(0, 1, 0, 0)]
+    epochs = {e: [s.key for s in src(0, 1, e, 0)] for e in (1, 2, 3)}
+    for e, keys in epochs.items():
+        assert sorted(keys) == sorted(spooled)  # every sample once
+        assert keys == [spooled[i] for i in epoch_order(12, 0, e)]
+    assert len({tuple(k) for k in epochs.values()} | {tuple(spooled)}) == 4  # four orders
+    assert [s.key for s in src(0, 1, 2, 5)] == epochs[2][5:]  # a resume mid-epoch
+    src.seed = 7  # another training seed, other orders
+    assert [s.key for s in src(0, 1, 1, 0)] != epochs[1]
+    assert epoch_order(5, 3, 0) == [0, 1, 2, 3, 4]  # the first pass: as captured
 
 
 def test_training_longer_than_one_pass_replays_the_spool(tmp_path, monkeypatch):
