@@ -151,7 +151,7 @@ stage_serve() {
   local export_dir=${SERVE_EXPORT:-}
   if [ -z "$export_dir" ]; then
     # shellcheck disable=SC2012  # the newest by time, and these paths hold no odd characters
-    export_dir=$(ls -td runs/acceptance/*/latest/export runs/local_gpu/*/export 2>/dev/null | head -n 1)
+    export_dir=$(ls -td runs/acceptance/*/latest/train/export runs/local_gpu/*/train/export 2>/dev/null | head -n 1)
   fi
   [ -n "$export_dir" ] || { echo "no export under runs/acceptance or runs/local_gpu: no draft to serve"; return 1; }
   echo "serving $export_dir"

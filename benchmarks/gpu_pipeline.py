@@ -318,13 +318,14 @@ def child_serve(a: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     llm = LLM(
         model=_target(), dtype="bfloat16", max_model_len=2048, max_num_seqs=64, seed=0,
-        gpu_memory_utilization=0.4, speculative_config=spec,
+        gpu_memory_utilization=0.4, speculative_config=spec, disable_log_stats=False,
     )  # fmt: skip
     start = time.monotonic() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _mt_bench_prompts()]
     params = SamplingParams(max_tokens=a["tokens"], temperature=0.0, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     out: dict[str, Any] = {**a, "engine_start_s": start}
+    before = _spec_counters(llm) if spec else {}
     t1 = time.monotonic()
     toks = sum(
         len(o.outputs[0].token_ids)
@@ -332,10 +333,33 @@ def child_serve(a: dict[str, Any]) -> dict[str, Any]:
         for o in llm.generate([p], params, use_tqdm=False)
     )
     out["batch1_tokens_per_s"] = toks / (time.monotonic() - t1)
+    mid = _spec_counters(llm) if spec else {}
     t2 = time.monotonic()
     outs = llm.generate(prompts[:32], params, use_tqdm=False)
     out["batch32_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t2)
+    if spec:
+        # The acceptance length each arm was served at (vLLM's counters, this arm's requests alone).
+        out["batch1_tau"] = _tau(before, mid, a["k"])
+        out["batch32_tau"] = _tau(mid, _spec_counters(llm), a["k"])
     return out
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    from hpctoolkit.evaluate.serve import _metric_values
+
+    return _metric_values(llm.get_metrics())
+
+
+def _tau(before: dict[str, Any], after: dict[str, Any], k: int) -> float:
+    from hpctoolkit.evaluate.serve import acceptance_from_counters
+
+    delta = {
+        name: [x - y for x, y in zip(v, before.get(name, [0] * len(v)), strict=True)]
+        if isinstance(v, list)
+        else v - before.get(name, 0)
+        for name, v in after.items()
+    }
+    return float(acceptance_from_counters(delta, k)["acceptance_length_incl_bonus"])
 
 
 CHILDREN = {"regen": child_regen, "prefill": child_prefill, "serve": child_serve}
@@ -462,9 +486,12 @@ def part_serve(ns: argparse.Namespace) -> dict[str, Any]:
     plain = _child("serve", {**base, "export": ""})
     spec = _child("serve", {**base, "export": str(Path(ns.export).resolve())})
     for b in ("batch1", "batch32"):
-        x, y = plain[f"{b}_tokens_per_s"], spec[f"{b}_tokens_per_s"]
-        print(f"serve {b}: target alone {x:.0f} tokens/s, with the draft (k={ns.k}) {y:.0f} tokens/s: "
-              f"speed-up {y / x:.2f}x", flush=True)  # fmt: skip
+        x, y, tau = plain[f"{b}_tokens_per_s"], spec[f"{b}_tokens_per_s"], spec[f"{b}_tau"]
+        # Tokens a second grow with the acceptance length at fixed step costs (a verify step and k
+        # draft steps yield tau tokens), so the draft pays for itself from tau * alone / with.
+        spec[f"{b}_break_even_tau"] = tau * x / y
+        print(f"serve {b}: target alone {x:.0f} tokens/s, with the draft (k={ns.k}) {y:.0f} tokens/s at "
+              f"tau {tau:.2f}: speed-up {y / x:.2f}x; it breaks even at tau {tau * x / y:.2f}", flush=True)  # fmt: skip
     return {"plain": plain, "draft": spec}
 
 
