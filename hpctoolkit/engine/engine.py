@@ -400,7 +400,7 @@ class CaptureEngine:
         for p in alive + trackers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-        psutil.wait_procs(alive, timeout=5)
+        psutil.wait_procs(alive + trackers, timeout=5)  # reaped, so no caller sees them
 
     @property
     def engine_pids(self) -> list[int]:
