@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctoolkit.capture import Manifest, capture_ids_for, check_layer_layout
 from hpctoolkit.engine.config import EngineConfig
@@ -37,6 +37,9 @@ from hpctoolkit.engine.kwargs import (
 from hpctoolkit.engine.prefill import GROUP_PARAM, prefill_groups
 from hpctoolkit.errors import ConfigError, DataIntegrityError, StoreError
 from hpctoolkit.targets.resolve import target_num_layers
+
+if TYPE_CHECKING:
+    import psutil
 
 
 class CaptureEngine:
@@ -382,17 +385,22 @@ class CaptureEngine:
             return
         self._note_engine_procs()  # anything started since `shutdown` began
         ours = [p for p in self._engine_procs.values() if p.is_running()]
-        _, alive = psutil.wait_procs(ours, timeout=min(timeout_s, 2.0))
-        for p in alive:
+        # multiprocessing's resource tracker ignores SIGTERM and lives until every holder of its
+        # pipe has exited, this process included: waiting for it, or terminating it, only took
+        # 7 s of every multiprocess engine's shutdown before it was killed anyway.
+        trackers = [p for p in ours if _is_resource_tracker(p)]
+        _, alive = psutil.wait_procs([p for p in ours if p not in trackers], timeout=min(timeout_s, 2.0))
+        for p in alive + trackers:
             with contextlib.suppress(psutil.Error):
                 self.reaped.append(" ".join(p.cmdline()[:3]) or p.name())
+        for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.terminate()
         _, alive = psutil.wait_procs(alive, timeout=5)
-        for p in alive:
+        for p in alive + trackers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-        psutil.wait_procs(alive, timeout=5)
+        psutil.wait_procs(alive + trackers, timeout=5)  # reaped, so no caller sees them
 
     @property
     def engine_pids(self) -> list[int]:
@@ -404,6 +412,16 @@ class CaptureEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """Whether `proc` is a multiprocessing resource tracker (`python -c 'from
+    multiprocessing.resource_tracker import main;main(FD)'`)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return any("multiprocessing.resource_tracker" in arg for arg in proc.cmdline())
+    return False
 
 
 def _check_reachable(address: str, store_d: dict[str, Any], check: str | None) -> None:

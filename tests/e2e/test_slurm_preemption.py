@@ -538,22 +538,24 @@ def _read(path: Path):
 # Time-limit variant: Slurm sends SIGUSR2 `signal_before_s` before the 3-minute limit (its check
 # runs every ~30 s: with a 2-minute limit it came 40-45 s in, before a loaded machine started
 # training), while the trainer is mid-way through its steps. The first attempt's steps are paced
-# to at least MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 3000 take at least 180 s on any
+# to at least MIN_STEP_S each (`HPCTOOLKIT_MIN_STEP_S`), so the 300 take at least 180 s on any
 # machine: a 2-core AVX2 machine trained about 22 steps a second once the engine was up (~50 s), a
-# 2-core AMX one 100 a second (unpaced, all 3000 were done in 39 s, before the signal). The
-# requeued attempt runs unpaced (the hook paces a job's first attempt only).
+# 2-core AMX one 100 a second. Few slow steps rather than many fast ones: the requeued attempt runs
+# unpaced (the hook paces a job's first attempt only) and captures and trains what is left, which
+# at 3000 steps of 0.06 s was some 1500 prompts (110 s on the AMX machine, most of the test's 618 s
+# on the AVX2 one).
 # While the requeued job waits, the test raises its time limit (as an operator would with
 # `scontrol update`; the roles read the limit at start), so the resumed attempt trains to the same
 # final step as an uninterrupted run.
 TIME_LIMIT = [
-    "data.num_samples=3000",
-    "training.steps=3000",
+    "data.num_samples=300",
+    "training.steps=300",
     "cluster.time=00:03:00",
     "cluster.signal_before_s=60",
 ]
-# The resumed attempt's limit, minutes: engine start plus up to ~3000 steps on a loaded machine.
+# The resumed attempt's limit, minutes: engine start plus up to ~300 steps on a loaded machine.
 RESUMED_LIMIT_MIN = 15
-MIN_STEP_S = 0.06
+MIN_STEP_S = 0.6
 
 
 def test_time_limit_checkpoints_requeues_and_resumes_to_the_final_step(slurm_cluster, tmp_path):
