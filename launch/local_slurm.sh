@@ -286,7 +286,9 @@ printf 'AutoDetect=off\nNodeName=%s[1-%d] Name=gpu File=%s/fakegpu/nvidia[0-%d]\
 
 # Accounting: mariadb (the host's service) and our slurmdbd.
 if ! mysqladmin ping >/dev/null 2>&1; then
-  /etc/init.d/mariadb start >/dev/null
+  # Its temporary files go to /var/tmp: on a machine whose /tmp is not world-writable (seen here
+  # 2026-12-08, mode 700) mariadb, running as mysql, could not start, and sacct hung the waits.
+  TMPDIR=/var/tmp /etc/init.d/mariadb start --tmpdir=/var/tmp >/dev/null
   wait_for 30 mysqladmin ping || die "mariadb did not come up"
 fi
 if [[ $RESET == 1 ]]; then mysql -uroot -e "DROP DATABASE IF EXISTS hpctoolkit_slurm_acct;"; fi
