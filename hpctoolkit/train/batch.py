@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hpctoolkit.errors import DataIntegrityError
-from hpctoolkit.models.common.batch import Batch, PackedHidden
+from hpctoolkit.models.common.batch import Batch, PackedHidden, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,8 @@ class _Hidden:
     def put(self, b: int, n: int, aux: torch.Tensor, last: torch.Tensor) -> None:
         """Sample `b`'s first `n` rows."""
         if self.packed is None:
-            # [n_aux, T, H] layer-major -> [T, n_aux * H] position-major, layer order kept.
-            self.context[b, :n].view(n, aux.shape[0], aux.shape[-1]).copy_(aux[:, :n].transpose(0, 1))
-            self.last[b, :n] = last[:n]
+            B, S, _ = self.context.shape
+            pad_rows(self.context.view(B, S, aux.shape[0], aux.shape[-1]), self.last, b, aux[:, :n], last[:n])
             return
         self.packed.aux_LTH[:, self._at : self._at + n].copy_(aux[:, :n])
         self.packed.last_TH[self._at : self._at + n].copy_(last[:n])

@@ -1,4 +1,4 @@
-# ruff: noqa: N802, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
+# ruff: noqa: N802, N803, N806, N815  -- shape-suffixed tensor names (hidden_BSH), per STYLE.md
 """`Batch`: one padded training batch, what a family's trainer hooks read (`common.trainer`).
 
 It lives here, beside the hooks that read it, rather than with the collation that builds it
@@ -32,6 +32,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+def pad_rows(
+    context_BSLH: torch.Tensor, last_BSH: torch.Tensor, b: int, aux_LnH: torch.Tensor, last_nH: torch.Tensor
+) -> None:
+    """Sample `b`'s `n` rows into padded tensors: `[n_aux, n, H]` layer-major becomes position-major
+    with the layers in order (one strided copy, and cast, with no temporary), the last state beside."""
+    n = aux_LnH.shape[1]
+    context_BSLH[b, :n].copy_(aux_LnH.transpose(0, 1))
+    last_BSH[b, :n].copy_(last_nH)
+
+
 @dataclass
 class PackedHidden:
     """A batch's hidden states as the host collates them for a device: the samples' real rows only.
@@ -63,9 +73,7 @@ class PackedHidden:
         last = torch.zeros(B, seq_len, self.last_TH.shape[-1], dtype=dtype or self.last_TH.dtype, device=dev)
         start = 0
         for b, n in enumerate(self.lengths):
-            # [n_aux, n, H] -> [n, n_aux, H]: one strided copy (and cast) per sample, no temporary.
-            context[b, :n].copy_(self.aux_LTH[:, start : start + n].transpose(0, 1))
-            last[b, :n].copy_(self.last_TH[start : start + n])
+            pad_rows(context, last, b, self.aux_LTH[:, start : start + n], self.last_TH[start : start + n])
             start += n
         return context.view(B, seq_len, n_aux * H), last
 
