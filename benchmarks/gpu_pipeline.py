@@ -351,15 +351,9 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
 
 
 def _tau(before: dict[str, Any], after: dict[str, Any], k: int) -> float:
-    from hpctoolkit.evaluate.serve import acceptance_from_counters
+    from hpctoolkit.evaluate.serve import acceptance_from_counters, counter_delta
 
-    delta = {
-        name: [x - y for x, y in zip(v, before.get(name, [0] * len(v)), strict=True)]
-        if isinstance(v, list)
-        else v - before.get(name, 0)
-        for name, v in after.items()
-    }
-    return float(acceptance_from_counters(delta, k)["acceptance_length_incl_bonus"])
+    return float(acceptance_from_counters(counter_delta(after, before), k)["acceptance_length_incl_bonus"])
 
 
 CHILDREN = {"regen": child_regen, "prefill": child_prefill, "serve": child_serve}
